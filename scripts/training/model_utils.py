@@ -1,0 +1,292 @@
+"""Model loading and LoRA setup shared by every run_* script: dtype, bitsandbytes k-bit
+quantization (QLoRA), attention implementation, vocabulary resize with mean-initialised rows,
+a new or continued peft LoRA adapter, and DeepSpeed's communication set-up for ZeRO-3."""
+
+import json
+import logging
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from training_utils import InputError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_LORA_TARGETS = "q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj"
+
+
+@dataclass
+class ModelArguments:
+    """Which model to load and how to make it trainable (names follow Chinese-LLaMA-Alpaca-2)."""
+
+    model_name_or_path: str = field(metadata={"help": "Base model directory (HF format, safetensors)."})
+    tokenizer_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer directory, if not the model's (e.g. an extended vocabulary)."}
+    )
+    torch_dtype: str = field(
+        default="auto",
+        metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)},
+    )
+    load_in_kbits: int = field(
+        default=16, metadata={"help": "4 or 8: quantize the base with bitsandbytes (QLoRA); 16: no.", "choices": [4, 8, 16]}
+    )
+    quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["nf4", "fp4"]})
+    double_quant: bool = field(default=True, metadata={"help": "Quantize the 4-bit quantization constants too."})
+    attn_implementation: Optional[str] = field(
+        default=None, metadata={"help": "eager, sdpa, flash_attention_2, ...; default: transformers' choice."}
+    )
+    trainable: str = field(default=DEFAULT_LORA_TARGETS, metadata={"help": "LoRA target modules, comma list."})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    modules_to_save: Optional[str] = field(
+        default=None,
+        metadata={"help": "Modules trained in full and saved with the adapter, comma list (e.g. embed_tokens,lm_head)."},
+    )
+    peft_path: Optional[str] = field(default=None, metadata={"help": "An existing adapter to continue training."})
+    full_finetuning: bool = field(default=False, metadata={"help": "Train every weight; no LoRA."})
+
+
+def comma_list(value: Optional[str]) -> list:
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
+def load_tokenizer(model_args: ModelArguments):
+    path = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+    if not os.path.isdir(path):
+        raise InputError(f"{path}: tokenizer directory does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise InputError(f"{path}: cannot load a tokenizer from this directory ({err})") from None
+
+
+def load_model_config(model_args: ModelArguments):
+    path = model_args.model_name_or_path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise InputError(f"{path}: --model_name_or_path is not a model directory (no config.json)")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise InputError(f"{path}/config.json: cannot read the model config ({err})") from None
+
+
+def read_adapter_config(peft_path: str) -> dict:
+    config_path = os.path.join(peft_path, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise InputError(f"{peft_path}: --peft_path is not a LoRA adapter (no adapter_config.json)")
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{config_path}: not valid JSON ({err})") from None
+
+
+def check_model_inputs(model_args: ModelArguments, config, tokenizer) -> None:
+    """Refuse, before any weight is loaded, combinations that would train silently wrong."""
+    if model_args.full_finetuning and model_args.load_in_kbits in (4, 8):
+        raise InputError("--full_finetuning cannot train a --load_in_kbits quantized model; use LoRA (QLoRA)")
+    if model_args.peft_path:
+        adapter = read_adapter_config(model_args.peft_path)
+        saved_to = adapter.get("modules_to_save") or []
+    else:
+        saved_to = comma_list(model_args.modules_to_save)
+    rows = getattr(config, "vocab_size", None)
+    if rows is not None and len(tokenizer) > rows and not model_args.full_finetuning:
+        tied = getattr(config, "tie_word_embeddings", False)
+        needed = ["embed_tokens"] if tied else ["embed_tokens", "lm_head"]
+        missing = [name for name in needed if name not in saved_to]
+        if missing:
+            raise InputError(
+                f"tokenizer has {len(tokenizer)} tokens but the model's embeddings have {rows} rows: "
+                f"the new rows would never be trained; add --modules_to_save {','.join(needed)} "
+                "(or use --full_finetuning)"
+            )
+
+
+def init_deepspeed_distributed(training_args) -> None:
+    """Initialise DeepSpeed's own communication layer before the model is built.
+
+    With ZeRO-3, from_pretrained builds the model under deepspeed.zero.Init, which reads the
+    world size from DeepSpeed's comm layer. On GPU accelerate initialises it; on CPU nothing
+    does, so zero.Init sees one process and the batch-size check fails. Initialising it here,
+    over the process group torchrun set up, fixes that on every device."""
+    if not training_args.deepspeed:
+        return
+    import deepspeed
+
+    use_gpu = torch.cuda.is_available() and not training_args.use_cpu
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+
+
+@contextmanager
+def gathered_for_update(params):
+    """Gather ZeRO-3 partitioned parameters so rank 0 can modify them (no-op otherwise)."""
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params), modifier_rank=0):
+            yield
+    else:
+        yield
+
+
+def embedding_rows(model) -> int:
+    """Rows of the input embedding; a ZeRO-3 partitioned weight reports shape 0, ds_shape is real."""
+    weight = model.get_input_embeddings().weight
+    return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
+
+
+def resize_embeddings_with_mean(model, new_size: int) -> None:
+    """Grow the vocabulary; new rows start at the mean of the old ones, so new tokens begin as
+    an 'average' token instead of random noise that would swamp the first steps."""
+    old_size = embedding_rows(model)
+    model.resize_token_embeddings(new_size, mean_resizing=False)
+    embeddings = [model.get_input_embeddings()]
+    output = model.get_output_embeddings()
+    if output is not None and output.weight is not embeddings[0].weight:
+        embeddings.append(output)
+    for module in embeddings:
+        with gathered_for_update([module.weight]), torch.no_grad():
+            weight = module.weight
+            weight[old_size:] = weight[:old_size].mean(dim=0, keepdim=True).to(weight.dtype)
+    logger.info("resized embeddings %d -> %d rows, new rows = mean of the old ones", old_size, new_size)
+
+
+def quantization_config(model_args: ModelArguments, compute_dtype):
+    if model_args.load_in_kbits == 4:
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=model_args.quant_type,
+            bnb_4bit_use_double_quant=model_args.double_quant,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    if model_args.load_in_kbits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def compute_dtype_for(model_args: ModelArguments, training_args):
+    dtype = DTYPES[model_args.torch_dtype]
+    if dtype != "auto":
+        return dtype
+    if training_args.bf16:
+        return torch.bfloat16
+    if training_args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def load_model(model_args: ModelArguments, training_args, tokenizer):
+    """Load the causal LM and make it trainable: LoRA via peft (new or --peft_path), QLoRA via
+    bitsandbytes, or --full_finetuning."""
+    config = load_model_config(model_args)
+    check_model_inputs(model_args, config, tokenizer)
+    init_deepspeed_distributed(training_args)
+    if model_args.load_in_kbits in (4, 8) and is_deepspeed_zero3_enabled():
+        raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
+
+    dtype = DTYPES[model_args.torch_dtype]
+    quant = quantization_config(model_args, compute_dtype_for(model_args, training_args))
+    load_kwargs = {"config": config, "dtype": dtype}
+    if model_args.attn_implementation:
+        load_kwargs["attn_implementation"] = model_args.attn_implementation
+    if quant is not None:
+        load_kwargs["quantization_config"] = quant
+        if torch.cuda.is_available() and not training_args.use_cpu:
+            # Quantized weights must land on this rank's own GPU, not all on GPU 0.
+            load_kwargs["device_map"] = {"": training_args.local_process_index}
+    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **load_kwargs)
+    # Padding and generation need a pad id; EOS doubles as it (masks come from the tokenizer).
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+    if len(tokenizer) > embedding_rows(model):
+        resize_embeddings_with_mean(model, len(tokenizer))
+
+    checkpointing = bool(training_args.activation_checkpointing)
+    if quant is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+    if model_args.full_finetuning:
+        log_trainable(model)
+        return model
+
+    model = attach_lora(model, model_args)
+    if checkpointing:
+        # Frozen embeddings give checkpointed blocks inputs without grad; this keeps LoRA's grads flowing.
+        model.enable_input_require_grads()
+    log_trainable(model)
+    return model
+
+
+def attach_lora(model, model_args: ModelArguments):
+    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+
+    if model_args.peft_path:
+        logger.info("continuing LoRA adapter %s", model_args.peft_path)
+        try:
+            return PeftModel.from_pretrained(model, model_args.peft_path, is_trainable=True)
+        except RuntimeError as err:
+            if "size mismatch" in str(err):
+                first = str(err).split("size mismatch", 1)[1].split("\n", 1)[0]
+                raise InputError(
+                    f"{model_args.peft_path}: adapter does not fit this base model (size mismatch{first})"
+                ) from None
+            raise
+    targets = comma_list(model_args.trainable)
+    if not targets:
+        raise InputError("--trainable must name at least one module for LoRA (or use --full_finetuning)")
+    modules_to_save = comma_list(model_args.modules_to_save) or None
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # A tied model keeps one matrix for embed_tokens and lm_head; training two separate copies
+    # would untie them and change what the merged model means.
+    ensure_tying = tied and bool(modules_to_save) and bool({"embed_tokens", "lm_head"} & set(modules_to_save))
+    lora_config = LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        target_modules=targets,
+        r=model_args.lora_rank,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        modules_to_save=modules_to_save,
+        ensure_weight_tying=ensure_tying,
+    )
+    try:
+        return get_peft_model(model, lora_config)
+    except ValueError as err:
+        raise InputError(f"--trainable {model_args.trainable}: {err}") from None
+
+
+def log_trainable(model) -> None:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100.0 * trainable / max(total, 1))
+
+
+def trainable_parameters(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def is_zero3_partitioned(model) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextmanager
+def gathered_trainable(model):
+    """Full copies of the trainable (adapter) weights on every rank while saving under ZeRO-3;
+    the frozen base stays partitioned. Collective: every rank must enter."""
+    if is_zero3_partitioned(model):
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters(trainable_parameters(model), modifier_rank=None)
+    else:
+        context = nullcontext()
+    with context:
+        yield

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Continued pretraining of a LLaMA-family model with LoRA (optionally with trainable, resized
+embeddings for an extended vocabulary), on every *.txt / *.jsonl file in --dataset_dir.
+
+    torchrun --nproc_per_node 8 scripts/training/run_clm_pt_with_peft.py \
+        --model_name_or_path BASE --dataset_dir DATA --data_cache_dir CACHE --block_size 1024 \
+        --output_dir OUT --do_train --deepspeed ds_configs/ds_zero2_no_offload.json ...
+
+Writes checkpoint-N/ (resumable, with checkpoint-N/pt_lora_model) and OUT/pt_lora_model/.
+"""
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import datasets  # noqa: E402
+from transformers import Trainer, set_seed  # noqa: E402
+
+from build_dataset import (  # noqa: E402
+    DataCollatorForPretraining,
+    SavePeftModelCallback,
+    build_pretraining_blocks,
+    split_validation,
+)
+from model_utils import ModelArguments, check_model_inputs, load_model, load_model_config, load_tokenizer  # noqa: E402
+from training_utils import (  # noqa: E402
+    InputError,
+    ToolkitTrainingArguments,
+    add_perplexity,
+    argmax_logits_for_metrics,
+    finish_run,
+    next_token_accuracy,
+    parse_args,
+    resolve_resume_checkpoint,
+    run_cli,
+    setup_logging,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataArguments:
+    dataset_dir: Optional[str] = field(
+        default=None, metadata={"help": "Directory of *.txt (one document a line) and *.jsonl (field 'text') files."}
+    )
+    data_cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "Where tokenized blocks are cached (default: the datasets cache)."}
+    )
+    block_size: Optional[int] = field(
+        default=None, metadata={"help": "Tokens per training block (default: min(1024, model's max positions))."}
+    )
+    validation_split_percentage: float = field(
+        default=0.05, metadata={"help": "Held-out share of blocks for eval: a fraction if < 1, else a percentage."}
+    )
+    preprocessing_num_workers: int = field(default=1, metadata={"help": "Processes used to tokenize."})
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train blocks."})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval blocks."})
+
+
+class PretrainingTrainer(Trainer):
+    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end."""
+
+    def log(self, logs, *args, **kwargs):
+        add_perplexity(logs)
+        super().log(logs, *args, **kwargs)
+
+
+def resolve_block_size(requested: Optional[int], config) -> int:
+    max_positions = getattr(config, "max_position_embeddings", None) or 1024
+    if requested is None:
+        return min(1024, max_positions)
+    if requested < 2:
+        raise InputError(f"--block_size must be at least 2, got {requested}")
+    if requested > max_positions:
+        raise InputError(f"--block_size {requested} exceeds the model's max_position_embeddings {max_positions} (config.json)")
+    return requested
+
+
+def main():
+    model_args, data_args, training_args = parse_args((ModelArguments, DataArguments, ToolkitTrainingArguments))
+    setup_logging(training_args)
+
+    # Everything that can be refused is checked before anything is written.
+    resume_checkpoint = resolve_resume_checkpoint(training_args)
+    tokenizer = load_tokenizer(model_args)
+    config = load_model_config(model_args)
+    check_model_inputs(model_args, config, tokenizer)
+    block_size = resolve_block_size(data_args.block_size, config)
+    set_seed(training_args.seed)
+
+    cache_dir = data_args.data_cache_dir or os.path.join(datasets.config.HF_DATASETS_CACHE, "llama_lora_toolkit")
+    with training_args.main_process_first(desc="tokenize and group the pretraining data"):
+        blocks = build_pretraining_blocks(
+            data_args.dataset_dir, tokenizer, block_size, cache_dir, data_args.preprocessing_num_workers
+        )
+    train_dataset, eval_dataset = split_validation(blocks, data_args.validation_split_percentage, training_args.seed)
+    if data_args.max_train_samples is not None:
+        train_dataset = train_dataset.select(range(min(data_args.max_train_samples, len(train_dataset))))
+    if eval_dataset is not None and data_args.max_eval_samples is not None:
+        eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
+    logger.info("train blocks: %d, eval blocks: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
+
+    model = load_model(model_args, training_args, tokenizer)
+    trainer = PretrainingTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForPretraining(),
+        compute_metrics=next_token_accuracy if eval_dataset is not None else None,
+        preprocess_logits_for_metrics=argmax_logits_for_metrics if eval_dataset is not None else None,
+        callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("pt_lora_model")],
+    )
+    train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
+    if model_args.full_finetuning:
+        trainer.save_model()
+    finish_run(trainer, train_result, eval_dataset, len(train_dataset))
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,204 @@
+"""What every run_* script shares around the Trainer: argument parsing (with the names that
+Chinese-LLaMA-Alpaca-2's shell scripts still pass), the bad-input contract (one line, exit 2),
+output-directory and resume rules, logging, next-token metrics and the run_clm-style results."""
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import transformers
+from transformers import HfArgumentParser, TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+
+class InputError(Exception):
+    """Bad input from the user: reported as one line naming file, line and field, exit status 2."""
+
+
+def run_cli(main: Callable[[], None]) -> None:
+    """Run a script's main(); turn an InputError into one clear line on stderr and exit 2."""
+    try:
+        main()
+    except InputError as err:
+        message = " ".join(str(err).split())  # one line, whatever the message's origin
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+@dataclass
+class ToolkitTrainingArguments(TrainingArguments):
+    """TrainingArguments plus the flags transformers 5 removed but users' existing shell scripts
+    (Chinese-LLaMA-Alpaca-2's run_pt.sh/run_sft.sh) still pass: each is mapped to its new form."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that is not empty, ignoring its checkpoints."},
+    )
+    evaluation_strategy: Optional[str] = field(
+        default=None, metadata={"help": "Old name of --eval_strategy (transformers 4)."}
+    )
+    warmup_ratio: Optional[float] = field(
+        default=None, metadata={"help": "Old form of a fractional --warmup_steps (transformers 4)."}
+    )
+    save_safetensors: Optional[bool] = field(
+        default=None, metadata={"help": "Accepted for old scripts; weights are always safetensors."}
+    )
+    group_by_length: bool = field(
+        default=False,
+        metadata={"help": "Old form of --train_sampling_strategy group_by_length (transformers 4)."},
+    )
+
+    def __post_init__(self):
+        # Logging is not configured yet; setup_logging() reports these notes on rank 0.
+        self.legacy_notes = []
+        if self.evaluation_strategy is not None:
+            self.eval_strategy = self.evaluation_strategy
+            self.legacy_notes.append(f"--evaluation_strategy {self.evaluation_strategy} -> --eval_strategy")
+        if self.warmup_ratio is not None:
+            if not 0 <= self.warmup_ratio < 1:
+                raise InputError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            self.warmup_steps = self.warmup_ratio
+            self.legacy_notes.append(f"--warmup_ratio {self.warmup_ratio} -> --warmup_steps {self.warmup_ratio}")
+        if self.save_safetensors is not None:
+            self.legacy_notes.append("--save_safetensors ignored: weights are always written as safetensors")
+        if self.group_by_length:
+            self.train_sampling_strategy = "group_by_length"
+            self.legacy_notes.append("--group_by_length -> --train_sampling_strategy group_by_length")
+        super().__post_init__()
+
+
+def parse_args(dataclass_types, argv=None):
+    """Parse the dataclasses from the command line, or from a single .json/.yaml file."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = HfArgumentParser(dataclass_types)
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        path = os.path.abspath(argv[0])
+        if not os.path.isfile(path):
+            raise InputError(f"{argv[0]}: argument file does not exist")
+        if path.endswith(".json"):
+            return parser.parse_json_file(path, allow_extra_keys=False)
+        return parser.parse_yaml_file(path, allow_extra_keys=False)
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def setup_logging(training_args: TrainingArguments) -> None:
+    """Our messages at INFO on the main process only; libraries at the Trainer's log level."""
+    is_main = training_args.should_log
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        level=logging.INFO if is_main else logging.WARNING,
+        stream=sys.stdout,
+        force=True,
+    )
+    level = training_args.get_process_log_level()
+    transformers.utils.logging.set_verbosity(level)
+    import datasets
+
+    datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
+    if not is_main:
+        datasets.disable_progress_bars()
+    for note in getattr(training_args, "legacy_notes", []):
+        logger.info("old flag mapped: %s", note)
+    logger.info(
+        "process %d of %d, device %s, distributed: %s",
+        training_args.process_index,
+        training_args.world_size,
+        training_args.device,
+        training_args.parallel_mode.value,
+    )
+
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def complete_checkpoints(output_dir: str) -> list:
+    """checkpoint-N directories holding trainer_state.json (the Trainer writes it after the
+    weights and optimizer), oldest first: a crash mid-save leaves one without it."""
+    found = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Optional[str]:
+    """Decide, before anything is written, where training starts.
+
+    An explicit --resume_from_checkpoint wins; otherwise the last complete checkpoint in
+    output_dir is resumed; a non-empty output_dir without one is refused unless
+    --overwrite_output_dir."""
+    output_dir = training_args.output_dir
+    requested = training_args.resume_from_checkpoint
+    if requested and requested.lower() not in ("true", "false"):
+        if not os.path.isfile(os.path.join(requested, "trainer_state.json")):
+            raise InputError(f"{requested}: --resume_from_checkpoint is not a complete checkpoint (no trainer_state.json)")
+        return requested
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir):
+        if requested and requested.lower() == "true":
+            raise InputError(f"{output_dir}: --resume_from_checkpoint true but output_dir holds no checkpoint")
+        return None
+    if training_args.overwrite_output_dir:
+        logger.info("%s is not empty: --overwrite_output_dir given, training from scratch", output_dir)
+        return None
+    checkpoints = complete_checkpoints(output_dir)
+    if checkpoints:
+        logger.info("resuming from %s (last complete checkpoint in output_dir)", checkpoints[-1])
+        return checkpoints[-1]
+    raise InputError(
+        f"{output_dir}: --output_dir is not empty and holds no complete checkpoint to resume; "
+        "pass --overwrite_output_dir to train into it anyway, or choose another directory"
+    )
+
+
+def argmax_logits_for_metrics(logits, labels):
+    """Keep only the predicted ids: accumulating full logits over an eval set costs vocab x more memory."""
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def next_token_accuracy(eval_prediction) -> dict:
+    """Accuracy of next-token prediction over positions that have a label."""
+    predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
+    predictions = np.asarray(predictions)[:, :-1]
+    labels = np.asarray(labels)[:, 1:]
+    mask = labels != -100
+    correct = (predictions == labels) & mask
+    return {"accuracy": float(correct.sum() / max(mask.sum(), 1))}
+
+
+def add_perplexity(metrics: dict, prefix: str = "eval") -> dict:
+    loss = metrics.get(f"{prefix}_loss")
+    if loss is not None:
+        metrics[f"{prefix}_perplexity"] = math.exp(loss) if loss < 50 else float("inf")
+    return metrics
+
+
+def finish_run(trainer, train_result, eval_dataset, num_train_samples: int) -> None:
+    """run_clm's closing convention, kept by every stage: train/eval/all_results.json and
+    trainer_state.json (with the loss history) in output_dir."""
+    metrics = dict(train_result.metrics)
+    metrics["train_samples"] = num_train_samples
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    if eval_dataset is not None:
+        eval_metrics = add_perplexity(trainer.evaluate())
+        eval_metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+
+
+def write_json(path: str, payload) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2, ensure_ascii=False)
