@@ -74,6 +74,27 @@ def tiny_tokenizer_dir(tmp_path_factory):
     return str(out)
 
 
+def pretrain_briefly(model, tokenizer, steps: int = 200, block: int = 32, batch: int = 8) -> None:
+    """A few seconds of full training on the generated corpus, so the fixture behaves like a
+    base model (a trained lm_head that LoRA can steer) rather than random weights, behind
+    whose near-uniform head LoRA alone learns almost nothing."""
+    import torch
+
+    ids = []
+    for line in generated_corpus(2000, seed=0):
+        ids += tokenizer(line)["input_ids"] + [tokenizer.eos_token_id]
+    data = torch.tensor(ids[: len(ids) // block * block]).view(-1, block)
+    generator = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        rows = data[torch.randint(len(data), (batch,), generator=generator)]
+        model(input_ids=rows, labels=rows).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     import torch
@@ -94,6 +115,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    pretrain_briefly(model, tokenizer)
     out = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
@@ -125,6 +147,14 @@ def pretrain_dir(tmp_path_factory):
     lines = repetitive_corpus(240)
     write_lines(root / "part1.txt", lines[:160])
     write_lines(root / "part2.jsonl", [json.dumps({"text": line}, ensure_ascii=False) for line in lines[160:]])
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def varied_pretrain_dir(tmp_path_factory):
+    """Random sentences: every block is distinct, so blocks identify the data a rank saw."""
+    root = tmp_path_factory.mktemp("pt_varied")
+    write_lines(root / "corpus.txt", generated_corpus(400, seed=5))
     return str(root)
 
 

@@ -249,7 +249,7 @@ def split_validation(blocks: Dataset, validation_split_percentage: float, seed: 
     if validation_split_percentage <= 0:
         return blocks, None
     fraction = validation_split_percentage / 100 if validation_split_percentage >= 1 else validation_split_percentage
-    num_eval = int(round(len(blocks) * fraction))
+    num_eval = max(1, int(round(len(blocks) * fraction)))  # a tiny share of a small set still holds out one block
     if num_eval < 1 or num_eval >= len(blocks):
         raise InputError(
             f"--validation_split_percentage {validation_split_percentage} of {len(blocks)} blocks leaves "

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Continued pretraining with LoRA (+ trainable embeddings for an extended vocabulary) on one
+# node. Set the paths through the environment; anything after the script name is passed on:
+#   MODEL=/models/llama-2-7b TOKENIZER=/models/chinese-llama-2-tokenizer DATA=/data/pt \
+#   OUTPUT=outputs/pt bash scripts/training/run_pt.sh --max_steps 1000
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+
+MODEL=${MODEL:?set MODEL to the base model directory}
+TOKENIZER=${TOKENIZER:-$MODEL}
+DATA=${DATA:?set DATA to a directory of .txt/.jsonl files}
+OUTPUT=${OUTPUT:-outputs/pt}
+DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
+NPROC=${NPROC:-8}
+DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
+
+lr=2e-4
+lora_rank=64
+lora_alpha=128
+lora_trainable="q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj"
+lora_dropout=0.05
+# New vocabulary rows only learn if the embeddings train in full; drop this line for a base vocabulary.
+modules_to_save="embed_tokens,lm_head"
+
+torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_clm_pt_with_peft.py" \
+    --deepspeed "$DS_CONFIG" \
+    --model_name_or_path "$MODEL" \
+    --tokenizer_name_or_path "$TOKENIZER" \
+    --dataset_dir "$DATA" \
+    --data_cache_dir "$DATA_CACHE" \
+    --validation_split_percentage 0.001 \
+    --per_device_train_batch_size 1 \
+    --do_train \
+    --seed 42 \
+    --bf16 \
+    --num_train_epochs 1 \
+    --lr_scheduler_type cosine \
+    --learning_rate $lr \
+    --warmup_steps 0.05 \
+    --weight_decay 0.01 \
+    --logging_strategy steps \
+    --logging_steps 10 \
+    --save_strategy steps \
+    --save_total_limit 3 \
+    --save_steps 200 \
+    --gradient_accumulation_steps 8 \
+    --preprocessing_num_workers 8 \
+    --block_size 1024 \
+    --output_dir "$OUTPUT" \
+    --lora_rank $lora_rank \
+    --lora_alpha $lora_alpha \
+    --trainable "$lora_trainable" \
+    --modules_to_save "$modules_to_save" \
+    --lora_dropout $lora_dropout \
+    --torch_dtype bfloat16 \
+    --ddp_find_unused_parameters False \
+    "$@"

@@ -1,0 +1,174 @@
+"""Continued pretraining run as users run it (python / torchrun subprocesses) on the tiny model."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import KILL_WRAPPER, REPO, run_script, tiny_pt_args
+
+
+def log_history(output_dir):
+    with open(os.path.join(output_dir, "trainer_state.json")) as handle:
+        return json.load(handle)["log_history"]
+
+
+def adapter_weights(adapter_dir):
+    return load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+
+
+def assert_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+
+def test_loss_falls_and_eval_perplexity_falls(tiny_model_dir, pretrain_dir, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_pt_args(
+        tiny_model_dir, pretrain_dir, out, tmp_path / "cache",
+        max_steps=30, learning_rate=1e-2, save_steps=15,
+        eval_strategy="steps", eval_steps=30, eval_on_start=True,
+    )
+    assert_ok(run_script(args))
+
+    history = log_history(out)
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    assert len(losses) == 30
+    assert sum(losses[-10:]) / 10 < 0.9 * sum(losses[:10]) / 10, losses
+    evals = [entry for entry in history if "eval_loss" in entry]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+    assert evals[-1]["eval_perplexity"] < 0.5 * evals[0]["eval_perplexity"]
+    assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"]
+
+    # run_clm's result files, and the adapter laid out without double nesting.
+    for name in ("train_results.json", "eval_results.json", "all_results.json", "trainer_state.json"):
+        assert (out / name).is_file(), name
+    eval_results = json.loads((out / "eval_results.json").read_text())
+    assert {"eval_loss", "eval_accuracy", "eval_perplexity"} <= set(eval_results)
+    for adapter in (out / "pt_lora_model", out / "checkpoint-15" / "pt_lora_model"):
+        assert (adapter / "adapter_model.safetensors").is_file()
+        assert (adapter / "tokenizer_config.json").is_file()
+        assert not (adapter / "pt_lora_model").exists()
+    final = adapter_weights(out / "pt_lora_model")
+    last_checkpoint = adapter_weights(out / "checkpoint-30" / "pt_lora_model")
+    assert all(torch.equal(final[key], last_checkpoint[key]) for key in final)
+
+
+@pytest.mark.parametrize("config", ["ds_zero2_no_offload", "ds_zero3_no_offload", "ds_zero3_offload"])
+def test_deepspeed_two_processes(config, tiny_model_dir, varied_pretrain_dir, tmp_path):
+    out, record = tmp_path / "out", tmp_path / "batches"
+    args = tiny_pt_args(
+        tiny_model_dir, varied_pretrain_dir, out, tmp_path / "cache",
+        max_steps=6, save_steps=3, deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"),
+    )
+    result = run_script(args, nproc=2, wrapper=[KILL_WRAPPER, "--record_batches", str(record)])
+    assert_ok(result)
+
+    # Both ranks trained, on different blocks.
+    rank0 = (record / "rank0.txt").read_text().split()
+    rank1 = (record / "rank1.txt").read_text().split()
+    assert len(rank0) == len(rank1) == 6 * 4
+    assert len(set(rank0)) == len(set(rank1)) == 6 * 4  # distinct blocks: within one epoch
+    assert not set(rank0) & set(rank1)
+
+    # One run, one adapter: at the end and in each checkpoint, nowhere else, full shapes.
+    adapters = sorted(str(p.parent.relative_to(out)) for p in out.rglob("adapter_model.safetensors"))
+    assert adapters == ["checkpoint-3", "checkpoint-3/pt_lora_model", "checkpoint-6",
+                        "checkpoint-6/pt_lora_model", "pt_lora_model"]
+    weights = adapter_weights(out / "pt_lora_model")
+    lora_a = weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    assert lora_a.shape == (8, 64)
+    losses = [entry["loss"] for entry in log_history(out) if "loss" in entry]
+    assert len(losses) == 6 and all(0 < loss < 10 for loss in losses)
+
+
+@pytest.mark.parametrize("kbits", [4, 8])
+def test_qlora_kbits(kbits, tiny_model_dir, pretrain_dir, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_pt_args(tiny_model_dir, pretrain_dir, out, tmp_path / "cache",
+                        max_steps=3, save_steps=3, load_in_kbits=kbits, validation_split_percentage=0)
+    assert_ok(run_script(args))
+    losses = [entry["loss"] for entry in log_history(out) if "loss" in entry]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+    weights = adapter_weights(out / "pt_lora_model")
+    assert any(key.endswith("lora_B.weight") and weights[key].abs().sum() > 0 for key in weights)
+
+
+def test_extended_vocabulary_trains_new_rows(tiny_model_dir, extended_tokenizer_dir, pretrain_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "out"
+    tokenizer = AutoTokenizer.from_pretrained(extended_tokenizer_dir)
+    (tmp_path / "data").mkdir()
+    text = "我们 预训练 低秩适配 模型 强化学习 奖励模型 训练 the quick brown fox\n" * 60
+    (tmp_path / "data" / "new_words.txt").write_text(text, encoding="utf-8")
+    # Old transformers-4 flags from users' shell scripts are accepted and mapped.
+    args = tiny_pt_args(
+        tiny_model_dir, tmp_path / "data", out, tmp_path / "cache",
+        tokenizer_name_or_path=extended_tokenizer_dir, modules_to_save="embed_tokens,lm_head",
+        max_steps=4, save_steps=4, validation_split_percentage=0, learning_rate=1e-2,
+        evaluation_strategy="no", warmup_ratio=0.1, save_safetensors="True", group_by_length=True,
+    )
+    result = run_script(args)
+    assert_ok(result)
+    assert "--evaluation_strategy no -> --eval_strategy" in result.stdout
+
+    weights = adapter_weights(out / "pt_lora_model")
+    embed = next(v for k, v in weights.items() if "embed_tokens" in k)
+    head = next(v for k, v in weights.items() if "lm_head" in k)
+    assert embed.shape == head.shape == (len(tokenizer), 64)
+    base = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    old_rows = base["model.embed_tokens.weight"].shape[0]
+    new_ids = tokenizer.convert_tokens_to_ids(["预训练", "低秩适配"])
+    assert min(new_ids) >= old_rows
+    initial = base["model.embed_tokens.weight"].mean(dim=0)
+    # The new rows started at the mean and were trained away from it.
+    for row in new_ids:
+        assert (embed[row] - initial).abs().max() > 1e-3
+
+
+def test_new_rows_start_at_mean(tiny_model_dir, extended_tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from model_utils import ModelArguments, load_model
+    from training_utils import ToolkitTrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(extended_tokenizer_dir)
+    model_args = ModelArguments(model_name_or_path=tiny_model_dir, tokenizer_name_or_path=extended_tokenizer_dir,
+                                torch_dtype="float32", modules_to_save="embed_tokens,lm_head")
+    training_args = ToolkitTrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to="none")
+    model = load_model(model_args, training_args, tokenizer)
+    base = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    for name, key in (("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight")):
+        module = getattr(model.base_model.model.model, name) if name == "embed_tokens" else model.base_model.model.lm_head
+        trained_copy = module.modules_to_save["default"].weight.detach()
+        old = base[key]
+        assert trained_copy.shape[0] == len(tokenizer)
+        assert torch.equal(trained_copy[: old.shape[0]], old)
+        assert torch.allclose(trained_copy[old.shape[0]:], old.mean(dim=0).expand(len(tokenizer) - old.shape[0], -1))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_after_sigkill_equals_uninterrupted(nproc, tiny_model_dir, pretrain_dir, tmp_path):
+    cache = tmp_path / "cache"
+    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if nproc == 2 else {}
+
+    straight = tmp_path / "straight"
+    assert_ok(run_script(tiny_pt_args(tiny_model_dir, pretrain_dir, straight, cache, **extra), nproc=nproc))
+
+    crashed = tmp_path / "crashed"
+    args = tiny_pt_args(tiny_model_dir, pretrain_dir, crashed, cache, **extra)
+    killed = run_script(args, nproc=nproc, wrapper=[KILL_WRAPPER, "--kill_after_save", "5"])
+    assert killed.returncode != 0
+    assert (crashed / "checkpoint-5" / "pt_lora_model").is_dir()
+    assert not (crashed / "checkpoint-10").exists() and not (crashed / "pt_lora_model").exists()
+
+    resumed = run_script(args, nproc=nproc)  # same command: resumes from checkpoint-5 by itself
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stdout
+    expected, actual = adapter_weights(straight / "pt_lora_model"), adapter_weights(crashed / "pt_lora_model")
+    assert expected.keys() == actual.keys()
+    max_diff = max((expected[k] - actual[k]).abs().max().item() for k in expected)
+    assert max_diff <= 1e-6, max_diff
+    assert max(v.abs().max().item() for k, v in expected.items() if "lora_B" in k) > 0  # it did train
