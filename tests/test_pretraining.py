@@ -172,3 +172,24 @@ def test_resume_after_sigkill_equals_uninterrupted(nproc, tiny_model_dir, pretra
     max_diff = max((expected[k] - actual[k]).abs().max().item() for k in expected)
     assert max_diff <= 1e-6, max_diff
     assert max(v.abs().max().item() for k, v in expected.items() if "lora_B" in k) > 0  # it did train
+
+
+def test_continue_adapter_with_gradient_checkpointing(tiny_model_dir, pretrain_dir, tmp_path):
+    cache = tmp_path / "cache"
+    common = {"validation_split_percentage": 0, "learning_rate": 1e-2, "save_strategy": "no"}
+    first = tmp_path / "first"
+    assert_ok(run_script(tiny_pt_args(tiny_model_dir, pretrain_dir, first, cache, max_steps=10, **common)))
+
+    second = tmp_path / "second"
+    args = tiny_pt_args(tiny_model_dir, pretrain_dir, second, cache, max_steps=2, lora_dropout=0.0,
+                        peft_path=first / "pt_lora_model", gradient_checkpointing=True, **common)
+    result = run_script(args)
+    assert_ok(result)
+    assert "continuing LoRA adapter" in result.stdout
+    # Same seed, same first batch: the continued adapter starts where the first run ended.
+    first_loss = [e["loss"] for e in log_history(first) if "loss" in e][0]
+    continued_loss = [e["loss"] for e in log_history(second) if "loss" in e][0]
+    assert continued_loss < 0.8 * first_loss, (continued_loss, first_loss)
+    before, after = adapter_weights(first / "pt_lora_model"), adapter_weights(second / "pt_lora_model")
+    assert before.keys() == after.keys()
+    assert max((before[k] - after[k]).abs().max().item() for k in before) > 0  # and it trained on

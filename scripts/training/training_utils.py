@@ -2,7 +2,6 @@
 Chinese-LLaMA-Alpaca-2's shell scripts still pass), the bad-input contract (one line, exit 2),
 output-directory and resume rules, logging, next-token metrics and the run_clm-style results."""
 
-import json
 import logging
 import math
 import os
@@ -149,6 +148,13 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Option
         return None
     if training_args.overwrite_output_dir:
         logger.info("%s is not empty: --overwrite_output_dir given, training from scratch", output_dir)
+        stale = complete_checkpoints(output_dir)
+        if stale:
+            logger.warning(
+                "%s keeps %d checkpoint(s) of an earlier run (%s): a later resume picks the highest step, "
+                "whichever run wrote it",
+                output_dir, len(stale), ", ".join(os.path.basename(path) for path in stale),
+            )
         return None
     checkpoints = complete_checkpoints(output_dir)
     if checkpoints:
@@ -198,7 +204,3 @@ def finish_run(trainer, train_result, eval_dataset, num_train_samples: int) -> N
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
 
-
-def write_json(path: str, payload) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, ensure_ascii=False)
