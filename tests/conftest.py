@@ -14,6 +14,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINING = os.path.join(REPO, "scripts", "training")
 PT_SCRIPT = os.path.join(TRAINING, "run_clm_pt_with_peft.py")
+SFT_SCRIPT = os.path.join(TRAINING, "run_sft_with_peft.py")
 KILL_WRAPPER = os.path.join(REPO, "tests", "helpers", "run_and_kill.py")
 
 ENGLISH = "the quick brown fox jumps over lazy dog model data train learn token block river mountain city".split()
@@ -179,33 +180,8 @@ def run_script(args, nproc: int = 1, script: str = PT_SCRIPT, wrapper: list = No
     return subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def tiny_pt_args(model_dir, data_dir, output_dir, cache_dir, **overrides) -> list:
-    """Arguments of a short LoRA pretraining run on the tiny model."""
-    options = {
-        "model_name_or_path": model_dir,
-        "dataset_dir": data_dir,
-        "data_cache_dir": cache_dir,
-        "output_dir": output_dir,
-        "block_size": 32,
-        "per_device_train_batch_size": 4,
-        "per_device_eval_batch_size": 8,
-        "learning_rate": 3e-3,
-        "max_steps": 10,
-        "warmup_steps": 0,
-        "lr_scheduler_type": "constant",
-        "logging_steps": 1,
-        "save_steps": 5,
-        "seed": 42,
-        "lora_rank": 8,
-        "lora_alpha": 16,
-        "lora_dropout": 0.05,
-        "torch_dtype": "float32",
-        "report_to": "none",
-        "validation_split_percentage": 10,
-        "dataloader_num_workers": 0,
-    }
-    options.update(overrides)
-    args = ["--do_train", "--use_cpu"]
+def options_to_argv(options: dict) -> list:
+    args = []
     for key, value in options.items():
         if value is None:
             continue
@@ -214,3 +190,37 @@ def tiny_pt_args(model_dir, data_dir, output_dir, cache_dir, **overrides) -> lis
         else:
             args += [f"--{key}", str(value)]
     return args
+
+
+TINY_TRAINING_OPTIONS = {
+    "per_device_train_batch_size": 4,
+    "per_device_eval_batch_size": 8,
+    "learning_rate": 3e-3,
+    "max_steps": 10,
+    "warmup_steps": 0,
+    "lr_scheduler_type": "constant",
+    "logging_steps": 1,
+    "save_steps": 5,
+    "seed": 42,
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.05,
+    "torch_dtype": "float32",
+    "report_to": "none",
+    "dataloader_num_workers": 0,
+}
+
+
+def tiny_pt_args(model_dir, data_dir, output_dir, cache_dir, **overrides) -> list:
+    """Arguments of a short LoRA pretraining run on the tiny model."""
+    options = {"model_name_or_path": model_dir, "dataset_dir": data_dir, "data_cache_dir": cache_dir,
+               "output_dir": output_dir, "block_size": 32, "validation_split_percentage": 10,
+               **TINY_TRAINING_OPTIONS, **overrides}
+    return ["--do_train", "--use_cpu"] + options_to_argv(options)
+
+
+def tiny_sft_args(model_dir, output_dir, cache_dir, **overrides) -> list:
+    """Arguments of a short LoRA SFT run on the tiny model."""
+    options = {"model_name_or_path": model_dir, "data_cache_dir": cache_dir, "output_dir": output_dir,
+               "max_seq_length": 256, **TINY_TRAINING_OPTIONS, **overrides}
+    return ["--do_train", "--use_cpu"] + options_to_argv(options)

@@ -3,6 +3,7 @@ tokenization, grouping into blocks, a cache keyed on everything that shapes the 
 collators, and SavePeftModelCallback."""
 
 import hashlib
+from bisect import bisect_left, bisect_right
 import json
 import logging
 import os
@@ -195,13 +196,16 @@ def tokenize_all(tokenizer, documents: list, num_proc: int) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
 
 
-def group_into_blocks(flat_ids: np.ndarray, block_size: int) -> Dataset:
+def group_into_blocks(flat_ids: np.ndarray, block_size: int, fingerprint: Optional[str] = None) -> Dataset:
     """Cut the token stream into block_size rows (the tail shorter than a block is dropped, as in
-    run_clm) with one reshape: no per-example Python lists, no O(n^2) concatenation."""
+    run_clm) with one reshape: no per-example Python lists, no O(n^2) concatenation.
+
+    fingerprint: the cache key, which already identifies the content; without one, datasets
+    hashes the whole table with dill (~0.05-0.2 s for 4.5 M tokens, serial)."""
     num_blocks = len(flat_ids) // block_size
     values = pa.array(flat_ids[: num_blocks * block_size], type=pa.int32())
     column = pa.FixedSizeListArray.from_arrays(values, block_size)
-    return Dataset(InMemoryTable(pa.table({"input_ids": column})))
+    return Dataset(InMemoryTable(pa.table({"input_ids": column})), fingerprint=fingerprint)
 
 
 def build_pretraining_blocks(
@@ -230,7 +234,7 @@ def build_pretraining_blocks(
         for path in files:
             documents.extend(read_documents(path))
         flat_ids = tokenize_all(tokenizer, documents, num_proc)
-        blocks = group_into_blocks(flat_ids, block_size)
+        blocks = group_into_blocks(flat_ids, block_size, fingerprint=key)
         if len(blocks) == 0:
             raise InputError(
                 f"{dataset_dir}: {len(flat_ids)} tokens in all is less than one block of --block_size {block_size}"
@@ -259,6 +263,19 @@ def split_validation(blocks: Dataset, validation_split_percentage: float, seed: 
     # to a cache that other processes may be reading.
     order = np.random.default_rng(seed).permutation(len(blocks))
     return blocks.select(np.sort(order[num_eval:])), blocks.select(np.sort(order[:num_eval]))
+
+
+def data_cache_dir(requested: Optional[str]) -> str:
+    import datasets
+
+    return requested or os.path.join(datasets.config.HF_DATASETS_CACHE, "llama_lora_toolkit")
+
+
+def first_samples(dataset: Optional[Dataset], limit: Optional[int]) -> Optional[Dataset]:
+    """--max_train_samples / --max_eval_samples."""
+    if dataset is None or limit is None:
+        return dataset
+    return dataset.select(range(min(limit, len(dataset))))
 
 
 class DataCollatorForPretraining:
@@ -295,3 +312,405 @@ class SavePeftModelCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         save_adapter(model, processing_class, os.path.join(args.output_dir, self.adapter_dir_name), args.should_save)
+
+
+# ----------------------------------------------------------------------------- supervised data
+
+SFT_CACHE_VERSION = "sft-1"
+SFT_SUFFIXES = (".json", ".jsonl")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+MESSAGE_ROLES = ("system", "user", "assistant")
+
+
+def find_sft_files(dataset_dir: Optional[str], data_paths: Optional[list]) -> list:
+    """Every *.json / *.jsonl in dataset_dir, then each --data_path file, each its own dataset."""
+    files = []
+    if dataset_dir:
+        if not os.path.isdir(dataset_dir):
+            raise InputError(f"{dataset_dir}: --dataset_dir does not exist or is not a directory")
+        found = sorted(p for suffix in SFT_SUFFIXES for p in glob(os.path.join(dataset_dir, f"*{suffix}")))
+        if not found:
+            raise InputError(f"{dataset_dir}: no .json or .jsonl files in --dataset_dir")
+        files += found
+    for path in data_paths or []:
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: data file does not exist")
+        if not path.endswith(SFT_SUFFIXES):
+            raise InputError(f"{path}: data files must be .json (a list) or .jsonl (one record a line)")
+        files.append(path)
+    return files
+
+
+def read_records(path: str) -> Iterator[tuple]:
+    """(line number, record) for each record of a .jsonl file or of a .json list."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise InputError(f"{path}:{line}: not valid UTF-8") from None
+    if path.endswith(".jsonl"):
+        for line_number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    yield line_number, json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise InputError(f"{path}:{line_number}: not valid JSON ({err.msg} at column {err.colno})") from None
+        return
+    yield from read_json_list(path, text)
+
+
+def read_json_list(path: str, text: str) -> Iterator[tuple]:
+    """Decode a JSON list element by element, so each record's error names its own line."""
+    decoder = json.JSONDecoder()
+    position = len(text) - len(text.lstrip())
+    if not text.startswith("[", position):
+        raise InputError(f"{path}:1: a .json data file must hold a list of records")
+    position += 1
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position >= len(text):
+            raise InputError(f"{path}:{text.count(chr(10)) + 1}: not valid JSON (the list is not closed)")
+        if text[position] == "]":
+            return
+        line_number = text.count("\n", 0, position) + 1
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+        yield line_number, record
+
+
+def string_field(where: str, record: dict, name: str, required: bool = True) -> str:
+    if name not in record or record[name] is None:
+        if required:
+            raise InputError(f"{where}: field '{name}' is missing")
+        return ""
+    value = record[name]
+    if not isinstance(value, str):
+        raise InputError(f"{where}: field '{name}' must be a string, not {type(value).__name__}")
+    return value
+
+
+def alpaca_messages(where: str, record: dict) -> list:
+    instruction = string_field(where, record, "instruction")
+    extra_input = string_field(where, record, "input", required=False)
+    output = string_field(where, record, "output")
+    messages = []
+    system = string_field(where, record, "system", required=False)
+    if system:
+        messages.append({"role": "system", "content": system})
+    history = record.get("history") or []
+    if not isinstance(history, list):
+        raise InputError(f"{where}: field 'history' must be a list of [question, answer] pairs")
+    for index, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise InputError(f"{where}: field 'history[{index}]' must be a [question, answer] pair of strings")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    user = f"{instruction}\n{extra_input}" if extra_input else instruction
+    return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def turn_list(where: str, record: dict, name: str, role_key: str, content_key: str, roles) -> list:
+    turns = record[name]
+    if not isinstance(turns, list) or not turns:
+        raise InputError(f"{where}: field '{name}' must be a non-empty list of turns")
+    messages = []
+    for index, turn in enumerate(turns):
+        field_name = f"{name}[{index}]"
+        if not isinstance(turn, dict):
+            raise InputError(f"{where}: field '{field_name}' must be an object")
+        role = string_field(where, turn, role_key) if role_key in turn else None
+        if role is None:
+            raise InputError(f"{where}: field '{field_name}.{role_key}' is missing")
+        if role not in roles:
+            raise InputError(f"{where}: field '{field_name}.{role_key}' has unknown role '{role}' "
+                             f"(expected one of {', '.join(roles)})")
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise InputError(f"{where}: field '{field_name}.{content_key}' is missing or not a string")
+        messages.append({"role": roles[role] if isinstance(roles, dict) else role, "content": content})
+    return messages
+
+
+def conversation_of(where: str, record) -> list:
+    """Normalise one record of any supported format to chat messages, validated."""
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: a record must be a JSON object")
+    if "conversations" in record:
+        messages = turn_list(where, record, "conversations", "from", "value", SHAREGPT_ROLES)
+        name = "conversations"
+    elif "messages" in record:
+        messages = turn_list(where, record, "messages", "role", "content", MESSAGE_ROLES)
+        name = "messages"
+    elif "instruction" in record or "output" in record:
+        return validate_conversation(where, alpaca_messages(where, record), None)
+    else:
+        raise InputError(f"{where}: no 'instruction'/'output', 'conversations' or 'messages' field")
+    return validate_conversation(where, messages, name)
+
+
+def validate_conversation(where: str, messages: list, field_name: Optional[str]) -> list:
+    """System first (optional), then user/assistant alternating, ending with a non-empty answer."""
+
+    def at(index):
+        return f"field '{field_name}[{index}]'" if field_name else "the conversation"
+
+    start = 1 if messages and messages[0]["role"] == "system" else 0
+    for index in range(start, len(messages)):
+        role = messages[index]["role"]
+        expected = "user" if (index - start) % 2 == 0 else "assistant"
+        if role == "system":
+            raise InputError(f"{where}: {at(index)}: a system turn may only come first")
+        if role != expected:
+            raise InputError(f"{where}: {at(index)}: two consecutive {role} turns")
+        if role == "assistant" and not messages[index]["content"].strip():
+            raise InputError(f"{where}: {at(index)}: empty answer")
+    if len(messages) == start:
+        raise InputError(f"{where}: the conversation has no user turn")
+    if messages[-1]["role"] != "assistant":
+        raise InputError(f"{where}: {at(len(messages) - 1)}: the conversation ends on a user turn (no answer to train on)")
+    return messages
+
+
+def read_conversations(path: str) -> list:
+    conversations = [conversation_of(f"{path}:{line}", record) for line, record in read_records(path)]
+    if not conversations:
+        raise InputError(f"{path}: file holds no records (empty)")
+    return conversations
+
+
+def parse_data_split(data_split: str) -> list:
+    try:
+        weights = [float(part) for part in data_split.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise InputError(f"--data_split {data_split}: expected three non-negative weights such as 6,2,2")
+    return weights
+
+
+def phase_indices(num_records: int, data_split: str, phase: int, seed: int) -> np.ndarray:
+    """DeepSpeed-Chat's split: the records of one dataset, shuffled by seed, cut into three
+    disjoint parts by the weights (SFT, reward, PPO); the part of `phase` (1..3), in order."""
+    if phase not in (1, 2, 3):
+        raise InputError(f"--data_phase {phase}: expected 1 (SFT), 2 (reward) or 3 (PPO)")
+    weights = parse_data_split(data_split)
+    bounds = np.round(np.cumsum([0] + weights) / sum(weights) * num_records).astype(int)
+    order = np.random.default_rng(seed).permutation(num_records)
+    return np.sort(order[bounds[phase - 1] : bounds[phase]])
+
+
+class ConversationTokenizer:
+    """Token ids and labels of a conversation rendered by a chat template.
+
+    Each turn's text comes from the template's own renders: the prompt is what the template
+    renders before an answer with add_generation_prompt (what inference will render), the answer
+    is what the full render adds after it, up to and including EOS. Segments are tokenized one
+    by one, so the prompt tokens are exactly those inference will feed the model."""
+
+    def __init__(self, tokenizer, template: str, max_length: int, train_on_last_turn_only: bool = False):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.max_length = max_length
+        self.last_turn_only = train_on_last_turn_only
+        self.eos = tokenizer.eos_token
+        if self.eos is None:
+            raise InputError("the tokenizer has no eos_token: answers could not end")
+
+    def render(self, messages: list, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def segments(self, where: str, messages: list) -> list:
+        """[(text, trained, add_eos)] covering the conversation up to its last answer's EOS."""
+        answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        segments, consumed = [], ""
+        for turn, index in enumerate(answers):
+            prompt = self.render(messages[:index], add_generation_prompt=True)
+            full = self.render(messages[: index + 1], add_generation_prompt=False)
+            if not prompt.startswith(consumed) or not full.startswith(prompt):
+                raise InputError(f"{where}: the chat template does not render this conversation as a growing prefix; "
+                                 "choose a --template")
+            answer = full[len(prompt):]
+            cut = answer.rfind(self.eos)
+            # Text after the answer's EOS (a newline, say) opens the next prompt. A template whose
+            # turns do not end in EOS gets it as one extra token, so the model still learns to stop.
+            answer = answer[: cut + len(self.eos)] if cut >= 0 else answer
+            trained = not self.last_turn_only or turn == len(answers) - 1
+            segments += [(prompt[len(consumed):], False, False), (answer, trained, cut < 0)]
+            consumed = prompt + answer
+        return segments
+
+    def __call__(self, where: str, messages: list) -> Optional[dict]:
+        segments = self.segments(where, messages)
+        if getattr(self.tokenizer, "is_fast", False):
+            input_ids, labels = self.tokenize_whole(segments)
+        else:
+            input_ids, labels = self.tokenize_by_segment(segments)
+        # Keep the prompt's head and cut the answer; a sample left without an answer token is dropped.
+        input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
+        if all(label == -100 for label in labels):
+            return None
+        return {"input_ids": input_ids, "labels": labels}
+
+    def tokenize_whole(self, segments: list) -> tuple:
+        """Tokenize the rendered conversation as one string (as inference encodes a prompt: no
+        tokenizer-added prefix in front of each segment) and label tokens by character offsets."""
+        text = "".join(segment[0] for segment in segments)
+        starts, position = [], 0
+        for segment in segments:
+            starts.append(position)
+            position += len(segment[0])
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids, labels = [], []
+        pending_eos = None  # a segment needing an extra EOS, emitted before the first token past it
+        for token, (start, _) in zip(encoding["input_ids"], encoding["offset_mapping"]):
+            index = bisect_right(starts, start) - 1
+            if pending_eos is not None and pending_eos != index:
+                self.append_eos(input_ids, labels, segments[pending_eos][1])
+                pending_eos = None
+            input_ids.append(token)
+            labels.append(token if segments[index][1] else -100)
+            if segments[index][2]:
+                pending_eos = index
+        if pending_eos is not None:
+            self.append_eos(input_ids, labels, segments[pending_eos][1])
+        return input_ids, labels
+
+    def append_eos(self, input_ids: list, labels: list, trained: bool) -> None:
+        input_ids.append(self.tokenizer.eos_token_id)
+        labels.append(self.tokenizer.eos_token_id if trained else -100)
+
+    def tokenize_by_segment(self, segments: list) -> tuple:
+        """Slow tokenizers have no offsets: tokenize segment by segment."""
+        input_ids, labels = [], []
+        for text, trained, add_eos in segments:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += [self.tokenizer.eos_token_id] if add_eos else []
+            input_ids += ids
+            labels += ids if trained else [-100] * len(ids)
+        return input_ids, labels
+
+
+def tokenize_conversations(conversation_tokenizer, sources: list, desc: str) -> tuple:
+    """sources: [(where, messages)] -> (rows, dropped)."""
+    rows, dropped = {"input_ids": [], "labels": [], "length": []}, 0
+    for where, messages in tqdm(sources, desc=desc, unit="sample"):
+        sample = conversation_tokenizer(where, messages)
+        if sample is None:
+            dropped += 1
+            continue
+        rows["input_ids"].append(sample["input_ids"])
+        rows["labels"].append(sample["labels"])
+        rows["length"].append(len(sample["input_ids"]))
+    return rows, dropped
+
+
+def build_sft_dataset(
+    files: list,
+    tokenizer,
+    template: str,
+    max_length: int,
+    cache_dir: str,
+    train_on_last_turn_only: bool = False,
+    data_split: Optional[str] = None,
+    data_phase: int = 1,
+    seed: int = 42,
+    unsplit_files: tuple = (),
+) -> Dataset:
+    """Conversations of every file -> tokenized, masked samples, cached. With data_split, each
+    file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part."""
+    key = cache_key(
+        {
+            "version": SFT_CACHE_VERSION,
+            "files": [(os.path.abspath(p), file_fingerprint(p), p in unsplit_files) for p in files],
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "template": template,
+            "max_length": max_length,
+            "last_turn_only": train_on_last_turn_only,
+            "split": [data_split, data_phase, seed],
+        }
+    )
+    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, train_on_last_turn_only)
+
+    def build(tmp_dir):
+        sources = []
+        for path in files:
+            conversations = read_conversations(path)
+            indices = range(len(conversations))
+            if data_split and path not in unsplit_files:
+                indices = phase_indices(len(conversations), data_split, data_phase, seed)
+            sources += [(path, conversations[i]) for i in indices]
+        rows, dropped = tokenize_conversations(conversation_tokenizer, sources, "Tokenizing conversations")
+        if dropped:
+            logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d",
+                           dropped, len(sources), max_length)
+        if not rows["input_ids"]:
+            raise InputError(f"no trainable sample left in {', '.join(files)} (all dropped by --max_seq_length {max_length})")
+        Dataset.from_dict(rows).save_to_disk(tmp_dir)
+
+    dataset, hit = build_or_load_cached(cache_dir, f"sft-{key}", build)
+    logger.info("supervised samples: cache %s (%s, %d samples)", "hit" if hit else "miss, built", key, len(dataset))
+    return dataset
+
+
+def pack_samples(dataset: Dataset, max_length: int) -> Dataset:
+    """Pack samples into rows of at most max_length tokens (first fit, longest first), each
+    sample keeping its own position_ids from 0 so attention never crosses samples. Rows stay
+    bounded by max_length: one row per batch would make sdpa attention cost O(row^2)."""
+    lengths = np.asarray(dataset["length"])
+    bins = []
+    # Best fit, longest first: rooms[k] is the free space of bin room_bins[k], kept sorted.
+    rooms, room_bins = [], []
+    for index in np.argsort(-lengths, kind="stable"):
+        size = int(lengths[index])
+        k = bisect_left(rooms, size)
+        if k == len(rooms):
+            bins.append([])
+            slot, room = len(bins) - 1, max_length
+        else:
+            slot, room = room_bins.pop(k), rooms.pop(k)
+        bins[slot].append(int(index))
+        k = bisect_left(rooms, room - size)
+        rooms.insert(k, room - size)
+        room_bins.insert(k, slot)
+    input_ids, labels = dataset["input_ids"], dataset["labels"]
+    rows = {"input_ids": [], "labels": [], "position_ids": [], "length": []}
+    for members in bins:
+        rows["input_ids"].append([t for i in members for t in input_ids[i]])
+        rows["labels"].append([t for i in members for t in labels[i]])
+        rows["position_ids"].append([p for i in members for p in range(len(input_ids[i]))])
+        rows["length"].append(len(rows["input_ids"][-1]))
+    logger.info("packed %d samples into %d rows of at most %d tokens (%.1f%% of row capacity used)",
+                len(dataset), len(bins), max_length, 100.0 * lengths.sum() / max(len(bins) * max_length, 1))
+    return Dataset.from_dict(rows)
+
+
+class DataCollatorForSupervisedDataset:
+    """Right-pad to the longest row (a multiple of 8): labels -100 on padding. Masks come from
+    the lengths, never from comparing ids with the pad id (the pad id may be EOS, which answers
+    end with). Packed rows carry position_ids and no attention mask: padding becomes one more
+    segment with positions from 0, which attends only to itself and has no labels."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8):
+        self.pad_token_id = pad_token_id
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, features: list) -> dict:
+        longest = max(len(f["input_ids"]) for f in features)
+        width = -(-longest // self.multiple) * self.multiple
+        packed = "position_ids" in features[0]
+        batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
+        for feature in features:
+            pad = width - len(feature["input_ids"])
+            batch["input_ids"].append(list(feature["input_ids"]) + [self.pad_token_id] * pad)
+            batch["labels"].append(list(feature["labels"]) + [-100] * pad)
+            if packed:
+                batch["position_ids"].append(list(feature["position_ids"]) + list(range(pad)))
+            else:
+                batch["attention_mask"].append([1] * len(feature["input_ids"]) + [0] * pad)
+        return {name: torch.tensor(values, dtype=torch.long) for name, values in batch.items()}

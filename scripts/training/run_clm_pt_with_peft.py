@@ -17,25 +17,26 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import datasets  # noqa: E402
-from transformers import Trainer, set_seed  # noqa: E402
+from transformers import set_seed  # noqa: E402
 
 from build_dataset import (  # noqa: E402
     DataCollatorForPretraining,
     SavePeftModelCallback,
     build_pretraining_blocks,
+    data_cache_dir,
+    first_samples,
     split_validation,
 )
 from model_utils import ModelArguments, check_model_inputs, load_model, load_model_config, load_tokenizer  # noqa: E402
 from training_utils import (  # noqa: E402
-    InputError,
+    CausalLMTrainer,
     ToolkitTrainingArguments,
-    add_perplexity,
     argmax_logits_for_metrics,
     finish_run,
     next_token_accuracy,
     parse_args,
     resolve_resume_checkpoint,
+    resolve_sequence_length,
     run_cli,
     setup_logging,
 )
@@ -62,25 +63,6 @@ class DataArguments:
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval blocks."})
 
 
-class PretrainingTrainer(Trainer):
-    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end."""
-
-    def log(self, logs, *args, **kwargs):
-        add_perplexity(logs)
-        super().log(logs, *args, **kwargs)
-
-
-def resolve_block_size(requested: Optional[int], config) -> int:
-    max_positions = getattr(config, "max_position_embeddings", None) or 1024
-    if requested is None:
-        return min(1024, max_positions)
-    if requested < 2:
-        raise InputError(f"--block_size must be at least 2, got {requested}")
-    if requested > max_positions:
-        raise InputError(f"--block_size {requested} exceeds the model's max_position_embeddings {max_positions} (config.json)")
-    return requested
-
-
 def main():
     model_args, data_args, training_args = parse_args((ModelArguments, DataArguments, ToolkitTrainingArguments))
     setup_logging(training_args)
@@ -90,23 +72,21 @@ def main():
     tokenizer = load_tokenizer(model_args)
     config = load_model_config(model_args)
     check_model_inputs(model_args, config, tokenizer)
-    block_size = resolve_block_size(data_args.block_size, config)
+    block_size = resolve_sequence_length("--block_size", data_args.block_size, config)
     set_seed(training_args.seed)
 
-    cache_dir = data_args.data_cache_dir or os.path.join(datasets.config.HF_DATASETS_CACHE, "llama_lora_toolkit")
     with training_args.main_process_first(desc="tokenize and group the pretraining data"):
         blocks = build_pretraining_blocks(
-            data_args.dataset_dir, tokenizer, block_size, cache_dir, data_args.preprocessing_num_workers
+            data_args.dataset_dir, tokenizer, block_size, data_cache_dir(data_args.data_cache_dir),
+            data_args.preprocessing_num_workers,
         )
     train_dataset, eval_dataset = split_validation(blocks, data_args.validation_split_percentage, training_args.seed)
-    if data_args.max_train_samples is not None:
-        train_dataset = train_dataset.select(range(min(data_args.max_train_samples, len(train_dataset))))
-    if eval_dataset is not None and data_args.max_eval_samples is not None:
-        eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
+    train_dataset = first_samples(train_dataset, data_args.max_train_samples)
+    eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train blocks: %d, eval blocks: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
 
     model = load_model(model_args, training_args, tokenizer)
-    trainer = PretrainingTrainer(
+    trainer = CausalLMTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 import transformers
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +168,18 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Option
     )
 
 
+def resolve_sequence_length(flag: str, requested: Optional[int], config) -> int:
+    """A sequence length within the model's positions (default: min(1024, max positions))."""
+    max_positions = getattr(config, "max_position_embeddings", None) or 1024
+    if requested is None:
+        return min(1024, max_positions)
+    if requested < 2:
+        raise InputError(f"{flag} must be at least 2, got {requested}")
+    if requested > max_positions:
+        raise InputError(f"{flag} {requested} exceeds the model's max_position_embeddings {max_positions} (config.json)")
+    return requested
+
+
 def argmax_logits_for_metrics(logits, labels):
     """Keep only the predicted ids: accumulating full logits over an eval set costs vocab x more memory."""
     if isinstance(logits, tuple):
@@ -188,6 +202,36 @@ def add_perplexity(metrics: dict, prefix: str = "eval") -> dict:
     if loss is not None:
         metrics[f"{prefix}_perplexity"] = math.exp(loss) if loss < 50 else float("inf")
     return metrics
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """LengthGroupedSampler whose shuffle is a function of (seed, epoch). transformers builds it
+    without a generator, so it draws from the global RNG mid-run, which resuming restores to the
+    checkpoint's state: a resumed run would see other batches than an uninterrupted one."""
+
+    def __init__(self, batch_size: int, lengths: list, seed: int):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+class CausalLMTrainer(Trainer):
+    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end,
+    and whose length-grouped sampling is reproducible across a resume."""
+
+    def log(self, logs, *args, **kwargs):
+        add_perplexity(logs)
+        super().log(logs, *args, **kwargs)
+
+    def _get_train_sampler(self, train_dataset=None):
+        sampler = super()._get_train_sampler(train_dataset)
+        if isinstance(sampler, LengthGroupedSampler):
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
+        return sampler
 
 
 def finish_run(trainer, train_result, eval_dataset, num_train_samples: int) -> None:
