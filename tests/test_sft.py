@@ -300,3 +300,23 @@ def test_sft_bad_input_is_refused_cleanly(case, tiny_model_dir, tmp_path):
                   expected)
     assert not out.exists()
     assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_sft_cache_key_covers_template_and_length(tokenizer, tmp_path, caplog):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in arithmetic_records(20, 0)), encoding="utf-8")
+    cache = str(tmp_path / "cache")
+
+    def build(template_name, max_length):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="build_dataset"):
+            built = build_sft_dataset([str(data)], tokenizer, named_template(template_name, tokenizer), max_length, cache)
+        return built, "cache hit" in caplog.text
+
+    first, hit = build("chatml", 256)
+    assert not hit
+    again, hit = build("chatml", 256)
+    assert hit and again["input_ids"] == first["input_ids"]
+    assert not build("alpaca", 256)[1]
+    assert not build("chatml", 64)[1]
+    assert len([name for name in os.listdir(cache) if name.startswith("sft-")]) == 3
