@@ -1,7 +1,6 @@
 """Bad input: one line naming the problem (file, line, field), exit 2, no traceback, nothing written."""
 
 import json
-import os
 
 import pytest
 

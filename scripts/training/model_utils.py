@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from training_utils import InputError
+from training_utils import InputError, parse_args, resolve_resume_checkpoint, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,20 @@ def check_model_inputs(model_args: ModelArguments, config, tokenizer) -> None:
                 f"the new rows would never be trained; add --modules_to_save {','.join(needed)} "
                 "(or use --full_finetuning)"
             )
+
+
+def start_run(data_arguments_class, training_arguments_class):
+    """The common start of every run_* script: parse the arguments, set up logging, and check
+    everything that can be refused (resume point, tokenizer, model config, adapter, vocabulary)
+    before anything is written. Returns (model_args, data_args, training_args, resume
+    checkpoint, tokenizer, model config)."""
+    model_args, data_args, training_args = parse_args((ModelArguments, data_arguments_class, training_arguments_class))
+    setup_logging(training_args)
+    resume_checkpoint = resolve_resume_checkpoint(training_args)
+    tokenizer = load_tokenizer(model_args)
+    config = load_model_config(model_args)
+    check_model_inputs(model_args, config, tokenizer)
+    return model_args, data_args, training_args, resume_checkpoint, tokenizer, config
 
 
 def init_deepspeed_distributed(training_args) -> None:

@@ -27,18 +27,13 @@ from build_dataset import (  # noqa: E402
     first_samples,
     split_validation,
 )
-from model_utils import ModelArguments, check_model_inputs, load_model, load_model_config, load_tokenizer  # noqa: E402
+from model_utils import load_model, start_run  # noqa: E402
 from training_utils import (  # noqa: E402
-    CausalLMTrainer,
     ToolkitTrainingArguments,
-    argmax_logits_for_metrics,
-    finish_run,
-    next_token_accuracy,
-    parse_args,
-    resolve_resume_checkpoint,
+    build_trainer,
     resolve_sequence_length,
     run_cli,
-    setup_logging,
+    train_and_finish,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,14 +59,9 @@ class DataArguments:
 
 
 def main():
-    model_args, data_args, training_args = parse_args((ModelArguments, DataArguments, ToolkitTrainingArguments))
-    setup_logging(training_args)
-
-    # Everything that can be refused is checked before anything is written.
-    resume_checkpoint = resolve_resume_checkpoint(training_args)
-    tokenizer = load_tokenizer(model_args)
-    config = load_model_config(model_args)
-    check_model_inputs(model_args, config, tokenizer)
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
+        DataArguments, ToolkitTrainingArguments
+    )
     block_size = resolve_sequence_length("--block_size", data_args.block_size, config)
     set_seed(training_args.seed)
 
@@ -86,21 +76,9 @@ def main():
     logger.info("train blocks: %d, eval blocks: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
 
     model = load_model(model_args, training_args, tokenizer)
-    trainer = CausalLMTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=DataCollatorForPretraining(),
-        compute_metrics=next_token_accuracy if eval_dataset is not None else None,
-        preprocess_logits_for_metrics=argmax_logits_for_metrics if eval_dataset is not None else None,
-        callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("pt_lora_model")],
-    )
-    train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
-    if model_args.full_finetuning:
-        trainer.save_model()
-    finish_run(trainer, train_result, eval_dataset, len(train_dataset))
+    callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("pt_lora_model")]
+    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForPretraining(), callbacks)
+    train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
 
 
 if __name__ == "__main__":

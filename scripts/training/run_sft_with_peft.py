@@ -31,19 +31,14 @@ from build_dataset import (  # noqa: E402
     split_validation,
 )
 from chat_templates import resolve_template  # noqa: E402
-from model_utils import ModelArguments, check_model_inputs, load_model, load_model_config, load_tokenizer  # noqa: E402
+from model_utils import load_model, start_run  # noqa: E402
 from training_utils import (  # noqa: E402
-    CausalLMTrainer,
     InputError,
     ToolkitTrainingArguments,
-    argmax_logits_for_metrics,
-    finish_run,
-    next_token_accuracy,
-    parse_args,
-    resolve_resume_checkpoint,
+    build_trainer,
     resolve_sequence_length,
     run_cli,
-    setup_logging,
+    train_and_finish,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,14 +95,9 @@ def build_datasets(data_args: SFTDataArguments, tokenizer, template: str, max_le
 
 
 def main():
-    model_args, data_args, training_args = parse_args((ModelArguments, SFTDataArguments, ToolkitTrainingArguments))
-    setup_logging(training_args)
-
-    # Everything that can be refused is checked before anything is written.
-    resume_checkpoint = resolve_resume_checkpoint(training_args)
-    tokenizer = load_tokenizer(model_args)
-    config = load_model_config(model_args)
-    check_model_inputs(model_args, config, tokenizer)
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
+        SFTDataArguments, ToolkitTrainingArguments
+    )
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     template_name, template = resolve_template(data_args.template, tokenizer, logger)
     logger.info("chat template: %s", template_name)
@@ -133,21 +123,9 @@ def main():
     # A KV cache in a training forward would also stop position_ids from separating packed samples.
     model.config.use_cache = False
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = CausalLMTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=DataCollatorForSupervisedDataset(pad_id),
-        compute_metrics=next_token_accuracy if eval_dataset is not None else None,
-        preprocess_logits_for_metrics=argmax_logits_for_metrics if eval_dataset is not None else None,
-        callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")],
-    )
-    train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
-    if model_args.full_finetuning:
-        trainer.save_model()
-    finish_run(trainer, train_result, eval_dataset, len(train_dataset))
+    callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
+    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForSupervisedDataset(pad_id), callbacks)
+    train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
 
 
 if __name__ == "__main__":

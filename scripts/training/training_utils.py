@@ -234,6 +234,31 @@ class CausalLMTrainer(Trainer):
         return sampler
 
 
+def build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, data_collator, callbacks):
+    """The CausalLMTrainer every causal-LM stage uses, with token accuracy on its eval set."""
+    has_eval = eval_dataset is not None
+    return CausalLMTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=data_collator,
+        compute_metrics=next_token_accuracy if has_eval else None,
+        preprocess_logits_for_metrics=argmax_logits_for_metrics if has_eval else None,
+        callbacks=callbacks,
+    )
+
+
+def train_and_finish(trainer, resume_checkpoint, full_finetuning: bool, eval_dataset, num_train_samples: int) -> None:
+    """Train (resuming if asked), save a fully fine-tuned model (adapters are saved by their
+    callback), and write run_clm's result files."""
+    train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
+    if full_finetuning:
+        trainer.save_model()
+    finish_run(trainer, train_result, eval_dataset, num_train_samples)
+
+
 def finish_run(trainer, train_result, eval_dataset, num_train_samples: int) -> None:
     """run_clm's closing convention, kept by every stage: train/eval/all_results.json and
     trainer_state.json (with the loss history) in output_dir."""
