@@ -12,6 +12,7 @@ import tempfile
 from glob import glob
 from itertools import chain
 from multiprocessing import get_context
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import numpy as np
@@ -317,6 +318,34 @@ class SavePeftModelCallback(TrainerCallback):
 # ----------------------------------------------------------------------------- supervised data
 
 SFT_CACHE_VERSION = "sft-1"
+
+
+@dataclass
+class ConversationDataArguments:
+    """Data arguments of the stages that read conversations (SFT, reward, PPO prompts)."""
+
+    dataset_dir: Optional[str] = field(
+        default=None, metadata={"help": "Directory of *.json / *.jsonl files."}
+    )
+    data_path: Optional[list[str]] = field(
+        default=None, metadata={"help": "Data files, each its own dataset (DeepSpeed-Chat style), split by --data_split.", "nargs": "+"}
+    )
+    data_split: Optional[str] = field(
+        default=None, metadata={"help": "Weights of the SFT,reward,PPO parts of each dataset, e.g. 6,2,2."}
+    )
+    data_phase: int = field(default=1, metadata={"help": "Which part of --data_split this stage takes (1 SFT, 2 reward, 3 PPO)."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Held-out data for eval."})
+    validation_split_percentage: float = field(
+        default=0.0, metadata={"help": "Without --validation_file: held-out share of samples (fraction if < 1)."}
+    )
+    template: Optional[str] = field(
+        default=None,
+        metadata={"help": "llama2, alpaca, chatml or human_assistant; default: the tokenizer's own chat_template."},
+    )
+    max_seq_length: Optional[int] = field(default=None, metadata={"help": "Tokens per sequence (prompt + answer)."})
+    data_cache_dir: Optional[str] = field(default=None, metadata={"help": "Where tokenized data is cached."})
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train samples."})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval samples."})
 SFT_SUFFIXES = (".json", ".jsonl")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 MESSAGE_ROLES = ("system", "user", "assistant")
@@ -714,3 +743,124 @@ class DataCollatorForSupervisedDataset:
             else:
                 batch["attention_mask"].append([1] * len(feature["input_ids"]) + [0] * pad)
         return {name: torch.tensor(values, dtype=torch.long) for name, values in batch.items()}
+
+
+# ----------------------------------------------------------------------------- preference pairs
+
+PREFERENCE_CACHE_VERSION = "pairs-1"
+
+
+def preference_of(where: str, record) -> tuple:
+    """(context messages ending on a user turn, chosen answer, rejected answer, margin) from
+    {"prompt", "chosen", "rejected", "system"?, "history"?, "margin"?} or
+    {"chosen": [messages], "rejected": [messages]} sharing every turn but the last answer."""
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: a record must be a JSON object")
+    for name in ("chosen", "rejected"):
+        if name not in record:
+            raise InputError(f"{where}: field '{name}' is missing")
+    margin = record.get("margin", 0.0)
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+        raise InputError(f"{where}: field 'margin' must be a number")
+    if isinstance(record["chosen"], list):
+        return conversation_pair(where, record) + (float(margin),)
+    prompt = string_field(where, record, "prompt")
+    chosen, rejected = string_field(where, record, "chosen"), string_field(where, record, "rejected")
+    template_record = {"instruction": prompt, "output": chosen or "-", "system": record.get("system"),
+                       "history": record.get("history")}
+    context = alpaca_messages(where, template_record)[:-1]
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        if not answer.strip():
+            raise InputError(f"{where}: field '{name}': empty answer")
+    return context, chosen, rejected, float(margin)
+
+
+def conversation_pair(where: str, record: dict) -> tuple:
+    chosen = validate_conversation(where, turn_list(where, record, "chosen", "role", "content", MESSAGE_ROLES), "chosen")
+    rejected = validate_conversation(where, turn_list(where, record, "rejected", "role", "content", MESSAGE_ROLES), "rejected")
+    if len(chosen) != len(rejected) or chosen[:-1] != rejected[:-1]:
+        raise InputError(f"{where}: fields 'chosen' and 'rejected' must share every turn but the last answer")
+    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
+
+
+def build_preference_dataset(
+    files: list,
+    tokenizer,
+    template: str,
+    max_length: int,
+    cache_dir: str,
+    data_split: Optional[str] = None,
+    data_phase: int = 2,
+    seed: int = 42,
+) -> Dataset:
+    """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to its
+    answer's EOS), cached. A pair whose prompt alone fills max_length is refused: it cannot be
+    scored on its answers."""
+    key = cache_key(
+        {
+            "version": PREFERENCE_CACHE_VERSION,
+            "files": [(os.path.abspath(p), file_fingerprint(p)) for p in files],
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "template": template,
+            "max_length": max_length,
+            "split": [data_split, data_phase, seed],
+        }
+    )
+    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length)
+
+    def build(tmp_dir):
+        rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": [], "length": []}, 0
+        for path in files:
+            records = list(read_records(path))
+            if not records:
+                raise InputError(f"{path}: file holds no records (empty)")
+            indices = phase_indices(len(records), data_split, data_phase, seed) if data_split else range(len(records))
+            for index in tqdm(indices, desc=f"Tokenizing pairs of {os.path.basename(path)}", unit="pair"):
+                line, record = records[index]
+                where = f"{path}:{line}"
+                context, chosen, rejected, margin = preference_of(where, record)
+                if chosen.strip() == rejected.strip():
+                    identical += 1
+                    continue
+                pair = []
+                for answer in (chosen, rejected):
+                    sample = conversation_tokenizer(where, context + [{"role": "assistant", "content": answer}])
+                    if sample is None:
+                        raise InputError(f"{where}: the prompt alone fills --max_seq_length {max_length}; "
+                                         "raise it or shorten the prompt")
+                    pair.append(sample["input_ids"])
+                rows["chosen_input_ids"].append(pair[0])
+                rows["rejected_input_ids"].append(pair[1])
+                rows["margin"].append(margin)
+                rows["length"].append(max(len(pair[0]), len(pair[1])))
+        if identical:
+            logger.warning("dropped %d pairs whose chosen and rejected answers are identical", identical)
+        if not rows["margin"]:
+            raise InputError(f"no preference pair left in {', '.join(files)}")
+        Dataset.from_dict(rows).save_to_disk(tmp_dir)
+
+    dataset, hit = build_or_load_cached(cache_dir, f"pairs-{key}", build)
+    logger.info("preference pairs: cache %s (%s, %d pairs)", "hit" if hit else "miss, built", key, len(dataset))
+    return dataset
+
+
+class DataCollatorForPreferencePairs:
+    """The chosen and the rejected sequence of each pair padded together into one batch of 2B
+    (chosen first, then rejected), so one forward scores both. Right padding with an attention
+    mask from the lengths; the score is read at each row's last attended token."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8):
+        self.pad_token_id = pad_token_id
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, features: list) -> dict:
+        sequences = [f["chosen_input_ids"] for f in features] + [f["rejected_input_ids"] for f in features]
+        longest = max(len(s) for s in sequences)
+        width = -(-longest // self.multiple) * self.multiple
+        input_ids = [list(s) + [self.pad_token_id] * (width - len(s)) for s in sequences]
+        attention_mask = [[1] * len(s) + [0] * (width - len(s)) for s in sequences]
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "attention_mask": torch.tensor(attention_mask, dtype=torch.long),
+            "margin": torch.tensor([float(f.get("margin", 0.0)) for f in features], dtype=torch.float32),
+        }

@@ -5,9 +5,12 @@ prompts exactly as training did.
 Each named template ends every assistant turn with the tokenizer's EOS, so the model learns to
 stop; the conversation's tokens are the template's rendering, nothing inserted around it."""
 
+import logging
 from typing import Optional
 
 from training_utils import InputError
+
+logger = logging.getLogger(__name__)
 
 # Chinese-LLaMA-Alpaca-2's default system prompt.
 LLAMA2_SYSTEM_PROMPT = "You are a helpful assistant. 你是一个乐于助人的助手。"
@@ -73,3 +76,12 @@ def resolve_template(requested: Optional[str], tokenizer, log) -> tuple:
         return "tokenizer", tokenizer.chat_template
     log.info("the tokenizer has no chat_template: using the llama2 template")
     return "llama2", named_template("llama2", tokenizer)
+
+
+def use_template(requested: Optional[str], tokenizer) -> str:
+    """Resolve the template and set it as the tokenizer's chat_template: saved with every
+    adapter, so inference renders prompts exactly as training did."""
+    name, template = resolve_template(requested, tokenizer, logger)
+    logger.info("chat template: %s", name)
+    tokenizer.chat_template = template
+    return template

@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+)
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from training_utils import InputError, parse_args, resolve_resume_checkpoint, setup_logging
@@ -197,9 +204,10 @@ def compute_dtype_for(model_args: ModelArguments, training_args):
     return torch.float32
 
 
-def load_model(model_args: ModelArguments, training_args, tokenizer):
-    """Load the causal LM and make it trainable: LoRA via peft (new or --peft_path), QLoRA via
-    bitsandbytes, or --full_finetuning."""
+def load_model(model_args: ModelArguments, training_args, tokenizer, task: str = "causal_lm"):
+    """Load the model and make it trainable: LoRA via peft (new or --peft_path), QLoRA via
+    bitsandbytes, or --full_finetuning. task "causal_lm": a causal LM; "reward": the same
+    checkpoint as a sequence classifier with one output, the score head trained in full."""
     config = load_model_config(model_args)
     check_model_inputs(model_args, config, tokenizer)
     init_deepspeed_distributed(training_args)
@@ -216,7 +224,12 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
         if torch.cuda.is_available() and not training_args.use_cpu:
             # Quantized weights must land on this rank's own GPU, not all on GPU 0.
             load_kwargs["device_map"] = {"": training_args.local_process_index}
-    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **load_kwargs)
+    if task == "reward":
+        config.num_labels = 1
+        model = reward_model_class(config).from_pretrained(model_args.model_name_or_path, **load_kwargs)
+        model.config.architectures = [type(model).__mro__[1].__name__]  # what a merged save should name
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **load_kwargs)
     # Padding and generation need a pad id; EOS doubles as it (masks come from the tokenizer).
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -233,7 +246,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
         log_trainable(model)
         return model
 
-    model = attach_lora(model, model_args)
+    model = attach_lora(model, model_args, task)
     if checkpointing:
         # Frozen embeddings give checkpointed blocks inputs without grad; this keeps LoRA's grads flowing.
         model.enable_input_require_grads()
@@ -241,7 +254,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
     return model
 
 
-def attach_lora(model, model_args: ModelArguments):
+def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm"):
     from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
     if model_args.peft_path:
@@ -264,7 +277,8 @@ def attach_lora(model, model_args: ModelArguments):
     # would untie them and change what the merged model means.
     ensure_tying = tied and bool(modules_to_save) and bool({"embed_tokens", "lm_head"} & set(modules_to_save))
     lora_config = LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
+        # SEQ_CLS also trains the score head in full and saves it with the adapter.
+        task_type=TaskType.SEQ_CLS if task == "reward" else TaskType.CAUSAL_LM,
         target_modules=targets,
         r=model_args.lora_rank,
         lora_alpha=model_args.lora_alpha,
@@ -304,3 +318,33 @@ def gathered_trainable(model):
         context = nullcontext()
     with context:
         yield
+
+
+
+def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                        labels=None, **kwargs):
+    """One score per row, read at the row's last attended token: right for left and right padding
+    and mixed lengths. transformers' own pooling takes the last id that is not the pad id, which
+    is wrong when the pad token is EOS, as it often is. Positions come from the mask, so left
+    padding does not shift them; the head runs on the pooled rows only."""
+    if attention_mask is None:
+        attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+    if position_ids is None:
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (attention_mask * positions).argmax(dim=-1)
+    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    return SequenceClassifierOutputWithPast(logits=self.score(pooled))
+
+
+def reward_model_class(config):
+    """The checkpoint's own sequence-classification class with mask_pooled_forward."""
+    base = AutoModelForSequenceClassification._model_mapping[type(config)]
+    return type(f"MaskPooled{base.__name__}", (base,), {"forward": mask_pooled_forward})
+
+
+def score_sequences(model, input_ids, attention_mask):
+    """Scores of a batch from a model loaded with task="reward" (one float per row)."""
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()

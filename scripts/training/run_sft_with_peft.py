@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transformers import set_seed  # noqa: E402
 
 from build_dataset import (  # noqa: E402
+    ConversationDataArguments,
     DataCollatorForSupervisedDataset,
     SavePeftModelCallback,
     build_sft_dataset,
@@ -30,7 +31,7 @@ from build_dataset import (  # noqa: E402
     pack_samples,
     split_validation,
 )
-from chat_templates import resolve_template  # noqa: E402
+from chat_templates import use_template  # noqa: E402
 from model_utils import load_model, start_run  # noqa: E402
 from training_utils import (  # noqa: E402
     InputError,
@@ -45,34 +46,12 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SFTDataArguments:
-    dataset_dir: Optional[str] = field(
-        default=None, metadata={"help": "Directory of *.json / *.jsonl files (alpaca, sharegpt or messages records)."}
-    )
-    data_path: Optional[list[str]] = field(
-        default=None, metadata={"help": "Data files, each its own dataset (DeepSpeed-Chat style), split by --data_split.", "nargs": "+"}
-    )
+class SFTDataArguments(ConversationDataArguments):
     sft_only_data_path: Optional[list[str]] = field(
         default=None, metadata={"help": "Data files used whole for SFT, never split.", "nargs": "+"}
     )
-    data_split: Optional[str] = field(
-        default=None, metadata={"help": "Weights of the SFT,reward,PPO parts of each dataset, e.g. 6,2,2."}
-    )
-    data_phase: int = field(default=1, metadata={"help": "Which part of --data_split this stage takes (1 = SFT)."})
-    validation_file: Optional[str] = field(default=None, metadata={"help": "Held-out conversations for eval."})
-    validation_split_percentage: float = field(
-        default=0.0, metadata={"help": "Without --validation_file: held-out share of samples (fraction if < 1)."}
-    )
-    template: Optional[str] = field(
-        default=None,
-        metadata={"help": "llama2, alpaca, chatml or human_assistant; default: the tokenizer's own chat_template."},
-    )
-    max_seq_length: Optional[int] = field(default=None, metadata={"help": "Tokens per sample (prompt + answer)."})
     train_on_last_turn_only: bool = field(default=False, metadata={"help": "Train only the last answer of each conversation."})
     packing: bool = field(default=False, metadata={"help": "Pack samples into padding-free rows of max_seq_length."})
-    data_cache_dir: Optional[str] = field(default=None, metadata={"help": "Where tokenized samples are cached."})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train samples."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval samples."})
 
 
 def build_datasets(data_args: SFTDataArguments, tokenizer, template: str, max_length: int, seed: int) -> tuple:
@@ -99,10 +78,7 @@ def main():
         SFTDataArguments, ToolkitTrainingArguments
     )
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
-    template_name, template = resolve_template(data_args.template, tokenizer, logger)
-    logger.info("chat template: %s", template_name)
-    # Saved with every adapter, so inference renders prompts exactly as training did.
-    tokenizer.chat_template = template
+    template = use_template(data_args.template, tokenizer)
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="tokenize the supervised data"):

@@ -218,13 +218,8 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
         self.generator = torch.Generator().manual_seed(self.seed + epoch)
 
 
-class CausalLMTrainer(Trainer):
-    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end,
-    and whose length-grouped sampling is reproducible across a resume."""
-
-    def log(self, logs, *args, **kwargs):
-        add_perplexity(logs)
-        super().log(logs, *args, **kwargs)
+class ResumableTrainer(Trainer):
+    """Trainer whose length-grouped sampling is reproducible across a resume."""
 
     def _get_train_sampler(self, train_dataset=None):
         sampler = super()._get_train_sampler(train_dataset)
@@ -232,6 +227,14 @@ class CausalLMTrainer(Trainer):
             seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
             return EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
         return sampler
+
+
+class CausalLMTrainer(ResumableTrainer):
+    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end."""
+
+    def log(self, logs, *args, **kwargs):
+        add_perplexity(logs)
+        super().log(logs, *args, **kwargs)
 
 
 def build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, data_collator, callbacks):
@@ -268,7 +271,7 @@ def finish_run(trainer, train_result, eval_dataset, num_train_samples: int) -> N
     trainer.save_metrics("train", metrics)
     trainer.save_state()
     if eval_dataset is not None:
-        eval_metrics = add_perplexity(trainer.evaluate())
+        eval_metrics = trainer.evaluate()  # a CausalLMTrainer's log() has added perplexity
         eval_metrics["eval_samples"] = len(eval_dataset)
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)

@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Pairwise reward model with LoRA (DeepSpeed-Chat's step 2): the base or SFT-merged causal LM
+loaded as a sequence classifier with one output, trained so that the chosen answer of each
+pair scores above the rejected one.
+
+    torchrun --nproc_per_node 8 scripts/training/run_reward.py \
+        --model_name_or_path SFT_MERGED --dataset_dir PAIRS --max_seq_length 512 \
+        --output_dir OUT --do_train --deepspeed ds_configs/ds_zero2_no_offload.json ...
+
+Writes checkpoint-N/ (resumable), OUT/rm_lora_model/ (adapter + score head + tokenizer) and,
+with --merge_on_save, OUT/rm_merged_model/ (a plain model the PPO stage loads as reward/critic).
+"""
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import set_seed  # noqa: E402
+
+from build_dataset import (  # noqa: E402
+    ConversationDataArguments,
+    DataCollatorForPreferencePairs,
+    SavePeftModelCallback,
+    build_preference_dataset,
+    data_cache_dir,
+    find_sft_files,
+    first_samples,
+    split_validation,
+)
+from chat_templates import use_template  # noqa: E402
+from model_utils import load_model, reward_model_class, score_sequences, start_run  # noqa: E402
+from training_utils import (  # noqa: E402
+    InputError,
+    ResumableTrainer,
+    ToolkitTrainingArguments,
+    resolve_sequence_length,
+    run_cli,
+    train_and_finish,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardDataArguments(ConversationDataArguments):
+    data_phase: int = field(default=2, metadata={"help": "Which part of --data_split this stage takes (2 = reward)."})
+
+
+@dataclass
+class RewardArguments(ToolkitTrainingArguments):
+    reward_center_coef: float = field(
+        default=0.0, metadata={"help": "Weight of mean((r_chosen + r_rejected)^2): keeps rewards centred on 0."}
+    )
+    merge_on_save: bool = field(
+        default=False, metadata={"help": "Also write OUT/rm_merged_model: base + adapter merged, for PPO."}
+    )
+
+
+class RewardTrainer(ResumableTrainer):
+    """Pairwise loss -logsigmoid(r_chosen - r_rejected - margin) over batches holding each
+    pair's chosen and rejected sequences together (one forward for both)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        scores = score_sequences(model, inputs["input_ids"], inputs["attention_mask"])
+        chosen, rejected = scores.chunk(2)
+        loss = -F.logsigmoid(chosen - rejected - inputs["margin"]).mean()
+        if self.args.reward_center_coef:
+            loss = loss + self.args.reward_center_coef * (chosen + rejected).pow(2).mean()
+        return (loss, {"chosen": chosen, "rejected": rejected}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, scores = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        pair_scores = torch.stack([scores["chosen"], scores["rejected"]], dim=1)
+        # compute_metrics only runs when there are labels: the "label" of a pair is its order.
+        return loss.detach(), pair_scores, torch.zeros(pair_scores.shape[0], device=pair_scores.device)
+
+
+def preference_metrics(eval_prediction) -> dict:
+    scores = np.asarray(eval_prediction.predictions)
+    chosen, rejected = scores[:, 0], scores[:, 1]
+    return {
+        "accuracy": float((chosen > rejected).mean()),
+        "chosen_score": float(chosen.mean()),
+        "rejected_score": float(rejected.mean()),
+        "margin": float((chosen - rejected).mean()),
+    }
+
+
+def build_datasets(data_args: RewardDataArguments, tokenizer, template: str, max_length: int, seed: int) -> tuple:
+    files = find_sft_files(data_args.dataset_dir, data_args.data_path)
+    if not files:
+        raise InputError("no training data: give --dataset_dir or --data_path")
+    common = {"tokenizer": tokenizer, "template": template, "max_length": max_length,
+              "cache_dir": data_cache_dir(data_args.data_cache_dir)}
+    train = build_preference_dataset(files, data_split=data_args.data_split, data_phase=data_args.data_phase,
+                                     seed=seed, **common)
+    if data_args.validation_file:
+        return train, build_preference_dataset(find_sft_files(None, [data_args.validation_file]), **common)
+    return split_validation(train, data_args.validation_split_percentage, seed)
+
+
+def save_merged(model_args, training_args, tokenizer) -> None:
+    """Base + trained adapter merged into a plain sequence classifier (main process, CPU)."""
+    from peft import PeftModel
+
+    from model_utils import load_model_config
+
+    config = load_model_config(model_args)
+    config.num_labels = 1
+    base = reward_model_class(config).from_pretrained(model_args.model_name_or_path, config=config, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, os.path.join(training_args.output_dir, "rm_lora_model")).merge_and_unload()
+    merged.config.architectures = [type(merged).__mro__[1].__name__]
+    merged.config.pad_token_id = tokenizer.pad_token_id
+    target = os.path.join(training_args.output_dir, "rm_merged_model")
+    merged.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    logger.info("merged reward model written to %s", target)
+
+
+def main():
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
+        RewardDataArguments, RewardArguments
+    )
+    max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
+    template = use_template(data_args.template, tokenizer)
+    if tokenizer.pad_token is None:
+        # Saved models need a pad id (our masks never compare ids with it). Not EOS if avoidable:
+        # transformers' own pooling scores the last id that is not the pad id, and answers end
+        # with EOS, so an AutoModelForSequenceClassification loader would read the wrong token.
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    set_seed(training_args.seed)
+
+    with training_args.main_process_first(desc="tokenize the preference pairs"):
+        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, template, max_length, training_args.seed)
+    train_dataset = first_samples(train_dataset, data_args.max_train_samples)
+    eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
+    logger.info("train pairs: %d, eval pairs: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
+    # The pairs hold chosen/rejected ids, margin and length; the collator picks what it needs.
+    training_args.remove_unused_columns = False
+
+    model = load_model(model_args, training_args, tokenizer, task="reward")
+    trainer = RewardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForPreferencePairs(tokenizer.pad_token_id),
+        compute_metrics=preference_metrics,
+        callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("rm_lora_model")],
+    )
+    train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
+    if training_args.merge_on_save and not model_args.full_finetuning and training_args.should_save:
+        save_merged(model_args, training_args, tokenizer)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,174 @@
+"""Reward model: the score's position, a learnable preference, DeepSpeed, resume, reload, bad input."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from conftest import CHINESE, ENGLISH, KILL_WRAPPER, REPO, TRAINING, run_script, tiny_sft_args
+from test_bad_input import check_refused
+from test_pretraining import adapter_weights, assert_ok, log_history
+
+RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
+
+
+def tiny_rm_args(model_dir, output_dir, cache_dir, **overrides):
+    options = {"template": "human_assistant", "lora_dropout": 0.0, **overrides}
+    return tiny_sft_args(model_dir, output_dir, cache_dir, **options)
+
+
+def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_model_dir, tiny_tokenizer_dir):
+    from peft import PeftModel
+
+    from model_utils import ModelArguments, load_model, score_sequences
+    from training_utils import ToolkitTrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model_args = ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0)
+    model = load_model(model_args, ToolkitTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"),
+                       tokenizer, task="reward").eval()
+    with torch.no_grad():  # a trained-looking adapter: LoRA B starts at zero
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    assert isinstance(model, PeftModel)
+    sequence = tokenizer("我们 今天 学习 the quick fox")["input_ids"] + [tokenizer.eos_token_id]
+    longer = tokenizer("北京 上海 天气 很好 人民 日报 经济 发展 科学 技术")["input_ids"] + [tokenizer.eos_token_id]
+    n, pad, width = len(sequence), 0, len(longer) + 3
+    assert width > n
+
+    def score(rows, masks):
+        return score_sequences(model, torch.tensor(rows), torch.tensor(masks))
+
+    alone = score([sequence], [[1] * n])[0]
+    right = score([sequence + [pad] * (width - n), longer + [pad] * 3], [[1] * n + [0] * (width - n), [1] * len(longer) + [0] * 3])
+    left = score([[pad] * (width - n) + sequence, [pad] * 3 + longer], [[0] * (width - n) + [1] * n, [0] * 3 + [1] * len(longer)])
+    eos_padded = score([sequence + [tokenizer.eos_token_id] * 4], [[1] * n + [0] * 4])[0]  # pad id == EOS
+    for value in (right[0], left[0], eos_padded):
+        assert abs(value.item() - alone.item()) <= 1e-5
+    assert abs(right[1].item() - left[1].item()) <= 1e-5
+    assert abs(alone.item() - right[1].item()) > 1e-3  # different texts score differently
+
+
+def marker_pairs(count, seed):
+    """Chosen answers carry the marker word 好评; rejected ones do not: learnable from one token."""
+    rng = random.Random(seed)
+    words = ENGLISH + [w for w in CHINESE if w != "很好"]
+
+    def sentence():
+        return " ".join(rng.choice(words) for _ in range(rng.randint(4, 9)))
+
+    pairs = []
+    for _ in range(count):
+        answer, other = sentence(), sentence()
+        pairs.append({"prompt": sentence(), "chosen": f"{answer} 很好", "rejected": other})
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def marker_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm_data")
+    (root / "train.jsonl").write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in marker_pairs(400, 0)))
+    (root / "valid.jsonl").write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in marker_pairs(60, 1)))
+    return str(root / "train.jsonl"), str(root / "valid.jsonl")
+
+
+def test_learns_a_marker_preference_and_reloads_exactly(tiny_model_dir, marker_files, tmp_path):
+    from peft import PeftModel
+
+    from build_dataset import DataCollatorForPreferencePairs, build_preference_dataset
+    from chat_templates import named_template
+    from model_utils import reward_model_class, score_sequences
+
+    train, valid = marker_files
+    out = tmp_path / "out"
+    args = tiny_rm_args(tiny_model_dir, out, tmp_path / "cache", data_path=train, validation_file=valid,
+                        max_steps=40, learning_rate=1e-2, per_device_train_batch_size=8, save_steps=40,
+                        merge_on_save=True)
+    assert_ok(run_script(args, script=RM_SCRIPT))
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["eval_accuracy"] >= 0.95, results
+    assert results["eval_margin"] > 0
+
+    # The saved adapter + score head, and the merged model, reproduce the eval scores.
+    tokenizer = AutoTokenizer.from_pretrained(out / "rm_lora_model")
+    pairs = build_preference_dataset([valid], tokenizer, named_template("human_assistant", tokenizer), 256,
+                                     str(tmp_path / "cache"))
+    batch = DataCollatorForPreferencePairs(tokenizer.pad_token_id)([pairs[i] for i in range(len(pairs))])
+    config = AutoModelForSequenceClassification.from_pretrained(out / "rm_merged_model").config
+    base = reward_model_class(config).from_pretrained(tiny_model_dir, config=config, dtype=torch.float32)
+    adapter_model = PeftModel.from_pretrained(base, out / "rm_lora_model").eval()
+    merged = reward_model_class(config).from_pretrained(out / "rm_merged_model", dtype=torch.float32).eval()
+    for model in (adapter_model, merged):
+        with torch.no_grad():
+            chosen, rejected = score_sequences(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+        assert abs(chosen.mean().item() - results["eval_chosen_score"]) <= 1e-4
+        assert abs(rejected.mean().item() - results["eval_rejected_score"]) <= 1e-4
+        assert (chosen > rejected).float().mean().item() == pytest.approx(results["eval_accuracy"])
+    # transformers' own class loads the merged model too, and agrees on an unpadded sequence.
+    plain = AutoModelForSequenceClassification.from_pretrained(out / "rm_merged_model", dtype=torch.float32).eval()
+    row = torch.tensor([pairs[0]["chosen_input_ids"]])
+    with torch.no_grad():
+        assert abs(plain(row).logits.item() - score_sequences(merged, row, torch.ones_like(row)).item()) <= 1e-5
+
+
+@pytest.mark.parametrize("config", ["ds_zero2_no_offload", "ds_zero3_no_offload"])
+def test_reward_deepspeed_two_processes(config, tiny_model_dir, marker_files, tmp_path):
+    train, valid = marker_files
+    out = tmp_path / "out"
+    args = tiny_rm_args(tiny_model_dir, out, tmp_path / "cache", data_path=train, validation_file=valid,
+                        max_steps=4, save_steps=4, max_eval_samples=16,
+                        deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
+    assert_ok(run_script(args, nproc=2, script=RM_SCRIPT))
+    losses = [e["loss"] for e in log_history(out) if "loss" in e]
+    assert len(losses) == 4 and all(0 < loss < 5 for loss in losses)
+    weights = adapter_weights(out / "rm_lora_model")
+    score = next(v for k, v in weights.items() if "score" in k)
+    assert score.shape == (1, 64)
+    assert "eval_accuracy" in json.loads((out / "eval_results.json").read_text())
+
+
+def test_reward_resume_after_sigkill_equals_uninterrupted(tiny_model_dir, marker_files, tmp_path):
+    train, _ = marker_files
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert_ok(run_script(tiny_rm_args(tiny_model_dir, straight, tmp_path / "c", data_path=train), script=RM_SCRIPT))
+    args = tiny_rm_args(tiny_model_dir, crashed, tmp_path / "c", data_path=train)
+    killed = run_script(args, script=RM_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "5"])
+    assert killed.returncode != 0 and not (crashed / "checkpoint-10").exists()
+    assert_ok(run_script(args, script=RM_SCRIPT))
+    expected, actual = adapter_weights(straight / "rm_lora_model"), adapter_weights(crashed / "rm_lora_model")
+    assert max((expected[k] - actual[k]).abs().max().item() for k in expected) <= 1e-6
+
+
+GOOD_PAIR = {"prompt": "写一条好评", "chosen": "很好 很好", "rejected": "不好"}
+
+
+@pytest.mark.parametrize("case,bad,expected", [
+    ("missing_chosen", {"prompt": "p", "rejected": "r"}, "d.jsonl:2: field 'chosen' is missing"),
+    ("missing_rejected", {"prompt": "p", "chosen": "c"}, "d.jsonl:2: field 'rejected' is missing"),
+    ("long_prompt", {"prompt": "我们 " * 300, "chosen": "c", "rejected": "r"}, "d.jsonl:2: the prompt alone fills --max_seq_length 256"),
+])
+def test_reward_bad_input_is_refused_cleanly(case, bad, expected, tiny_model_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(GOOD_PAIR, ensure_ascii=False) + "\n" + json.dumps(bad, ensure_ascii=False) + "\n")
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    check_refused(run_script(tiny_rm_args(tiny_model_dir, out, cache, data_path=data), script=RM_SCRIPT), expected)
+    assert not out.exists()
+
+
+def test_identical_pairs_are_dropped_and_counted(tiny_tokenizer_dir, tmp_path, caplog):
+    from build_dataset import build_preference_dataset
+    from chat_templates import named_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    data = tmp_path / "d.jsonl"
+    same = {"prompt": "p", "chosen": "一样", "rejected": "一样 "}
+    data.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in [GOOD_PAIR, same, same, GOOD_PAIR]))
+    with caplog.at_level("WARNING", logger="build_dataset"):
+        pairs = build_preference_dataset([str(data)], tokenizer, named_template("chatml", tokenizer), 256,
+                                         str(tmp_path / "cache"))
+    assert len(pairs) == 2
+    assert "dropped 2 pairs whose chosen and rejected answers are identical" in caplog.text
