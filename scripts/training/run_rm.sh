@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Reward model with LoRA on one node. Set the paths through the environment; anything after the
+# script name is passed on:
+#   MODEL=outputs/sft_merged DATA=/data/pairs VALID=/data/pairs_valid.jsonl \
+#   OUTPUT=outputs/rm bash scripts/training/run_rm.sh --merge_on_save
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+
+MODEL=${MODEL:?set MODEL to the SFT-merged (or base) model directory}
+DATA=${DATA:?set DATA to a directory of .json/.jsonl preference-pair files}
+OUTPUT=${OUTPUT:-outputs/rm}
+DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
+NPROC=${NPROC:-8}
+DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
+validation=()
+if [ -n "${VALID:-}" ]; then validation=(--validation_file "$VALID" --eval_strategy steps --eval_steps 100); fi
+
+torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_reward.py" \
+    --deepspeed "$DS_CONFIG" \
+    --model_name_or_path "$MODEL" \
+    --dataset_dir "$DATA" \
+    --data_cache_dir "$DATA_CACHE" \
+    "${validation[@]}" \
+    --per_device_train_batch_size 4 \
+    --per_device_eval_batch_size 4 \
+    --do_train \
+    --seed 42 \
+    --bf16 \
+    --num_train_epochs 1 \
+    --lr_scheduler_type cosine \
+    --learning_rate 5e-5 \
+    --warmup_steps 0.03 \
+    --weight_decay 0.1 \
+    --logging_steps 10 \
+    --save_strategy steps \
+    --save_total_limit 3 \
+    --save_steps 200 \
+    --gradient_accumulation_steps 2 \
+    --max_seq_length 512 \
+    --output_dir "$OUTPUT" \
+    --lora_rank 64 \
+    --lora_alpha 128 \
+    --trainable "q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj" \
+    --lora_dropout 0.05 \
+    --torch_dtype bfloat16 \
+    --ddp_find_unused_parameters False \
+    "$@"
