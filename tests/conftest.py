@@ -211,6 +211,29 @@ TINY_TRAINING_OPTIONS = {
 }
 
 
+def refuse_in_process(script: str, args: list, capsys) -> tuple:
+    """Run a script's main() through run_cli in this process (no interpreter start-up): returns
+    (exit code, stdout, stderr). The subprocess tests prove the same contract end to end."""
+    import importlib
+    import sys as _sys
+
+    from training_utils import run_cli
+
+    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    saved_argv = _sys.argv
+    _sys.argv = [script] + [str(a) for a in args]
+    capsys.readouterr()
+    try:
+        run_cli(module.main)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        _sys.argv = saved_argv
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def tiny_pt_args(model_dir, data_dir, output_dir, cache_dir, **overrides) -> list:
     """Arguments of a short LoRA pretraining run on the tiny model."""
     options = {"model_name_or_path": model_dir, "dataset_dir": data_dir, "data_cache_dir": cache_dir,

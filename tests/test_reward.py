@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import CHINESE, ENGLISH, KILL_WRAPPER, REPO, TRAINING, run_script, tiny_sft_args
-from test_bad_input import check_refused
+from test_bad_input import check_refused, refuse
 from test_pretraining import adapter_weights, assert_ok, log_history
 
 RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
@@ -151,11 +151,12 @@ GOOD_PAIR = {"prompt": "写一条好评", "chosen": "很好 很好", "rejected":
     ("missing_rejected", {"prompt": "p", "chosen": "c"}, "d.jsonl:2: field 'rejected' is missing"),
     ("long_prompt", {"prompt": "我们 " * 300, "chosen": "c", "rejected": "r"}, "d.jsonl:2: the prompt alone fills --max_seq_length 256"),
 ])
-def test_reward_bad_input_is_refused_cleanly(case, bad, expected, tiny_model_dir, tmp_path):
+def test_reward_bad_input_is_refused_cleanly(case, bad, expected, tiny_model_dir, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(GOOD_PAIR, ensure_ascii=False) + "\n" + json.dumps(bad, ensure_ascii=False) + "\n")
     out, cache = tmp_path / "out", tmp_path / "cache"
-    check_refused(run_script(tiny_rm_args(tiny_model_dir, out, cache, data_path=data), script=RM_SCRIPT), expected)
+    args = tiny_rm_args(tiny_model_dir, out, cache, data_path=data)
+    check_refused(refuse(RM_SCRIPT, args, capsys, in_process=case != "missing_chosen"), expected)
     assert not out.exists()
 
 

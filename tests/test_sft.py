@@ -23,7 +23,7 @@ from build_dataset import (
 from chat_templates import TEMPLATES, named_template
 from conftest import KILL_WRAPPER, REPO, SFT_SCRIPT, run_script, tiny_sft_args
 from sft_tasks import arithmetic_records
-from test_bad_input import check_refused
+from test_bad_input import check_refused, refuse
 from test_pretraining import adapter_weights, assert_ok, log_history
 
 # SmolLM2's own template (chatml with a default system prompt): a tokenizer's own chat_template.
@@ -284,7 +284,7 @@ BAD_SFT_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SFT_CASES) + ["unknown_template"])
-def test_sft_bad_input_is_refused_cleanly(case, tiny_model_dir, tmp_path):
+def test_sft_bad_input_is_refused_cleanly(case, tiny_model_dir, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     options = {"template": "alpaca"}
@@ -296,8 +296,8 @@ def test_sft_bad_input_is_refused_cleanly(case, tiny_model_dir, tmp_path):
         content = bad if isinstance(bad, bytes) else (json.dumps(GOOD) + "\n" + json.dumps(bad) + "\n").encode()
     (data / "d.jsonl").write_bytes(content)
     out, cache = tmp_path / "out", tmp_path / "cache"
-    check_refused(run_script(tiny_sft_args(tiny_model_dir, out, cache, dataset_dir=data, **options), script=SFT_SCRIPT),
-                  expected)
+    args = tiny_sft_args(tiny_model_dir, out, cache, dataset_dir=data, **options)
+    check_refused(refuse(SFT_SCRIPT, args, capsys, in_process=case != "broken_json"), expected)
     assert not out.exists()
     assert not cache.exists() or not list(cache.iterdir())
 
