@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ SCRIPT = os.path.join(MERGE_DIR, "merge_llama_with_lora.py")
 sys.path.insert(0, MERGE_DIR)
 
 import merge_llama_with_lora as merge_lora  # noqa: E402
+import merge_utils  # noqa: E402
 
 TOLERANCE = 1e-4
 # An intermediate interpreter runs the measured child: a child forked from pytest itself would
@@ -261,20 +263,23 @@ def test_chained_adapters_on_sharded_base(tmp_path, tiny_tokenizer_dir, extended
     assert len(sizes) >= 3 and max(sizes) <= 100_000 + 64 * 1024  # a tensor larger than the limit gets its own file
 
 
-def test_trained_adapter_with_verify(tmp_path, tiny_model_dir, extended_tokenizer_dir, pretrain_dir):
+def test_trained_adapter_with_verify(tmp_path, tiny_tokenizer_dir, extended_tokenizer_dir, pretrain_dir):
     """A real adapter from run_clm_pt_with_peft.py (extended vocabulary, trainable embeddings),
     merged by the script as users run it, with --verify against peft."""
     from transformers import AutoTokenizer
 
+    base_dir = tmp_path / "base"  # random weights will do: only the merge's fidelity is measured
+    tiny_llama(400).save_pretrained(str(base_dir))
+    AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(str(base_dir))
     train_out = tmp_path / "pt"
-    result = run_script(tiny_pt_args(tiny_model_dir, pretrain_dir, str(train_out), str(tmp_path / "cache"),
+    result = run_script(tiny_pt_args(str(base_dir), pretrain_dir, str(train_out), str(tmp_path / "cache"),
                                      tokenizer_name_or_path=extended_tokenizer_dir,
                                      modules_to_save="embed_tokens,lm_head",
                                      max_steps=3, save_steps=100, validation_split_percentage=0))
     assert result.returncode == 0, result.stderr[-3000:]
     adapter = train_out / "pt_lora_model"
     out = tmp_path / "merged"
-    result = subprocess.run([sys.executable, SCRIPT, "--base_model", tiny_model_dir, "--lora_model", str(adapter),
+    result = subprocess.run([sys.executable, SCRIPT, "--base_model", str(base_dir), "--lora_model", str(adapter),
                              "--output_dir", str(out), "--verify"], cwd=REPO, env=script_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -382,7 +387,8 @@ def peak_rss(arguments, tmp_path) -> tuple:
 
 def test_peak_memory_on_ten_shards(tmp_path):
     """Peak RSS of the merge process on a 645 MB base of 10 shards stays below half of the
-    model's size plus the adapter's, torch runtime included; the result is exact."""
+    model's size plus the adapter's, torch runtime (~225 MB) included, and the merge's own share
+    (peak minus a bare `import torch`) below a tenth; the merged weights are exact."""
     base_dir, adapter_dir, out = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
     model_bytes = write_random_llama(base_dir)
     adapter_bytes = write_random_adapter(adapter_dir, base_dir)
@@ -395,7 +401,7 @@ def test_peak_memory_on_ten_shards(tmp_path):
     assert peak < 0.5 * (model_bytes + adapter_bytes), result.stdout
     assert peak - runtime < 0.1 * (model_bytes + adapter_bytes)  # the merge itself: a few row chunks
 
-    # Exact where it matters: spot-check merged weights against W + (alpha / r) * B @ A.
+    # Spot-check merged weights against W + (alpha / r) * B @ A (embed_tokens: copied through).
     base_index = json.loads((base_dir / "model.safetensors.index.json").read_text())["weight_map"]
     out_index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     from safetensors import safe_open
@@ -418,16 +424,14 @@ def test_peak_memory_on_ten_shards(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_base(tmp_path_factory, tiny_tokenizer_dir):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("bad_input_base")
     model = tiny_llama(400)
     model.save_pretrained(str(root / "base"))
     AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(str(root / "base"))
     lora(tiny_llama(400), 21).save_pretrained(str(root / "adapter"))
-    other = tiny_llama(400)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    # Same architecture and vocabulary, another width: every LoRA shape differs from the base's.
     other = LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     lora(other, 22).save_pretrained(str(root / "other_adapter"))
@@ -439,9 +443,27 @@ def snapshot(directory):
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("case", ["another_base", "no_adapter_config", "output_exists", "output_is_base",
-                                  "tokenizer_too_large"])
-def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir):
+BAD_INPUT_CASES = ["another_base", "no_adapter_config", "output_exists", "output_is_base", "tokenizer_too_large"]
+
+
+def refuse(args, capsys, in_process: bool):
+    """Run a bad-input case as a real process (the whole contract, interpreter included) or
+    in-process through the same run_cli (fast)."""
+    if not in_process:
+        return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=REPO, env=script_env(),
+                              capture_output=True, text=True, timeout=300)
+    capsys.readouterr()
+    try:
+        merge_utils.run_cli(lambda: merge_lora.main([str(a) for a in args]))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
+
+
+@pytest.mark.parametrize("case", BAD_INPUT_CASES)
+def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir, capsys):
     import shutil
 
     base, adapter, out = small_base / "base", small_base / "adapter", tmp_path / "out"
@@ -462,9 +484,9 @@ def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir):
             shutil.copy(os.path.join(extended_tokenizer_dir, name), adapter)
         expected = "the tokenizer has 404 tokens but the merged embeddings have 400 rows"
     before = snapshot(small_base)
-    result = subprocess.run([sys.executable, SCRIPT, "--base_model", str(base), "--lora_model", str(adapter),
-                             "--output_dir", str(out)], cwd=REPO, env=script_env(), capture_output=True, text=True,
-                            timeout=300)
+    # The first case runs as a real process; the others in-process through the same run_cli.
+    result = refuse(["--base_model", base, "--lora_model", adapter, "--output_dir", out], capsys,
+                    in_process=case != BAD_INPUT_CASES[0])
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

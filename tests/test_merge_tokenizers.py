@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ SCRIPT = os.path.join(MERGE_DIR, "merge_tokenizers.py")
 sys.path.insert(0, MERGE_DIR)
 
 import merge_tokenizers  # noqa: E402
+import merge_utils  # noqa: E402
 
 MIXED = "我们今天学习中文模型的训练 and vocabulary extension 🎉🚀 再见！"
 ENGLISH_LINES = [" ".join(ENGLISH[i:] + ENGLISH[:i]) for i in range(0, len(ENGLISH), 3)]
@@ -72,8 +74,9 @@ def sp_unigram_base_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def byte_level_base_dir(tmp_path_factory):
-    """A GPT-2/LLaMA-3-style byte-level BPE tokenizer trained on mostly English text, with
-    chat special tokens: most Chinese characters cost several byte tokens, as in SmolLM2."""
+    """A GPT-2/LLaMA-3-style byte-level BPE tokenizer trained on mostly English text: most
+    Chinese characters cost several byte tokens, as in SmolLM2. Like LLaMA-3 it also has special
+    tokens added after training, whose ids lie past the BPE model's vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,6 +88,7 @@ def byte_level_base_dir(tmp_path_factory):
     backend.train_from_iterator(generated_corpus(2000, seed=0) + ENGLISH_LINES * 20, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                         unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|reserved_0|>", "<|reserved_1|>"]})
     out = tmp_path_factory.mktemp("byte_level_base")
     tokenizer.save_pretrained(str(out))
     return str(out)
@@ -135,7 +139,9 @@ def test_byte_level_bpe_base(byte_level_base_dir, chinese_corpus, tmp_path):
     base_data = json.loads(open(os.path.join(byte_level_base_dir, "tokenizer.json"), encoding="utf-8").read())
     assert len(data["added_tokens"]) == len(base_data["added_tokens"])
     assert data["model"]["merges"][: len(base_data["model"]["merges"])] == base_data["model"]["merges"]
-    assert len(data["model"]["vocab"]) == len(merged)  # this base keeps its special tokens in the vocab too
+    # The reserved tokens, past the base's BPE vocab, kept their ids: the new pieces come after them.
+    assert [merged.convert_tokens_to_ids(f"<|reserved_{i}|>") for i in (0, 1)] == [len(base) - 2, len(base) - 1]
+    assert len(data["model"]["vocab"]) == len(merged)
     # Text the base already covers is segmented exactly as before: the new merges run last.
     for line in ENGLISH_LINES:
         assert merged(line)["input_ids"] == base(line)["input_ids"]
@@ -221,9 +227,20 @@ def test_extra_sp_model_route(sp_base_dir, chinese_corpus, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-def run(args):
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=REPO, env=script_env(),
-                          capture_output=True, text=True, timeout=300)
+def refuse(args, capsys, in_process: bool):
+    """Run a bad-input case as a real process (the whole contract, interpreter included) or
+    in-process through the same run_cli (fast)."""
+    if not in_process:
+        return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=REPO, env=script_env(),
+                              capture_output=True, text=True, timeout=300)
+    capsys.readouterr()
+    try:
+        merge_utils.run_cli(lambda: merge_tokenizers.main([str(a) for a in args]))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
 
 
 def unigram_model(tmp_path, corpus):
@@ -234,9 +251,12 @@ def unigram_model(tmp_path, corpus):
     return tmp_path / "uni.model"
 
 
-@pytest.mark.parametrize("case", ["output_exists", "no_source", "non_utf8", "vocab_too_large", "unigram_into_bpe",
-                                  "model_type_mismatch", "not_a_tokenizer"])
-def test_bad_input(case, sp_base_dir, chinese_corpus, tmp_path):
+BAD_INPUT_CASES = ["output_exists", "no_source", "non_utf8", "vocab_too_large", "unigram_into_bpe",
+                   "model_type_mismatch", "not_a_tokenizer"]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT_CASES)
+def test_bad_input(case, sp_base_dir, chinese_corpus, tmp_path, capsys):
     out = tmp_path / "out"
     base = sp_base_dir
     train = chinese_corpus / "train.txt"
@@ -265,7 +285,9 @@ def test_bad_input(case, sp_base_dir, chinese_corpus, tmp_path):
         base = tmp_path / "empty_dir"
         base.mkdir()
         args, expected = ["--train_corpus", train], "has neither tokenizer.model nor tokenizer.json"
-    result = run(["--base_tokenizer", base, "--output_dir", out, *args])
+    # The first case runs as a real process; the others in-process through the same run_cli.
+    result = refuse(["--base_tokenizer", base, "--output_dir", out, *args], capsys,
+                    in_process=case != BAD_INPUT_CASES[0])
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

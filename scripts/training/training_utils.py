@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -16,21 +16,9 @@ import transformers
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from cli_errors import InputError, run_cli  # noqa: F401  (re-exported: every script imports them from here)
+
 logger = logging.getLogger(__name__)
-
-
-class InputError(Exception):
-    """Bad input from the user: reported as one line naming file, line and field, exit status 2."""
-
-
-def run_cli(main: Callable[[], None]) -> None:
-    """Run a script's main(); turn an InputError into one clear line on stderr and exit 2."""
-    try:
-        main()
-    except InputError as err:
-        message = " ".join(str(err).split())  # one line, whatever the message's origin
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""What the two merge tools share: the bad-input contract (one line, exit 2, nothing written),
+output-directory rules (refuse what would overwrite, build in a temporary sibling and rename it
+into place when complete), and which files make up a tokenizer.
+
+InputError and run_cli come from scripts/training/cli_errors.py, which imports nothing heavy:
+the LoRA merge must start with torch alone (training_utils would pull in transformers' 6 s and
+500 MB of imports)."""
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training"))
+
+from cli_errors import InputError, run_cli  # noqa: E402,F401  (re-exported to the merge tools)
+
+logger = logging.getLogger(__name__)
+
+# Every file a Hugging Face tokenizer directory may hold (fast, SentencePiece and GPT-2 styles).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO, stream=sys.stdout, force=True)
+
+
+def check_output_dir(output_dir: str, inputs: dict) -> None:
+    """Refuse an output directory that would overwrite a result or an input.
+
+    inputs maps a flag name (for the message) to the directory it names. An existing empty
+    directory is accepted (it is replaced by the finished result)."""
+    out = os.path.realpath(output_dir)
+    for flag, path in inputs.items():
+        if path and os.path.realpath(path) == out:
+            raise InputError(f"{output_dir}: --output_dir is the same directory as {flag}; "
+                             "choose a new directory (inputs are never modified)")
+    if os.path.exists(output_dir):
+        if not os.path.isdir(output_dir):
+            raise InputError(f"{output_dir}: --output_dir exists and is not a directory")
+        if os.listdir(output_dir):
+            raise InputError(f"{output_dir}: --output_dir exists and is not empty; "
+                             "choose a new directory or remove it first")
+
+
+@contextmanager
+def atomic_output_dir(output_dir: str) -> Iterator[str]:
+    """Yield a temporary sibling of output_dir to fill; rename it to output_dir when the block
+    completes, delete it if the block fails. Readers never see a half-written result."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.tmp-", dir=parent)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
+        if os.path.isdir(output_dir) and not os.listdir(output_dir):
+            os.rmdir(output_dir)
+        os.rename(tmp, output_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only still there after a failure
+
+
+def tokenizer_files(directory: str) -> list:
+    """The tokenizer files present in directory (empty if it holds no tokenizer)."""
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")) and \
+            not os.path.isfile(os.path.join(directory, "tokenizer.model")) and \
+            not os.path.isfile(os.path.join(directory, "vocab.json")):
+        return []
+    return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
+
+
+def copy_files(source_dir: str, names, target_dir: str) -> None:
+    for name in names:
+        shutil.copyfile(os.path.join(source_dir, name), os.path.join(target_dir, name))
