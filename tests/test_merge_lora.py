@@ -10,11 +10,11 @@ import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from test_bad_input import refuse
 from conftest import REPO, run_script, script_env, tiny_pt_args
 
 MERGE_DIR = os.path.join(REPO, "scripts", "merge")
@@ -22,7 +22,6 @@ SCRIPT = os.path.join(MERGE_DIR, "merge_llama_with_lora.py")
 sys.path.insert(0, MERGE_DIR)
 
 import merge_llama_with_lora as merge_lora  # noqa: E402
-import merge_utils  # noqa: E402
 
 TOLERANCE = 1e-4
 # An intermediate interpreter runs the measured child: a child forked from pytest itself would
@@ -446,22 +445,6 @@ def snapshot(directory):
 BAD_INPUT_CASES = ["another_base", "no_adapter_config", "output_exists", "output_is_base", "tokenizer_too_large"]
 
 
-def refuse(args, capsys, in_process: bool):
-    """Run a bad-input case as a real process (the whole contract, interpreter included) or
-    in-process through the same run_cli (fast)."""
-    if not in_process:
-        return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=REPO, env=script_env(),
-                              capture_output=True, text=True, timeout=300)
-    capsys.readouterr()
-    try:
-        merge_utils.run_cli(lambda: merge_lora.main([str(a) for a in args]))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
-
-
 @pytest.mark.parametrize("case", BAD_INPUT_CASES)
 def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir, capsys):
     import shutil
@@ -485,7 +468,7 @@ def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir, capsys):
         expected = "the tokenizer has 404 tokens but the merged embeddings have 400 rows"
     before = snapshot(small_base)
     # The first case runs as a real process; the others in-process through the same run_cli.
-    result = refuse(["--base_model", base, "--lora_model", adapter, "--output_dir", out], capsys,
+    result = refuse(SCRIPT, ["--base_model", base, "--lora_model", adapter, "--output_dir", out], capsys,
                     in_process=case != BAD_INPUT_CASES[0])
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout

