@@ -3,6 +3,7 @@ fallback (like LLaMA's) trained on a generated Chinese+English corpus, a tiny GQ
 extended-vocabulary tokenizer, and small corpora; plus helpers to run the scripts as users do."""
 
 import json
+import logging
 import os
 import random
 import socket
@@ -221,6 +222,10 @@ def refuse_in_process(script: str, args: list, capsys) -> tuple:
 
     module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
     saved_argv = _sys.argv
+    # A script's logging set-up binds the root logger to this test's captured stdout, which is
+    # closed after the test: restore the root logger so later tests do not write to it.
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
     _sys.argv = [script] + [str(a) for a in args]
     capsys.readouterr()
     try:
@@ -230,6 +235,8 @@ def refuse_in_process(script: str, args: list, capsys) -> tuple:
         code = exit_.code
     finally:
         _sys.argv = saved_argv
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
