@@ -30,8 +30,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo/run_demo.py $(if $(QUICK),--quick,)
 
+# Every benchmarks/bench_*.py in turn (each prints its table and writes outputs/bench/*.json);
+# requirements-bench.txt holds the baselines they compare against (TRL).
 bench: $(STAMP)
-	$(PY) benchmarks/bench_data_prep.py
+	$(PIP) install -q -r requirements-bench.txt
+	@set -e; for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script; done
 
 clean:
 	rm -rf outputs .cache .pytest_cache

