@@ -59,6 +59,7 @@ printed and written to outputs/bench/sft.json.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -429,10 +430,7 @@ def main(argv=None) -> dict:
     os.environ["WANDB_DISABLED"] = "true"
     sys.path.insert(0, str(REPO / "scripts" / "demo"))
 
-    import peft
-    import torch
-    import transformers
-    import trl
+    import trl  # noqa: F401  (fail now, not after the first runs, without requirements-bench.txt)
 
     from prepare_default import prepare_model
 
@@ -470,23 +468,39 @@ def main(argv=None) -> dict:
                       f"{result['median_step_s']:5.2f} s/step, padding {result['padding_pct']:4.1f}%, "
                       f"peak RSS {result['peak_rss_mb']:6.0f} MB, wall {result['wall_s']:5.1f}s, "
                       f"load {result['load_before']} -> {result['load_after']}", flush=True)
+                # A partial report after every run: a long benchmark cut short still leaves its figures.
+                write_report(args, raw, model_dir, data_info, complete=False)
     finally:
         if args.keep:
             print(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
 
+    report = write_report(args, raw, model_dir, data_info, complete=True)
+    print(f"\nwrote {args.output}")
+    return report
+
+
+def write_report(args, raw: dict, model_dir: str, data_info: dict, complete: bool) -> dict:
+    """Best of each run, the ratios and the verdicts; printed when complete, always written to --output."""
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    runs = [run for run, results in raw.items() if results]
+    out = sys.stdout if complete else io.StringIO()
     results = {run: best_of(raw[run]) for run in runs}
-    print()
+    print(file=out)
     header = (f"{'run':<13} {'tokens/s':>9} {'worst':>7} {'tok/CPU-s':>9} {'s/step':>7} {'1st step':>8} "
               f"{'padding':>8} {'tokens':>7} {'labelled':>8} {'train s':>8} {'peak RSS MB':>11}")
-    print(header)
-    print("-" * len(header))
+    print(header, file=out)
+    print("-" * len(header), file=out)
     for run, r in results.items():
         print(f"{run:<13} {r['tokens_per_s']:>9.1f} {r['tokens_per_s_worst']:>7.1f} {r['tokens_per_cpu_s']:>9.1f} "
               f"{r['median_step_s']:>7.2f} "
               f"{r['first_step_s']:>8.2f} {r['padding_pct']:>7.1f}% {r['non_padding_tokens']:>7} "
-              f"{r['labelled_tokens']:>8} {r['train_s']:>8.1f} {r['peak_rss_mb']:>11.0f}")
+              f"{r['labelled_tokens']:>8} {r['train_s']:>8.1f} {r['peak_rss_mb']:>11.0f}", file=out)
 
     ratios, verdicts = {}, []
 
@@ -509,16 +523,17 @@ def main(argv=None) -> dict:
         ratio(f"{prefix}_packed/trl_packed peak RSS", f"{prefix}_packed", "trl_packed", RSS_TARGET, rss=True)
         ratio(f"{prefix}/trl peak RSS", prefix, "trl", RSS_TARGET, rss=True)
         ratio(f"{prefix}_packed/trl peak RSS", f"{prefix}_packed", "trl", rss=True)
-    print()
+    print(file=out)
     for name, value in ratios.items():
-        print(f"{name:<34} {value:5.2f}")
-    print()
+        print(f"{name:<38} {value:5.2f}", file=out)
+    print(file=out)
     for name, value, target, ok, rss in verdicts:
         bound = "<=" if rss else ">="
-        print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})")
+        print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})", file=out)
 
     report = {
         "benchmark": "sft",
+        "complete": complete,
         "model": model_dir,
         "data": data_info,
         "settings": {"batch_size": args.batch_size, "max_length": args.max_length, "steps": args.steps,
@@ -534,10 +549,9 @@ def main(argv=None) -> dict:
         "ratios": ratios,
         "verdicts": [{"ratio": n, "value": v, "target": t, "meets": ok} for n, v, t, ok, _ in verdicts],
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"\nwrote {out}")
+    out_path = Path(args.output)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
 
 
