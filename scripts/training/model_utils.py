@@ -255,19 +255,11 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
 
 
 def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm"):
-    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+    from peft import LoraConfig, TaskType, get_peft_model
 
     if model_args.peft_path:
         logger.info("continuing LoRA adapter %s", model_args.peft_path)
-        try:
-            return PeftModel.from_pretrained(model, model_args.peft_path, is_trainable=True)
-        except RuntimeError as err:
-            if "size mismatch" in str(err):
-                first = str(err).split("size mismatch", 1)[1].split("\n", 1)[0]
-                raise InputError(
-                    f"{model_args.peft_path}: adapter does not fit this base model (size mismatch{first})"
-                ) from None
-            raise
+        return load_peft_adapter(model, model_args.peft_path, is_trainable=True)
     targets = comma_list(model_args.trainable)
     if not targets:
         raise InputError("--trainable must name at least one module for LoRA (or use --full_finetuning)")
@@ -290,6 +282,19 @@ def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm"):
         return get_peft_model(model, lora_config)
     except ValueError as err:
         raise InputError(f"--trainable {model_args.trainable}: {err}") from None
+
+
+def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_path"):
+    """A saved LoRA adapter on model; an adapter made for another base is refused in one line."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    except RuntimeError as err:
+        if "size mismatch" in str(err):
+            first = str(err).split("size mismatch", 1)[1].split("\n", 1)[0]
+            raise InputError(f"{path}: {flag} adapter does not fit this base model (size mismatch{first})") from None
+        raise
 
 
 def log_trainable(model) -> None:
