@@ -1,0 +1,380 @@
+"""What the chat CLI, batch generation and the OpenAI-compatible server share: loading a merged
+model or base + LoRA for generation, prompts rendered with the chat template saved at training
+time, history trimmed to the context, left-padded batched generation with stop strings, and
+streaming text deltas."""
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training"))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from build_dataset import MESSAGE_ROLES, string_field, turn_list  # noqa: E402
+from chat_templates import TEMPLATES, named_template  # noqa: E402
+from model_utils import (  # noqa: E402
+    DTYPES,
+    ModelArguments,
+    embedding_rows,
+    load_model_config,
+    load_peft_adapter,
+    load_tokenizer,
+    quantization_config,
+    resize_embeddings_with_mean,
+)
+from training_utils import InputError  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InferenceModelArguments:
+    """Which model to serve and how prompts are rendered."""
+
+    base_model: str = field(metadata={"help": "A merged model, or the base of --lora_model (HF format directory)."})
+    lora_model: Optional[str] = field(
+        default=None, metadata={"help": "A LoRA adapter directory (e.g. sft_lora_model); its tokenizer is used if it has one."}
+    )
+    load_in_kbits: int = field(
+        default=16, metadata={"help": "4 or 8: quantize the base with bitsandbytes; 16: no.", "choices": [4, 8, 16]}
+    )
+    dtype: str = field(default="auto", metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)})
+    template: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Chat template if the tokenizer saved none: {', '.join(sorted(TEMPLATES))}."},
+    )
+    max_context_tokens: Optional[int] = field(
+        default=None, metadata={"help": "Prompt + answer tokens; default: the model's max_position_embeddings."}
+    )
+
+
+@dataclass
+class SamplingSettings:
+    """How one generation samples; temperature 0 means greedy."""
+
+    max_new_tokens: int = 400
+    temperature: float = 0.2
+    top_p: float = 0.9
+    top_k: int = 40
+    repetition_penalty: float = 1.1
+    seed: Optional[int] = None
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, name)) for name in ("tokenizer_config.json", "tokenizer.json"))
+
+
+def inference_model_arguments(base_model: str, lora_model: Optional[str], load_in_kbits: int = 16,
+                              dtype: str = "auto") -> ModelArguments:
+    """The training scripts' ModelArguments for this model, its directories checked. The
+    tokenizer comes from the adapter directory when it has one: training saved it there with
+    the chat template and any added tokens."""
+    if not os.path.isfile(os.path.join(base_model, "config.json")):
+        raise InputError(f"{base_model}: --base_model is not a model directory (no config.json)")
+    if lora_model and not os.path.isfile(os.path.join(lora_model, "adapter_config.json")):
+        raise InputError(f"{lora_model}: --lora_model is not a LoRA adapter (no adapter_config.json)")
+    tokenizer_dir = lora_model if lora_model and has_tokenizer(lora_model) else base_model
+    return ModelArguments(model_name_or_path=base_model, tokenizer_name_or_path=tokenizer_dir,
+                          torch_dtype=dtype, load_in_kbits=load_in_kbits)
+
+
+def inference_tokenizer(base_model: str, lora_model: Optional[str] = None):
+    return load_tokenizer(inference_model_arguments(base_model, lora_model))
+
+
+def load_for_inference(base_model: str, lora_model: Optional[str] = None, load_in_kbits: int = 16,
+                       dtype: str = "auto", tokenizer=None):
+    """(model in eval mode, tokenizer) from a merged model or base + LoRA adapter (merged into
+    the base unless the base is quantized)."""
+    model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_args)
+    config = load_model_config(model_args)
+    use_gpu = torch.cuda.is_available()
+    compute_dtype = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if use_gpu else torch.float32)
+    quant = quantization_config(model_args, compute_dtype)
+    load_kwargs = {"config": config, "dtype": DTYPES[dtype]}
+    if quant is not None:
+        load_kwargs["quantization_config"] = quant
+        if use_gpu:
+            load_kwargs["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(base_model, **load_kwargs)
+    if len(tokenizer) > embedding_rows(model):
+        # The adapter's saved embed_tokens/lm_head (vocabulary extension) then fill the new rows.
+        resize_embeddings_with_mean(model, len(tokenizer))
+    if lora_model:
+        model = load_peft_adapter(model, lora_model, is_trainable=False, flag="--lora_model")
+        if quant is None:
+            # Folding the adapter in makes each generated token as cheap as with a merged model.
+            model = model.merge_and_unload()
+    if quant is None and use_gpu:
+        model = model.to("cuda")
+    model.eval()
+    logger.info("loaded %s%s (%s, %s)", base_model, f" + {lora_model}" if lora_model else "",
+                next(model.parameters()).dtype, model.device)
+    return model, tokenizer
+
+
+def chat_template_of(tokenizer, requested: Optional[str]) -> str:
+    """--template, else the template training saved with the tokenizer; none at all is refused,
+    since a guessed format would not be the one the model was trained on."""
+    if requested:
+        return named_template(requested, tokenizer)
+    if tokenizer.chat_template:
+        return tokenizer.chat_template
+    raise InputError(
+        f"the tokenizer has no chat_template: give --template ({', '.join(sorted(TEMPLATES))}) "
+        "as used in training"
+    )
+
+
+def template_turn_end(tokenizer, template: str) -> str:
+    """What the template writes after an answer before EOS (e.g. chatml's <|im_end|> when EOS is
+    </s>): generation stops there too, so it never shows up in a reply."""
+    sentinel = "\u2063answer\u2063"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": sentinel}],
+        chat_template=template, tokenize=False,
+    )
+    after = rendered.split(sentinel, 1)[-1]
+    if tokenizer.eos_token and tokenizer.eos_token in after:
+        after = after.split(tokenizer.eos_token, 1)[0]
+    return after.strip()
+
+
+def context_limit(model, requested: Optional[int]) -> int:
+    max_positions = getattr(model.config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return max_positions
+    if not 2 <= requested <= max_positions:
+        raise InputError(f"--max_context_tokens {requested} must be between 2 and the model's "
+                         f"max_position_embeddings {max_positions}")
+    return requested
+
+
+def prompt_conversation(where: str, messages: list, field_name: str = "messages") -> list:
+    """A conversation to answer: optional system first, then user/assistant alternating, ending
+    on a user turn (the templates assume this order)."""
+    start = 1 if messages and messages[0]["role"] == "system" else 0
+    for index in range(start, len(messages)):
+        role = messages[index]["role"]
+        expected = "user" if (index - start) % 2 == 0 else "assistant"
+        if role == "system":
+            raise InputError(f"{where}: field '{field_name}[{index}]': a system turn may only come first")
+        if role != expected:
+            raise InputError(f"{where}: field '{field_name}[{index}]': two consecutive {role} turns")
+    if len(messages) == start:
+        raise InputError(f"{where}: field '{field_name}': the conversation has no user turn")
+    if messages[-1]["role"] != "user":
+        raise InputError(f"{where}: field '{field_name}[{len(messages) - 1}]': the conversation must end on a user turn")
+    return messages
+
+
+def messages_of(where: str, record, system_prompt: Optional[str] = None) -> tuple:
+    """(field name, its value, messages) of a {"prompt": "..."} or {"messages": [...]} record."""
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: a record must be a JSON object")
+    if "messages" in record:
+        messages = prompt_conversation(where, turn_list(where, record, "messages", "role", "content", MESSAGE_ROLES))
+        name = "messages"
+    elif "prompt" in record:
+        messages = [{"role": "user", "content": string_field(where, record, "prompt")}]
+        name = "prompt"
+    else:
+        raise InputError(f"{where}: field 'prompt' or 'messages' is missing")
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return name, record[name], messages
+
+
+class PromptTooLong(Exception):
+    def __init__(self, tokens: int, budget: int):
+        super().__init__(f"the prompt is {tokens} tokens, over the {budget} tokens the context leaves for it")
+        self.tokens, self.budget = tokens, budget
+
+
+def trim_history(messages: list, count_tokens: Callable[[list], int], budget: int) -> tuple:
+    """Drop the oldest user/assistant exchanges until the rendered prompt fits in budget tokens.
+    The system turn and the last user turn are always kept. Returns (messages, exchanges dropped);
+    PromptTooLong if even those two do not fit."""
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(system):]
+    dropped = 0
+    while True:
+        kept = system + turns
+        tokens = count_tokens(kept)
+        if tokens <= budget:
+            return kept, dropped
+        if len(turns) <= 1:
+            raise PromptTooLong(tokens, budget)
+        # An exchange is a user turn and the answers up to the next user turn.
+        cut = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), len(turns) - 1)
+        turns = turns[cut:]
+        dropped += 1
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple:
+    """(text before the earliest stop string, whether one occurred)."""
+    positions = [text.find(stop) for stop in stops if stop and stop in text]
+    if not positions:
+        return text, False
+    return text[: min(positions)], True
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of text that may be the start of a stop string: not sent yet."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class TextDeltaStreamer(BaseStreamer):
+    """Streams the reply of a batch-1 generate as text deltas: decodes the whole reply at each
+    token and sends what is new and settled (no half UTF-8 character, nothing that may begin a
+    stop string). Decoding the whole reply, unlike transformers' TextStreamer that restarts after
+    each newline, keeps the concatenated deltas equal to the reply decoded at once."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None], stops: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.stops = [stop for stop in stops if stop]
+        self.token_ids = []
+        self.sent = 0
+        self.prompt_seen = False
+        self.stopped = False
+
+    def put(self, value):
+        if not self.prompt_seen:  # generate first hands over the prompt
+            self.prompt_seen = True
+            return
+        self.token_ids.extend(value.reshape(-1).tolist())
+        self.flush(final=False)
+
+    def end(self):
+        self.flush(final=True)
+
+    def flush(self, final: bool) -> None:
+        if self.stopped:
+            return
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text, hit = cut_at_stop(text, self.stops)
+        ready = len(text)
+        if not (final or hit):
+            ready -= held_back(text, self.stops)
+            if text.endswith("\ufffd"):  # bytes of a character still to come
+                ready = min(ready, len(text) - 1)
+        if ready > self.sent:
+            self.on_text(text[self.sent:ready])
+            self.sent = ready
+        self.stopped = hit
+
+
+class CancelledCriteria(StoppingCriteria):
+    """Stops generation when its event is set (a streaming client went away)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class ChatGenerator:
+    """A loaded model and tokenizer with the chat template they were trained with."""
+
+    def __init__(self, model, tokenizer, template: Optional[str], context_tokens: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.context_tokens = context_tokens
+        self.turn_end = template_turn_end(tokenizer, template) if template else ""
+        self.eos_ids = self.eos_token_ids()
+        # Padding is masked out by the attention mask, so any id serves; EOS when there is no pad.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def eos_token_ids(self) -> list:
+        ids = []
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            for token in source if isinstance(source, (list, tuple)) else [source]:
+                if token is not None and token not in ids:
+                    ids.append(int(token))
+        if not ids:
+            raise InputError("the tokenizer has no eos_token: replies could not end")
+        return ids
+
+    def render(self, messages: list) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=True
+        )
+
+    def encode_chat(self, messages: list) -> list:
+        # The template writes BOS itself where the tokenizer uses one: nothing added around it,
+        # exactly as training tokenized the conversation.
+        return self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
+
+    def encode_text(self, prompt: str) -> list:
+        """A plain-text prompt, with the tokenizer's BOS convention as in pretraining."""
+        return self.tokenizer(prompt)["input_ids"]
+
+    def chat_stops(self, stops: Sequence[str] = ()) -> list:
+        return [stop for stop in list(stops) + [self.turn_end] if stop]
+
+    def generation_kwargs(self, settings: SamplingSettings, stops: Sequence[str]) -> dict:
+        kwargs = {"max_new_tokens": settings.max_new_tokens, "pad_token_id": self.pad_id,
+                  "eos_token_id": self.eos_ids, "repetition_penalty": settings.repetition_penalty}
+        if settings.temperature > 0:
+            kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        else:
+            # Unset the checkpoint's sampling defaults so greedy decoding does not warn about them.
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if stops:
+            kwargs.update(stop_strings=list(stops), tokenizer=self.tokenizer)
+        return kwargs
+
+    @torch.inference_mode()
+    def generate(self, prompts: list, settings: SamplingSettings, stops: Sequence[str] = (),
+                 streamer: Optional[BaseStreamer] = None, cancel=None) -> list:
+        """Completions of prompts (lists of token ids), generated together with LEFT padding
+        (every row's next token then sits at the same position) and an attention mask from the
+        lengths, never from comparing ids with the pad id."""
+        stops = [stop for stop in stops if stop]
+        width = max(len(ids) for ids in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + list(ids) for ids in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)
+        criteria = StoppingCriteriaList([CancelledCriteria(cancel)] if cancel is not None else [])
+        output = self.model.generate(
+            input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device),
+            streamer=streamer, stopping_criteria=criteria, **self.generation_kwargs(settings, stops),
+        )
+        return [self.completion(row[width:].tolist(), len(ids), settings.max_new_tokens, stops)
+                for row, ids in zip(output.cpu(), prompts)]
+
+    def completion(self, generated: list, prompt_tokens: int, max_new_tokens: int, stops: Sequence[str]) -> Completion:
+        eos_at = next((i for i, token in enumerate(generated) if token in self.eos_ids), None)
+        if eos_at is not None:
+            generated = generated[: eos_at + 1]  # what follows in a batch is padding
+        text, hit = cut_at_stop(self.tokenizer.decode(generated, skip_special_tokens=True), stops)
+        if hit:
+            # Count the tokens up to the one completing the stop string; padding may follow it.
+            generated = generated[: next(k for k in range(1, len(generated) + 1) if cut_at_stop(
+                self.tokenizer.decode(generated[:k], skip_special_tokens=True), stops)[1])]
+        stopped = eos_at is not None or hit or len(generated) < max_new_tokens
+        return Completion(text, "stop" if stopped else "length", prompt_tokens, len(generated))
