@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chat_templates import use_template
-from conftest import REPO, free_port, run_script, script_env
-from inference_utils import PromptTooLong, trim_history
+from chat_templates import named_template, use_template
+from conftest import REPO, free_port, refuse_in_process, script_env
+from inference_utils import PromptTooLong, template_turn_end, trim_history
 from test_bad_input import check_refused, refuse
 
 INFERENCE = os.path.join(REPO, "scripts", "inference")
@@ -142,8 +142,9 @@ def server(tiny_model_dir, lora_dir, tmp_path_factory):
             try:
                 if http(base_url, "/models")[0] == 200:
                     break
-            except OSError:
-                time.sleep(0.2)
+            except OSError:  # not listening yet
+                pass
+            time.sleep(0.2)
         yield base_url
     finally:
         process.terminate()
@@ -297,6 +298,14 @@ def test_missing_or_wrong_key_is_refused(server):
 # ----------------------------------------------------------------------------- chat CLI
 
 
+def test_generation_also_stops_where_the_template_ends_a_turn(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)  # EOS is </s>
+    # chatml ends an answer with <|im_end|> before EOS: a reply must stop there, not show it.
+    assert template_turn_end(tokenizer, named_template("chatml", tokenizer)) == "<|im_end|>"
+    for name in ("llama2", "alpaca", "human_assistant"):  # answers end right at EOS
+        assert template_turn_end(tokenizer, named_template(name, tokenizer)) == ""
+
+
 def test_trim_history_drops_the_oldest_exchanges_first():
     def exchange(n):
         return [{"role": "user", "content": f"q{n}" * 10}, {"role": "assistant", "content": f"a{n}" * 10}]
@@ -354,14 +363,17 @@ def write_jsonl(path, records):
     return str(path)
 
 
-def test_batch_predictions_in_input_order_equal_one_by_one_greedy(tmp_path, chat_model_dir, chat_reference):
+def test_batch_predictions_in_input_order_equal_one_by_one_greedy(tmp_path, chat_model_dir, chat_reference, capsys):
     data = write_jsonl(tmp_path / "prompts.jsonl", BATCH_RECORDS)
     predictions = tmp_path / "out" / "predictions.jsonl"
-    result = run_script(["--base_model", chat_model_dir, "--data_file", data, "--predictions_file", predictions,
-                         "--batch_size", "3", "--max_new_tokens", "10", *GREEDY], script=CHAT_SCRIPT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # In-process (chat.py's real process runs in the session test above).
+    code, _, err = refuse_in_process(CHAT_SCRIPT, ["--base_model", chat_model_dir, "--data_file", data,
+                                                   "--predictions_file", predictions, "--batch_size", "3",
+                                                   "--max_new_tokens", "10", *GREEDY], capsys)
+    assert code == 0, err[-3000:]
     lines = [json.loads(line) for line in predictions.read_text(encoding="utf-8").splitlines()]
     assert len(lines) == len(BATCH_RECORDS)
+    lengths = set()
     for record, line in zip(BATCH_RECORDS, lines):
         (name, value), = record.items()
         assert line[name] == value
@@ -369,8 +381,10 @@ def test_batch_predictions_in_input_order_equal_one_by_one_greedy(tmp_path, chat
         text, _, hit_eos = chat_reference.chat(messages, 10)
         assert line["response"] == text
         assert line["finish_reason"] == ("stop" if hit_eos else "length")
-    # Different prompt lengths: the batches really were left-padded.
-    assert len({len(chat_reference.chat_ids(user(r["prompt"]))) for r in BATCH_RECORDS if "prompt" in r}) == 3
+        lengths.add(len(chat_reference.chat_ids(messages)))
+    # Every prompt has its own length: each batch really was left-padded.
+    assert len(lengths) == len(BATCH_RECORDS)
+    assert len({line["response"] for line in lines}) == len(lines)
 
 
 def test_batch_refuses_existing_output_and_bad_lines(tmp_path, chat_model_dir, tiny_model_dir, capsys):

@@ -264,6 +264,11 @@ def create_app(service: CompletionService, api_key: Optional[str]) -> FastAPI:
     async def http_error(request: Request, err: StarletteHTTPException):
         return JSONResponse(error_body(str(err.detail), code=None), status_code=err.status_code)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, err: Exception):
+        logger.exception("request failed")
+        return JSONResponse(error_body(f"the server failed: {err}", "server_error"), status_code=500)
+
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
