@@ -140,7 +140,8 @@ def chat_loop(generator: ChatGenerator, settings: SamplingSettings, system_promp
     while True:
         try:
             text = input("\nUser: ").strip()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            print(flush=True)
             break
         if text == "/quit":
             break
@@ -183,7 +184,7 @@ def main():
             raise InputError(f"{chat_args.predictions_file}: --predictions_file already exists; "
                              "choose another name or remove it")
         records = read_prompt_records(chat_args.data_file, chat_args.system_prompt)
-    # Everything that can be refused is checked before the weights are loaded.
+    # The data, the tokenizer and its template are checked before the weights are loaded.
     tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model)
     template = chat_template_of(tokenizer, model_args.template)
     model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
