@@ -149,6 +149,37 @@ def test_new_rows_start_at_mean(tiny_model_dir, extended_tokenizer_dir, tmp_path
         assert torch.allclose(trained_copy[old.shape[0]:], old.mean(dim=0).expand(len(tokenizer) - old.shape[0], -1))
 
 
+def test_new_rows_start_at_their_pieces_mean_with_subword_init(tiny_model_dir, extended_tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from model_utils import ModelArguments, load_model
+    from training_utils import ToolkitTrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(extended_tokenizer_dir)
+    base_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model_args = ModelArguments(model_name_or_path=tiny_model_dir, tokenizer_name_or_path=extended_tokenizer_dir,
+                                torch_dtype="float32", modules_to_save="embed_tokens,lm_head",
+                                new_embeddings_init="subword_mean")
+    training_args = ToolkitTrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to="none")
+    model = load_model(model_args, training_args, tokenizer)
+    base = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    old_rows = base["model.embed_tokens.weight"].shape[0]
+    checked = 0
+    for new_id in range(old_rows, len(tokenizer)):
+        word = tokenizer.convert_ids_to_tokens(new_id)
+        # The base tokenizer's own segmentation of the new word, as the pieces it is made of.
+        pieces = [token.id for token in base_tokenizer.backend_tokenizer.model.tokenize(word)]
+        assert len(pieces) >= 2 and max(pieces) < old_rows
+        for name, key in (("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight")):
+            module = (model.base_model.model.model.embed_tokens if name == "embed_tokens"
+                      else model.base_model.model.lm_head)
+            row = module.modules_to_save["default"].weight.detach()[new_id]
+            assert torch.allclose(row, base[key][pieces].mean(dim=0), atol=1e-6)
+            assert not torch.allclose(row, base[key].mean(dim=0), atol=1e-3)
+        checked += 1
+    assert checked == len(tokenizer) - old_rows > 0
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_after_sigkill_equals_uninterrupted(nproc, tiny_model_dir, pretrain_dir, tmp_path):
     cache = tmp_path / "cache"

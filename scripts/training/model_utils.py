@@ -56,6 +56,13 @@ class ModelArguments:
         default=None,
         metadata={"help": "Modules trained in full and saved with the adapter, comma list (e.g. embed_tokens,lm_head)."},
     )
+    new_embeddings_init: str = field(
+        default="mean",
+        metadata={"help": "How rows for tokens the base model lacks (an extended vocabulary) start: 'mean' = the mean "
+                  "of all old rows; 'subword_mean' = the mean of the rows of the base tokenizer's pieces for that "
+                  "token (starts each new token close to what the model already knows of its text).",
+                  "choices": ["mean", "subword_mean"]},
+    )
     peft_path: Optional[str] = field(default=None, metadata={"help": "An existing adapter to continue training."})
     full_finetuning: bool = field(default=False, metadata={"help": "Train every weight; no LoRA."})
 
@@ -164,9 +171,10 @@ def embedding_rows(model) -> int:
     return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
 
 
-def resize_embeddings_with_mean(model, new_size: int) -> None:
+def resize_embeddings_with_mean(model, new_size: int, sources: Optional[dict] = None) -> None:
     """Grow the vocabulary; new rows start at the mean of the old ones, so new tokens begin as
-    an 'average' token instead of random noise that would swamp the first steps."""
+    an 'average' token instead of random noise that would swamp the first steps. With sources
+    ({new id: [old ids]}), a new row starts at the mean of those old rows instead (its pieces)."""
     old_size = embedding_rows(model)
     model.resize_token_embeddings(new_size, mean_resizing=False)
     embeddings = [model.get_input_embeddings()]
@@ -177,7 +185,25 @@ def resize_embeddings_with_mean(model, new_size: int) -> None:
         with gathered_for_update([module.weight]), torch.no_grad():
             weight = module.weight
             weight[old_size:] = weight[:old_size].mean(dim=0, keepdim=True).to(weight.dtype)
-    logger.info("resized embeddings %d -> %d rows, new rows = mean of the old ones", old_size, new_size)
+            for new_id, old_ids in (sources or {}).items():
+                weight[new_id] = weight[old_ids].mean(dim=0).to(weight.dtype)
+    how = f"{len(sources)} from their pieces' rows, the rest" if sources else "new rows"
+    logger.info("resized embeddings %d -> %d rows, %s = mean of the old ones", old_size, new_size, how)
+
+
+def subword_sources(model_args: ModelArguments, tokenizer, old_size: int) -> dict:
+    """{new id: old ids}: each new token's text as the base model's own tokenizer segments it.
+    The token's stored string goes through the base tokenizer's model (BPE/unigram) directly, so
+    byte-level and SentencePiece-style tokens are split in their own alphabet, with no decoding."""
+    base = load_tokenizer(ModelArguments(model_name_or_path=model_args.model_name_or_path))
+    segmenter = base.backend_tokenizer.model
+    sources = {}
+    for new_id in range(old_size, len(tokenizer)):
+        piece = tokenizer.convert_ids_to_tokens(new_id)
+        old_ids = [token.id for token in segmenter.tokenize(piece) if token.id < old_size] if piece else []
+        if old_ids:
+            sources[new_id] = old_ids
+    return sources
 
 
 def quantization_config(model_args: ModelArguments, compute_dtype):
@@ -235,7 +261,10 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
         model.config.pad_token_id = tokenizer.pad_token_id
 
     if len(tokenizer) > embedding_rows(model):
-        resize_embeddings_with_mean(model, len(tokenizer))
+        sources = None
+        if model_args.new_embeddings_init == "subword_mean":
+            sources = subword_sources(model_args, tokenizer, embedding_rows(model))
+        resize_embeddings_with_mean(model, len(tokenizer), sources)
 
     checkpointing = bool(training_args.activation_checkpointing)
     if quant is not None:
