@@ -195,6 +195,8 @@ class PPOArguments(ToolkitTrainingArguments):
         # Before TrainingArguments fills DeepSpeed's "auto" batch size and learning rate from them.
         self.per_device_train_batch_size = self.per_device_training_batch_size
         self.learning_rate = self.actor_learning_rate
+        # Nothing to skip on resume: the experience stream restarts at the checkpoint's iteration.
+        self.ignore_data_skip = True
         super().__post_init__()
 
 
@@ -463,6 +465,11 @@ class PPOPolicy(torch.nn.Module):
         """The actor as a causal LM, with generate()."""
         raise NotImplementedError
 
+    @property
+    def config(self):
+        """The actor's config: the Trainer and DeepSpeed size their buffers from it."""
+        return self.actor_config()
+
     def answer_logits(self, role, input_ids, attention_mask, prompt_length):
         """Logits predicting each answer token (from the position before it), temperature applied:
         the distribution the answer was sampled from. The head runs on answer positions only."""
@@ -560,6 +567,9 @@ class SharedBasePolicy(PPOPolicy):
         self.use("actor")
         return self.causal_lm
 
+    def actor_config(self):
+        return self.causal_lm.config
+
     def actor_named_parameters(self):
         return [(name[len("policy."):], p) for name, p in self.named_parameters()
                 if p.requires_grad and name.startswith("policy.") and ".default." in name]
@@ -638,6 +648,9 @@ class SeparatePolicy(PPOPolicy):
 
     def generator(self):
         return self.actor.get_base_model()
+
+    def actor_config(self):
+        return self.actor.get_base_model().config
 
     def actor_named_parameters(self):
         return [(name[len("actor."):], p) for name, p in self.named_parameters()
