@@ -61,7 +61,7 @@ SFT_BATCH_SIZE = 8
 SFT_MAX_NEW_TOKENS = 12  # "The answer is 1234." is 9 tokens and EOS one more
 
 REWARD_SEED = 0
-REWARD_MAX_SEQ_LENGTH = 128  # SmolLM2's default system turn + prompt + a review of <= 80 characters
+REWARD_MAX_SEQ_LENGTH = 96  # SmolLM2's default system turn + prompt + a review of <= 32 characters
 PPO_MAX_PROMPT_LENGTH = 64
 PPO_MAX_ANSWER_LENGTH = 32
 CHAT_TURNS = ("写一条关于这家酒店的评价。", "What is 12 + 30?")
@@ -98,7 +98,7 @@ class Plan:
 
 FULL = Plan(heldout_chars=16_000, vocab_size=10_000, pt_steps=30, pt_batch_size=4, pt_logging_steps=5,
             pt_eval_blocks=16, sft_steps=15, sft_logging_steps=3, sft_heldout_records=50,
-            sft_validation_records=64, rm_steps=30, rm_eval_pairs=100, ppo_steps=10, ppo_heldout_prompts=20)
+            sft_validation_records=64, rm_steps=40, rm_eval_pairs=100, ppo_steps=10, ppo_heldout_prompts=20)
 QUICK = Plan(heldout_chars=1_500, vocab_size=5_000, pt_steps=3, pt_batch_size=2, pt_logging_steps=1,
              pt_eval_blocks=4, sft_steps=3, sft_logging_steps=1, sft_heldout_records=8,
              sft_validation_records=8, rm_steps=3, rm_eval_pairs=16, ppo_steps=2, ppo_heldout_prompts=4,
@@ -218,8 +218,9 @@ def sft_data(demo: Demo) -> dict:
     shutil.rmtree(data_dir, ignore_errors=True)
     train = arithmetic_records(plan.sft_train_records, SFT_TRAIN_SEED)
     seen = {record["instruction"] for record in train}
-    # Review writing too, so the SFT model can answer the prompts PPO will ask.
-    reviews = demonstrations(*review_pools(*sentiment_reviews())["sft"], plan.sft_train_records // 2, SFT_TRAIN_SEED)
+    # Review writing too, so the SFT model can answer the prompts PPO will ask; few, so that the
+    # arithmetic (the measured task) keeps most of the steps.
+    reviews = demonstrations(*review_pools(*sentiment_reviews())["sft"], plan.sft_train_records // 8, SFT_TRAIN_SEED)
     validation, skipped_validation = unseen_records(plan.sft_validation_records, SFT_VALIDATION_SEED, seen)
     seen |= {record["instruction"] for record in validation}
     heldout, skipped_heldout = unseen_records(plan.sft_heldout_records, SFT_HELDOUT_SEED, seen)
