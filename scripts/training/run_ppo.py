@@ -147,7 +147,11 @@ class PPOModelArguments:
                            metadata={"help": "LoRA target modules of a new actor (or critic) adapter."})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r of a new adapter."})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha of a new adapter."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input (0 makes PPO's ratio exact)."})
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Dropout on the LoRA input. 0 (DeepSpeed-Chat's choice): experience is scored without "
+                          "dropout, so any dropout in the update adds noise to PPO's probability ratio."},
+    )
 
 
 @dataclass
@@ -472,9 +476,11 @@ class PPOPolicy(torch.nn.Module):
 
     def answer_logits(self, role, input_ids, attention_mask, prompt_length):
         """Logits predicting each answer token (from the position before it), temperature applied:
-        the distribution the answer was sampled from. The head runs on answer positions only."""
+        the distribution the answer was sampled from. The head runs on answer positions only;
+        half-precision logits stay so (ppo_utils reduces them row by row in float32)."""
         hidden = self.hidden(role, input_ids, attention_mask, positions_from_mask(attention_mask))
-        return self.head(role)(hidden[:, prompt_length - 1 : -1]).float() / self.temperature
+        logits = self.head(role)(hidden[:, prompt_length - 1 : -1])
+        return logits if self.temperature == 1.0 else logits.float() / self.temperature
 
     def answer_values(self, input_ids, attention_mask, prompt_length):
         hidden = self.hidden("critic", input_ids, attention_mask, positions_from_mask(attention_mask))
@@ -1255,6 +1261,8 @@ def main():
     set_seed(training_args.seed)
 
     logger.info("placement: %s", "shared base (one frozen base, one adapter per role)" if shared else "separate models")
+    if shared and model_args.offload_reference_model:
+        logger.info("--offload_reference_model has nothing to move with --shared_base: the reference is the shared base")
     load = load_shared_policy if shared else load_separate_policy
     model = load(model_args, training_args, tokenizer)
     trainer = PPOTrainer(

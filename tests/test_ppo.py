@@ -1,0 +1,290 @@
+"""PPO (run_ppo.py) on the tiny model against a reward model trained by run_reward.py: the
+learning signal, the two placements, DeepSpeed, resume, EMA, ptx mixing and bad input."""
+
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from conftest import CHINESE, ENGLISH, KILL_WRAPPER, REPO, TRAINING, options_to_argv, run_script
+from test_bad_input import check_refused, refuse
+from test_pretraining import adapter_weights, assert_ok, log_history
+
+PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
+RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
+MARKER = "很好"
+STEP_KEYS = {"reward_mean", "reward_std", "score_mean", "kl", "entropy", "response_length", "policy_clipfrac",
+             "value_loss", "policy_loss", "approx_kl", "time_generation", "time_training", "kl_coef"}
+# Compared between runs that must agree: every logged number of a step that training shapes.
+COMPARED = ("loss", "policy_loss", "value_loss", "reward_mean", "score_mean", "kl", "kl_coef", "entropy")
+
+
+def sentence(rng, words, low, high):
+    return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+
+def marker_anywhere_pairs(count, seed):
+    """The chosen answer is the rejected one with the marker word inserted somewhere: the only
+    difference the reward model can learn, and one the tiny policy can learn to produce."""
+    rng = random.Random(seed)
+    words = ENGLISH + [w for w in CHINESE if w != MARKER]
+    pairs = []
+    for _ in range(count):
+        answer = sentence(rng, words, 3, 9).split()
+        marked = list(answer)
+        marked.insert(rng.randint(0, len(answer)), MARKER)
+        pairs.append({"prompt": sentence(rng, words, 3, 8), "chosen": " ".join(marked), "rejected": " ".join(answer)})
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def reward_adapter(tiny_model_dir, tmp_path_factory):
+    """A reward adapter trained by run_reward.py to prefer answers holding the marker word
+    (held-out pair accuracy 1.0 within 40 steps)."""
+    root = tmp_path_factory.mktemp("ppo_rm")
+    train, valid = root / "train.jsonl", root / "valid.jsonl"
+    train.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in marker_anywhere_pairs(400, 0)))
+    valid.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in marker_anywhere_pairs(60, 1)))
+    options = {"model_name_or_path": tiny_model_dir, "data_path": train, "validation_file": valid,
+               "template": "human_assistant", "output_dir": root / "out", "data_cache_dir": root / "cache",
+               "max_steps": 40, "learning_rate": 1e-2, "per_device_train_batch_size": 8, "lora_rank": 8,
+               "lora_alpha": 16, "lora_dropout": 0.0, "torch_dtype": "float32", "report_to": "none",
+               "save_strategy": "no", "max_seq_length": 128, "logging_steps": 10, "seed": 42}
+    assert_ok(run_script(["--do_train", "--use_cpu"] + options_to_argv(options), script=RM_SCRIPT))
+    assert json.loads((root / "out" / "eval_results.json").read_text())["eval_accuracy"] >= 0.95
+    return str(root / "out" / "rm_lora_model")
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    rng = random.Random(7)
+    words = ENGLISH + [w for w in CHINESE if w != MARKER]
+    path = tmp_path_factory.mktemp("ppo_prompts") / "prompts.jsonl"
+    records = [{"instruction": sentence(rng, words, 3, 8)} for _ in range(128)]
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n")
+    return str(path)
+
+
+def ppo_args(model_dir, reward_dir, prompts, output_dir, **overrides):
+    options = {
+        "actor_model_name_or_path": model_dir, "reward_model_name_or_path": model_dir,
+        "reward_lora_model": reward_dir, "data_path": prompts, "template": "human_assistant",
+        "max_prompt_seq_len": 32, "max_answer_seq_len": 16, "per_device_generation_batch_size": 8,
+        "per_device_training_batch_size": 8, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "trainable": "q_proj,v_proj", "torch_dtype": "float32", "report_to": "none", "save_strategy": "no",
+        "logging_steps": 1, "max_steps": 2, "output_dir": output_dir, "seed": 1, **overrides,
+    }
+    return ["--use_cpu"] + options_to_argv(options)
+
+
+def step_logs(output_dir):
+    return [entry for entry in log_history(output_dir) if "loss" in entry]
+
+
+def assert_same_steps(expected, actual, tolerance):
+    assert [e["step"] for e in expected] == [e["step"] for e in actual]
+    for first, second in zip(expected, actual):
+        for key in COMPARED:
+            assert abs(first[key] - second[key]) <= tolerance * max(1.0, abs(first[key])), (key, first, second)
+
+
+def max_difference(first_dir, second_dir):
+    first, second = adapter_weights(first_dir), adapter_weights(second_dir)
+    assert first.keys() == second.keys()
+    return max((first[k] - second[k]).abs().max().item() for k in first)
+
+
+def test_held_out_reward_rises_while_kl_stays_bounded(tiny_model_dir, reward_adapter, prompt_file, tmp_path):
+    out = tmp_path / "out"
+    # 30 iterations of 32 answers, 2 PPO epochs: 60 optimizer steps; 32 held-out prompts
+    # evaluated with a fixed sampling seed every 10 iterations.
+    args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, max_steps=60,
+                    trainable="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                    per_device_generation_batch_size=16, generation_batches=2, per_device_training_batch_size=32,
+                    ppo_epochs=2, actor_learning_rate=2e-3, critic_learning_rate=1e-3, lr_scheduler_type="constant",
+                    kl_ctl=0.1, validation_split_percentage=25, eval_strategy="steps", eval_steps=20,
+                    eval_on_start=True, logging_steps=2)
+    assert_ok(run_script(args, script=PPO_SCRIPT))
+    history = log_history(out)
+    evals = [e for e in history if "eval_score_mean" in e]
+    assert [e["step"] for e in evals] == [0, 20, 40, 60, 60]  # the last is train_and_finish's final evaluation
+    start, late = evals[0], evals[2:4]
+    # Scores run from about -6.7 (no marker) to +6.7 (marker): the share of held-out answers
+    # with the marker must grow by well over a fifth of all answers.
+    assert sum(e["eval_score_mean"] for e in late) / 2 > start["eval_score_mean"] + 2.5, evals
+    assert sum(e["eval_reward_mean"] for e in late) / 2 > start["eval_reward_mean"] + 2.0, evals
+    steps = step_logs(out)
+    assert len(steps) == 30 and all(STEP_KEYS <= set(e) for e in steps)
+    assert max(e["kl"] for e in steps) < 8 and max(e["eval_kl"] for e in evals) < 8, [e["kl"] for e in steps]
+    assert all(e["iteration"] == e["step"] // 2 for e in steps)  # two optimizer steps per iteration
+    for name in ("ppo_lora_model", "critic"):
+        assert (out / name / "adapter_model.safetensors").is_file() and (out / name / "tokenizer.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def short_runs(tiny_model_dir, reward_adapter, prompt_file, pretrain_dir, tmp_path_factory):
+    """Two iterations in each placement, and the shared one again with ptx mixing."""
+    root = tmp_path_factory.mktemp("ppo_short")
+    runs = {
+        "shared": {"shared_base": "true"},
+        "separate": {"shared_base": "false"},
+        "ptx": {"unsupervised_dataset_dir": pretrain_dir, "unsup_coef": 0.5, "data_cache_dir": root / "cache"},
+    }
+    for name, extra in runs.items():
+        result = run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, root / name, **extra), script=PPO_SCRIPT)
+        assert_ok(result)
+        runs[name] = root / name
+        if name != "ptx":
+            assert f"placement: {'shared base' if name == 'shared' else 'separate models'}" in result.stdout
+    return runs
+
+
+def test_shared_base_and_separate_models_give_the_same_iterations(short_runs):
+    shared, separate = step_logs(short_runs["shared"]), step_logs(short_runs["separate"])
+    assert len(shared) == 2 and shared[0]["value_loss"] > 0 and shared[1]["kl"] != 0
+    assert_same_steps(shared, separate, tolerance=1e-4)
+    # Both write the actor adapter in the same layout, trained alike.
+    assert max_difference(short_runs["shared"] / "ppo_lora_model", short_runs["separate"] / "ppo_lora_model") < 1e-5
+
+
+def test_ptx_loss_is_mixed_into_the_actor_loss(short_runs):
+    plain, mixed = step_logs(short_runs["shared"]), step_logs(short_runs["ptx"])
+    first_plain, first_mixed = plain[0], mixed[0]
+    # Same experience and losses in the first step; the total gains unsup_coef x the LM loss.
+    for key in ("policy_loss", "value_loss", "reward_mean"):
+        assert first_mixed[key] == pytest.approx(first_plain[key], abs=1e-5)
+    assert 0.5 < first_mixed["ptx_loss"] < 8  # a real next-token loss on pretraining blocks
+    for entry in mixed:
+        expected = entry["policy_loss"] + entry["value_loss"] + 0.5 * entry["ptx_loss"]
+        assert entry["loss"] == pytest.approx(expected, rel=1e-4)
+    assert first_mixed["loss"] - first_plain["loss"] == pytest.approx(0.5 * first_mixed["ptx_loss"], rel=1e-4)
+    assert "ptx_loss" not in first_plain
+
+
+def test_deepspeed_zero2_and_zero3_two_processes(tiny_model_dir, reward_adapter, prompt_file, tmp_path):
+    runs = {}
+    for config in ("ds_zero2_no_offload", "ds_zero3_no_offload"):
+        out = tmp_path / config
+        args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, max_steps=3, save_strategy="steps",
+                        save_steps=2, per_device_generation_batch_size=4, per_device_training_batch_size=4,
+                        deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
+        assert_ok(run_script(args, nproc=2, script=PPO_SCRIPT))
+        runs[config] = out
+        steps = step_logs(out)
+        assert len(steps) == 3 and all(STEP_KEYS <= set(e) for e in steps)
+        weights = adapter_weights(out / "ppo_lora_model")
+        assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (8, 64)
+        assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in weights.items())
+        critic = adapter_weights(out / "critic")
+        assert critic["base_model.model.score.weight"].shape == (1, 64)
+        state = json.loads((out / "checkpoint-2" / "ppo_state.json").read_text())
+        assert state["iteration"] == 2
+    # Partitioning is an implementation detail: both stages train the same numbers.
+    assert_same_steps(step_logs(runs["ds_zero2_no_offload"]), step_logs(runs["ds_zero3_no_offload"]), tolerance=1e-4)
+
+
+RESUMED = {"max_steps": 4, "save_strategy": "steps", "save_steps": 1, "enable_ema": True, "ema_beta": 0.5,
+           "target_kl": 0.01, "kl_horizon": 100, "per_device_generation_batch_size": 4, "generation_batches": 2,
+           "per_device_training_batch_size": 4, "gradient_accumulation_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo_resume") / "straight"
+    assert_ok(run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, **RESUMED), script=PPO_SCRIPT))
+    return out
+
+
+def test_resume_after_sigkill_continues_identically(tiny_model_dir, reward_adapter, prompt_file, uninterrupted, tmp_path):
+    crashed = tmp_path / "crashed"
+    args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, crashed, **RESUMED)
+    killed = run_script(args, script=PPO_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "2"])
+    assert killed.returncode != 0 and not (crashed / "checkpoint-3").exists()
+    resumed = run_script(args, script=PPO_SCRIPT)
+    assert_ok(resumed)
+    assert "starting at iteration 2" in resumed.stdout
+    expected, actual = step_logs(uninterrupted), step_logs(crashed)
+    # The adaptive KL coefficient moved every iteration: the resumed run continued from its saved value.
+    assert len({e["kl_coef"] for e in expected}) == 4
+    assert_same_steps(expected, actual, tolerance=1e-6)
+    for name in ("ppo_lora_model", "actor_ema", "critic"):
+        assert max_difference(uninterrupted / name, crashed / name) <= 1e-6, name
+
+
+def test_ema_is_the_average_of_the_actor_steps(uninterrupted):
+    beta = RESUMED["ema_beta"]
+    ema = adapter_weights(uninterrupted / "actor_ema")
+    steps = [adapter_weights(uninterrupted / f"checkpoint-{n}" / "ppo_lora_model") for n in range(1, 5)]
+    assert ema.keys() == steps[-1].keys()
+    assert json.loads((uninterrupted / "actor_ema" / "adapter_config.json").read_text())["r"] == 8
+    for key in (k for k in ema if "lora_B" in k):
+        # LoRA B starts at zero, so the average is sum over steps t of (1 - beta) beta^(4 - t) w_t.
+        expected = sum((1 - beta) * beta ** (4 - t) * steps[t - 1][key] for t in range(1, 5))
+        assert torch.allclose(ema[key], expected, atol=1e-7), key
+        assert (ema[key] - steps[-1][key]).abs().max() > 1e-5  # and it lags the actor
+    # The checkpoint's EMA is the one at that step.
+    at_two = adapter_weights(uninterrupted / "checkpoint-2" / "actor_ema")
+    key = next(k for k in ema if "lora_B" in k)
+    assert torch.allclose(at_two[key], (1 - beta) * beta * steps[0][key] + (1 - beta) * steps[1][key], atol=1e-7)
+
+
+def mismatched_reward_adapter(tmp_path, reward_adapter, extended_tokenizer_dir):
+    adapter = tmp_path / "other_rm"
+    shutil.copytree(reward_adapter, adapter)
+    for name in os.listdir(extended_tokenizer_dir):
+        shutil.copy(os.path.join(extended_tokenizer_dir, name), adapter / name)
+    return adapter
+
+
+@pytest.mark.parametrize("case", ["tokenizer_mismatch", "empty_prompts", "too_long", "base_as_reward"])
+def test_ppo_bad_input_is_refused_cleanly(case, tiny_model_dir, reward_adapter, prompt_file, extended_tokenizer_dir,
+                                          tmp_path, capsys):
+    out = tmp_path / "out"
+    overrides, expected = {}, None
+    if case == "tokenizer_mismatch":
+        adapter = mismatched_reward_adapter(tmp_path, reward_adapter, extended_tokenizer_dir)
+        overrides["reward_lora_model"] = adapter
+        expected = f"{adapter}: the reward model's tokenizer differs from the actor's (404 tokens vs the actor's 400)"
+    elif case == "empty_prompts":
+        (tmp_path / "empty.jsonl").write_text("")
+        overrides["data_path"] = tmp_path / "empty.jsonl"
+        expected = "empty.jsonl: file holds no records (empty)"
+    elif case == "too_long":
+        overrides.update(max_prompt_seq_len=200, max_answer_seq_len=100)
+        expected = ("--max_prompt_seq_len 200 + --max_answer_seq_len 100 = 300 exceeds the actor model's "
+                    "max_position_embeddings 256")
+    else:
+        overrides["reward_lora_model"] = None
+        expected = f"{tiny_model_dir}: --reward_model_name_or_path is not a reward model (no score head"
+    args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, **overrides)
+    # One case as a real process (the whole contract), the others in-process through run_cli.
+    check_refused(refuse(PPO_SCRIPT, args, capsys, in_process=case != "tokenizer_mismatch"), expected)
+    assert not out.exists()
+
+
+def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from chat_templates import named_template
+    from run_ppo import read_prompts, tokenize_prompts
+
+    path = os.path.join(REPO, "data", "ppo_sample", "prompts.jsonl")
+    prompts = read_prompts([path], None, 3, 42)
+    assert len(prompts) == 20 and all(messages[-1]["role"] == "user" for _, messages in prompts)
+    by_line = {where.rsplit(":", 1)[1]: messages for where, messages in prompts}
+    assert by_line["18"][-1]["content"] == "Why is it cheaper than full fine-tuning?" and len(by_line["18"]) == 3
+    assert by_line["19"] == [{"role": "user", "content": "用简单的话解释什么是强化学习。"}]  # its answer dropped
+    assert by_line["13"][0] == {"role": "system", "content": "你是一位耐心的健康顾问。"}
+    # DeepSpeed-Chat's --data_split: phase 3 takes its own share of the records.
+    assert len(read_prompts([path], "2,4,4", 3, 42)) == 8
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    template = named_template("human_assistant", tokenizer)
+    full = tokenize_prompts(prompts, tokenizer, template, 10_000, "all")
+    cut = tokenize_prompts(prompts, tokenizer, template, 12, "cut")
+    for whole, kept in zip(full, cut):
+        assert kept == whole[-12:]  # truncated from the left: the generation prompt stays
+    text = tokenizer.decode(full[0])
+    assert text.rstrip().endswith("Assistant:")
