@@ -624,7 +624,7 @@ def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict
     ratio("trl/sft peak RSS", "trl", "sft", "peak_rss_mb")
     print(file=out)
     for name, value in ratios.items():
-        print(f"{name:<32} {value:5.2f}", file=out)
+        print(f"{name:<36} {value:5.2f}", file=out)
     print(file=out)
     for name, value, target, ok in verdicts:
         print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target <= {target:g})", file=out)
