@@ -50,6 +50,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled  # noqa: E402
 
 from build_dataset import (  # noqa: E402
+    MESSAGE_ROLES,
+    SHAREGPT_ROLES,
     ConversationDataArguments,
     ConversationTokenizer,
     SavePeftModelCallback,
@@ -63,8 +65,6 @@ from build_dataset import (  # noqa: E402
     tokenizer_fingerprint,
     turn_list,
     validate_conversation,
-    MESSAGE_ROLES,
-    SHAREGPT_ROLES,
 )
 from chat_templates import use_template  # noqa: E402
 from model_utils import (  # noqa: E402
@@ -79,6 +79,7 @@ from model_utils import (  # noqa: E402
     reward_model_class,
 )
 from ppo_utils import (  # noqa: E402
+    ema_update,
     entropy_from_logits,
     gae_advantages_and_returns,
     kl_penalty_rewards,
@@ -88,7 +89,6 @@ from ppo_utils import (  # noqa: E402
     masked_whiten,
     policy_loss,
     value_loss,
-    ema_update,
 )
 from training_utils import (  # noqa: E402
     InputError,
@@ -295,10 +295,12 @@ def stream_indices(num_items: int, seed: int, start: int, count: int) -> list:
     """Positions start..start+count of an endless stream of seeded permutations of num_items:
     epoch e is permutation(seed, e). A pure function of the position, so a resumed run draws
     exactly the prompts the uninterrupted run would have."""
-    picked = []
+    picked, permutations = [], {}
     for position in range(start, start + count):
         epoch, offset = divmod(position, num_items)
-        picked.append(int(np.random.default_rng([seed, epoch]).permutation(num_items)[offset]))
+        if epoch not in permutations:
+            permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(num_items)
+        picked.append(int(permutations[epoch][offset]))
     return picked
 
 
