@@ -922,46 +922,61 @@ class PPOTrainer(ResumableTrainer):
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_id, use_cache=True,
         )
 
-    def generate(self, prompt_rows: list, seed: int):
-        """Left-padded prompts -> (input_ids, attention_mask, answer_mask, has_eos, prompt_width), sampled
-        with the current actor in batches of per_device_generation_batch_size, KV cache on."""
-        model, device = self.model, self.args.device
+    def generate(self, prompt_rows: list, seed: int) -> dict:
+        """Answers sampled by the current actor (KV cache on, in batches of
+        per_device_generation_batch_size, left-padded prompts): the sequences, their attention
+        mask, the answer mask, has_eos, the prompt width, and the actor's log-probs and entropy of
+        each answer token, taken from the logits that sampled it (what PPO calls the old policy;
+        it spares one forward pass, as TRL does)."""
+        model, device, temperature = self.model, self.args.device, self.args.temperature
         width = max(len(row) for row in prompt_rows)
         prompt_ids, prompt_mask = left_pad(prompt_rows, width, self.pad_id)
         batch = self.args.per_device_generation_batch_size
         synced = is_deepspeed_zero3_enabled() and self.args.world_size > 1
-        answers = []
+        answers, logprobs, entropy = [], [], []
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             for start in range(0, len(prompt_rows), batch):
                 ids = prompt_ids[start : start + batch].to(device)
                 mask = prompt_mask[start : start + batch].to(device)
                 # Under ZeRO-3 every rank keeps stepping until all are done: each step gathers weights.
-                sequences = model.generator().generate(input_ids=ids, attention_mask=mask,
-                                                       generation_config=self.generation_config(), synced_gpus=synced)
-                answers.append(sequences[:, width:].cpu())
+                output = model.generator().generate(
+                    input_ids=ids, attention_mask=mask, generation_config=self.generation_config(), synced_gpus=synced,
+                    return_dict_in_generate=True, output_logits=True)
+                tokens = output.sequences[:, width:]
+                # Raw logits, before top-k/top-p: the distribution the log-probs are taken under.
+                logits = torch.stack(output.logits, dim=1).float()
+                if temperature != 1.0:
+                    logits = logits / temperature
+                answers.append(tokens.cpu())
+                logprobs.append(logprobs_from_logits(logits, tokens).cpu())
+                entropy.append(entropy_from_logits(logits).cpu())
+                del output, logits
         longest = max(a.shape[1] for a in answers)
-        answers = torch.cat([F.pad(a, (0, longest - a.shape[1]), value=self.pad_id) for a in answers])
+
+        def padded(parts, value):
+            return torch.cat([F.pad(part, (0, longest - part.shape[1]), value=value) for part in parts])
+
+        answers = padded(answers, self.pad_id)
         mask, has_eos = answer_mask(answers, self.tokenizer.eos_token_id)
-        input_ids = torch.cat([prompt_ids, answers], dim=1).to(device)
-        attention_mask = torch.cat([prompt_mask, mask], dim=1).to(device)
-        return input_ids, attention_mask, mask.to(device), has_eos.to(device), width
+        return {"input_ids": torch.cat([prompt_ids, answers], dim=1).to(device),
+                "attention_mask": torch.cat([prompt_mask, mask], dim=1).to(device),
+                "mask": mask.to(device), "has_eos": has_eos.to(device), "width": width,
+                "logprobs": padded(logprobs, 0.0).to(device) * mask.to(device),
+                "entropy": padded(entropy, 0.0).to(device) * mask.to(device)}
 
     @torch.no_grad()
-    def score_experience(self, input_ids, attention_mask, width):
-        """The no-grad passes, one generation batch at a time (bounded logits memory): actor and
-        reference log-probs of the answer tokens, actor entropy, critic values, reward scores."""
-        model = self.model
-        parts = {"logprobs": [], "ref_logprobs": [], "entropy": [], "values": [], "scores": []}
+    def score_experience(self, rollout: dict) -> dict:
+        """The no-grad passes, one generation batch at a time: reference log-probs of the answer
+        tokens, critic values, reward scores."""
+        model, width = self.model, rollout["width"]
+        parts = {"ref_logprobs": [], "values": [], "scores": []}
         batch = self.args.per_device_generation_batch_size
-        for start in range(0, input_ids.shape[0], batch):
-            ids, mask = input_ids[start : start + batch], attention_mask[start : start + batch]
-            labels = ids[:, width:]
-            logits = model.answer_logits("actor", ids, mask, width)
-            parts["logprobs"].append(logprobs_from_logits(logits, labels))
-            parts["entropy"].append(entropy_from_logits(logits))
+        for start in range(0, rollout["input_ids"].shape[0], batch):
+            ids, mask = rollout["input_ids"][start : start + batch], rollout["attention_mask"][start : start + batch]
+            logits = model.answer_logits("reference", ids, mask, width)
+            parts["ref_logprobs"].append(logprobs_from_logits(logits, ids[:, width:]))
             del logits
-            parts["ref_logprobs"].append(logprobs_from_logits(model.answer_logits("reference", ids, mask, width), labels))
             parts["values"].append(model.answer_values(ids, mask, width))
             parts["scores"].append(model.scores(ids, mask))
         return {name: torch.cat(values) for name, values in parts.items()}
@@ -974,16 +989,15 @@ class PPOTrainer(ResumableTrainer):
         self.model.eval()
         started = time.perf_counter()
         with torch.no_grad():
-            input_ids, attention_mask, mask, has_eos, width = self.generate(
-                [self.prompts[i] for i in indices], derived_seed(args.seed, iteration, rank, 1))
+            rollout = self.generate([self.prompts[i] for i in indices], derived_seed(args.seed, iteration, rank, 1))
         generated = time.perf_counter()
-        scored = self.score_experience(input_ids, attention_mask, width)
-        mask = mask.float()
+        scored = self.score_experience(rollout)
+        mask, has_eos, width = rollout["mask"].float(), rollout["has_eos"], rollout["width"]
         scores = scored["scores"]
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
         kl_coef = self.kl_ctl.value
-        rewards, kl = kl_penalty_rewards(scored["logprobs"], scored["ref_logprobs"], scores, mask, kl_coef,
+        rewards, kl = kl_penalty_rewards(rollout["logprobs"], scored["ref_logprobs"], scores, mask, kl_coef,
                                          args.clip_reward_value)
         advantages, returns = gae_advantages_and_returns(scored["values"], rewards, mask, args.gamma, args.lam)
         if mask.sum() >= 2:
@@ -995,7 +1009,7 @@ class PPOTrainer(ResumableTrainer):
                              ("score_mean", scores), ("kl", sequence_kl), ("response_length", mask.sum(-1)),
                              ("eos_fraction", has_eos.float()), ("value_mean", masked_mean(scored["values"], mask, dim=-1))):
             stats.add(name, values.sum().item(), values.numel())
-        stats.add("entropy", (scored["entropy"] * mask).sum().item(), mask.sum().item())
+        stats.add("entropy", (rollout["entropy"] * mask).sum().item(), mask.sum().item())
         reduced = stats.reduced(args.device)
         reduced["reward_std"] = math.sqrt(max(reduced.pop("reward_sq") - reduced["reward_mean"] ** 2, 0.0))
         reduced["kl_coef"] = kl_coef
@@ -1004,10 +1018,10 @@ class PPOTrainer(ResumableTrainer):
         self.times["time_generation"] += generated - started
         self.times["time_scoring"] += time.perf_counter() - generated
         if args.print_answers and iteration % args.print_answers_interval == 0:
-            self.print_answer(iteration, input_ids[0], width, scores[0].item())
+            self.print_answer(iteration, rollout["input_ids"][0], width, scores[0].item())
 
-        experience = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": mask,
-                      "old_logprobs": scored["logprobs"], "old_values": scored["values"],
+        experience = {"input_ids": rollout["input_ids"], "attention_mask": rollout["attention_mask"],
+                      "response_mask": mask, "old_logprobs": rollout["logprobs"], "old_values": scored["values"],
                       "advantages": advantages, "returns": returns}
         return self.micro_batches(iteration, experience, width)
 
@@ -1103,9 +1117,10 @@ class PPOTrainer(ResumableTrainer):
         rows = [prompts[i] for i in mine] + [prompts[0]] * (per_rank - len(mine))
         self.model.eval()
         with torch.no_grad():
-            input_ids, attention_mask, mask, _, width = self.generate(rows, derived_seed(args.seed, 3))
-            scored = self.score_experience(input_ids, attention_mask, width)
-        kl = ((scored["logprobs"] - scored["ref_logprobs"]) * mask).sum(-1)
+            rollout = self.generate(rows, derived_seed(args.seed, 3))
+        scored = self.score_experience(rollout)
+        mask = rollout["mask"]
+        kl = ((rollout["logprobs"] - scored["ref_logprobs"]) * mask).sum(-1)
         stats = SumStats()
         for name, values in (("score_mean", scored["scores"]), ("kl", kl),
                              ("reward_mean", scored["scores"].clamp(-args.clip_reward_value, args.clip_reward_value)
