@@ -129,18 +129,20 @@ def test_held_out_reward_rises_while_kl_stays_bounded(tiny_model_dir, reward_ada
 
 @pytest.fixture(scope="module")
 def short_runs(tiny_model_dir, reward_adapter, prompt_file, pretrain_dir, tmp_path_factory):
-    """Two iterations in each placement, and the shared one again with ptx mixing."""
+    """Two iterations in each placement, and the shared one again with ptx mixing and with
+    gradient checkpointing."""
     root = tmp_path_factory.mktemp("ppo_short")
     runs = {
         "shared": {"shared_base": "true"},
         "separate": {"shared_base": "false"},
         "ptx": {"unsupervised_dataset_dir": pretrain_dir, "unsup_coef": 0.5, "data_cache_dir": root / "cache"},
+        "checkpointed": {"gradient_checkpointing": True},
     }
     for name, extra in runs.items():
         result = run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, root / name, **extra), script=PPO_SCRIPT)
         assert_ok(result)
         runs[name] = root / name
-        if name != "ptx":
+        if name in ("shared", "separate"):
             assert f"placement: {'shared base' if name == 'shared' else 'separate models'}" in result.stdout
     return runs
 
@@ -151,6 +153,14 @@ def test_shared_base_and_separate_models_give_the_same_iterations(short_runs):
     assert_same_steps(shared, separate, tolerance=1e-4)
     # Both write the actor adapter in the same layout, trained alike.
     assert max_difference(short_runs["shared"] / "ppo_lora_model", short_runs["separate"] / "ppo_lora_model") < 1e-5
+
+
+def test_gradient_checkpointing_recomputes_each_role_under_its_own_adapter(short_runs):
+    # The shared base switches adapters between the actor and critic passes of one step; the
+    # backward recomputation of a checkpointed layer must replay the role that ran it.
+    assert_same_steps(step_logs(short_runs["shared"]), step_logs(short_runs["checkpointed"]), tolerance=1e-5)
+    for name in ("ppo_lora_model", "critic"):
+        assert max_difference(short_runs["shared"] / name, short_runs["checkpointed"] / name) < 1e-6, name
 
 
 def test_ptx_loss_is_mixed_into_the_actor_loss(short_runs):

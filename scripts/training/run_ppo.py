@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -510,6 +510,15 @@ class PPOPolicy(torch.nn.Module):
             outputs["ptx_loss"] = self.ptx_loss(ptx_input_ids)
         return outputs
 
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs):
+        """--gradient_checkpointing: on every trained model's layers (the Trainer calls this)."""
+        options = self.checkpointing_options(dict(activation_checkpointing_kwargs or {}))
+        for model in self.trained_models():
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options or None, **kwargs)
+
+    def checkpointing_options(self, options: dict) -> dict:
+        return options
+
     # What is saved: subclasses name the actor's and critic's parameters and peft models.
     def actor_named_parameters(self) -> list:
         raise NotImplementedError
@@ -560,6 +569,26 @@ class SharedBasePolicy(PPOPolicy):
         active = [name] if name else []
         for layer in self._tuner_layers:
             layer._active_adapter = active
+        self.active_role = role
+
+    @contextmanager
+    def role_active(self, role: str):
+        previous = getattr(self, "active_role", "actor")
+        self.use(role)
+        try:
+            yield
+        finally:
+            self.use(previous)
+
+    def checkpointing_options(self, options: dict) -> dict:
+        """A checkpointed layer is recomputed during backward, after later roles switched the
+        adapters: recompute it under the role that ran it (torch's context_fn, which needs the
+        non-reentrant checkpoint)."""
+
+        def contexts():
+            return nullcontext(), self.role_active(self.active_role)
+
+        return {**options, "use_reentrant": False, "context_fn": contexts}
 
     def hidden(self, role, input_ids, attention_mask, position_ids):
         self.use(role)
@@ -577,6 +606,9 @@ class SharedBasePolicy(PPOPolicy):
 
     def actor_config(self):
         return self.causal_lm.config
+
+    def trained_models(self):
+        return [self.causal_lm]
 
     def actor_named_parameters(self):
         return [(name[len("policy."):], p) for name, p in self.named_parameters()
@@ -659,6 +691,9 @@ class SeparatePolicy(PPOPolicy):
 
     def actor_config(self):
         return self.actor.get_base_model().config
+
+    def trained_models(self):
+        return [self.actor.get_base_model(), self.critic.get_base_model()]
 
     def actor_named_parameters(self):
         return [(name[len("actor."):], p) for name, p in self.named_parameters()
