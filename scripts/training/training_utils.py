@@ -248,16 +248,6 @@ def train_and_finish(trainer, resume_checkpoint, full_finetuning: bool, eval_dat
     if full_finetuning:
         trainer.save_model()
     finish_run(trainer, train_result, eval_dataset, num_train_samples)
-    leave_process_group()
-
-
-def leave_process_group() -> None:
-    """Every rank leaves the process group together. Left to interpreter exit, a rank can tear
-    gloo's threads down while its peer still talks to it and abort ("terminate called without an
-    active exception", exit -6) after a complete run."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 def finish_run(trainer, train_result, eval_dataset, num_train_samples: int) -> None:
