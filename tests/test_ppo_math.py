@@ -14,6 +14,7 @@ from ppo_utils import (
     entropy_from_logits,
     gae_advantages_and_returns,
     kl_penalty_rewards,
+    length_chunks,
     logprobs_from_logits,
     make_kl_controller,
     masked_mean,
@@ -220,3 +221,16 @@ def test_logprobs_and_entropy_hand_computed_and_against_log_softmax():
     low = logprobs_from_logits(logits.to(torch.bfloat16), labels)
     assert low.dtype == torch.float32
     close(low, direct, atol=0.1)
+
+
+def test_length_chunks_group_similar_rows_to_skip_padding():
+    # Prompts 10, 30, 12, 31 tokens, answers 5, 5, 2, 5; at least 2 rows per group.
+    # One group: 4 x (31 + 5) = 144 padded tokens. Sorted by prompt: rows 0 (10), 2 (12), 1 (30), 3 (31).
+    # {0, 2} + {1, 3}: 2 x (12 + 5) + 2 x (31 + 5) = 34 + 72 = 106, the least of the 2-row splits.
+    assert length_chunks([10, 30, 12, 31], [5, 5, 2, 5], 2) == [([0, 2], 12, 5), ([1, 3], 31, 5)]
+    # At least 3 rows per group leaves no split: the whole batch, as wide as its longest row.
+    assert length_chunks([10, 30, 12, 31], [5, 5, 2, 5], 3) == [([0, 2, 1, 3], 31, 5)]
+    # Rows of one length: splitting saves nothing, and the tie goes to fewer groups.
+    assert length_chunks([8, 8, 8, 8], [3, 3, 3, 3], 1) == [([0, 1, 2, 3], 8, 3)]
+    # Answers count too: equal prompts, answers 1, 9, 1, 9 -> {0, 2} 2 x 9 + {1, 3} 2 x 17 = 52 < 4 x 17.
+    assert length_chunks([8, 8, 8, 8], [1, 9, 1, 9], 2) == [([0, 2], 8, 1), ([1, 3], 8, 9)]

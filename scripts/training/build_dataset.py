@@ -720,7 +720,7 @@ def pack_samples(dataset: Dataset, max_length: int) -> Dataset:
 
 
 class DataCollatorForSupervisedDataset:
-    """Right-pad to the longest row (a multiple of 8): labels -100 on padding. Masks come from
+    """Right-pad to the longest row (rounded up to pad_to_multiple_of: 8 on a GPU): labels -100 on padding. Masks come from
     the lengths, never from comparing ids with the pad id (the pad id may be EOS, which answers
     end with). Packed rows carry position_ids and no attention mask: padding becomes one more
     segment with positions from 0, which attends only to itself and has no labels."""

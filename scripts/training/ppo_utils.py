@@ -227,3 +227,36 @@ def ema_update(ema_tensors: list, tensors: list, beta: float) -> None:
         raise ValueError(f"ema_update got {len(ema_tensors)} averages for {len(tensors)} tensors")
     for average, current in zip(ema_tensors, tensors):
         average.lerp_(current.to(average.dtype), 1.0 - beta)
+
+
+def length_chunks(prompt_lengths: list, answer_lengths: list, min_rows: int) -> list:
+    """Groups of rows of similar length for the passes over a rollout: [(rows, prompt_width,
+    answer_width)], rows in ascending prompt length, each group as wide as its own longest prompt
+    and answer. Prompts are left-padded to the longest of the whole batch and answers right-padded
+    to the longest answer, so one pass over the batch computes every padding position; groups of
+    similar length skip most of them.
+
+    The groups minimise the padded tokens (rows x (prompt_width + answer_width), summed), each
+    holding at least min_rows rows (so passes stay big enough to run efficiently); on a tie the
+    fewer groups win. Exact dynamic programming over the rows sorted by prompt length."""
+    count = len(prompt_lengths)
+    order = sorted(range(count), key=lambda row: (prompt_lengths[row], answer_lengths[row], row))
+    min_rows = max(1, min(min_rows, count))
+    # best[end] = (padded tokens, groups, start of the last group) for the first `end` sorted rows.
+    best = [(0, 0, 0)] + [None] * count
+    for end in range(min_rows, count + 1):
+        for start in range(0, end - min_rows + 1):
+            if best[start] is None:
+                continue
+            rows = order[start:end]
+            tokens = len(rows) * (max(prompt_lengths[r] for r in rows) + max(answer_lengths[r] for r in rows))
+            candidate = (best[start][0] + tokens, best[start][1] + 1, start)
+            if best[end] is None or candidate[:2] < best[end][:2]:
+                best[end] = candidate
+    groups, end = [], count
+    while end > 0:
+        start = best[end][2]
+        rows = order[start:end]
+        groups.append((rows, max(prompt_lengths[r] for r in rows), max(answer_lengths[r] for r in rows)))
+        end = start
+    return groups[::-1]

@@ -83,6 +83,7 @@ from ppo_utils import (  # noqa: E402
     entropy_from_logits,
     gae_advantages_and_returns,
     kl_penalty_rewards,
+    length_chunks,
     logprobs_from_logits,
     make_kl_controller,
     masked_mean,
@@ -457,9 +458,13 @@ class PPOPolicy(torch.nn.Module):
     """Everything the Trainer (and DeepSpeed) wraps: the trained actor and critic, and the frozen
     reference and reward roles the experience passes need. A role's hidden states come from
     hidden(); the heads turn them into log-probs, values and scores. forward() is the training
-    pass: actor logits on the answer positions and critic values, plus the ptx loss."""
+    pass: actor log-probs of the answer tokens and critic values, plus the ptx loss."""
 
     temperature: float = 1.0
+    # Passes over a rollout run on groups of rows of similar length (see over_length_groups). The
+    # trainer turns it off under multi-process ZeRO-3, where every forward is a collective and all
+    # ranks must run the same number of them.
+    group_by_length: bool = True
 
     def hidden(self, role: str, input_ids, attention_mask, position_ids):
         raise NotImplementedError
@@ -484,6 +489,11 @@ class PPOPolicy(torch.nn.Module):
         logits = self.head(role)(hidden[:, prompt_length - 1 : -1])
         return logits if self.temperature == 1.0 else logits.float() / self.temperature
 
+    def answer_logprobs(self, role, input_ids, attention_mask, prompt_length):
+        """log p of each answer token under the role (actor or reference)."""
+        logits = self.answer_logits(role, input_ids, attention_mask, prompt_length)
+        return logprobs_from_logits(logits, input_ids[:, prompt_length:])
+
     def answer_values(self, input_ids, attention_mask, prompt_length):
         hidden = self.hidden("critic", input_ids, attention_mask, positions_from_mask(attention_mask))
         return self.head("critic")(hidden[:, prompt_length - 1 : -1]).squeeze(-1).float()
@@ -503,9 +513,37 @@ class PPOPolicy(torch.nn.Module):
         logits = self.head("actor")(hidden[:, :-1]).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
 
+    def over_length_groups(self, input_ids, attention_mask, prompt_length: int, passes) -> dict:
+        """passes(ids, mask, prompt_length) -> {name: [rows, answer] or [rows] tensor}, run on
+        groups of rows of similar length, each cut to its own longest prompt and answer, the results
+        put back in row order (per-token ones zero-padded to the batch's answer width). In a PPO
+        batch, left-padded prompts of mixed lengths and answers that stop at different lengths
+        make a sixth or more of the positions padding; cut away, they cost nothing. The real
+        tokens see exactly what they saw in the full batch (same positions, same mask)."""
+        answer_width = input_ids.shape[1] - prompt_length
+        if not self.group_by_length:
+            return passes(input_ids, attention_mask, prompt_length)
+        prompt_lengths = attention_mask[:, :prompt_length].sum(-1).tolist()
+        answer_lengths = attention_mask[:, prompt_length:].sum(-1).clamp(min=1).tolist()
+        min_rows = max(4, math.ceil(len(prompt_lengths) / 4))
+        parts, order = {}, []
+        for rows, prompt_width, group_answer_width in length_chunks(prompt_lengths, answer_lengths, min_rows):
+            index = torch.tensor(rows, device=input_ids.device)
+            columns = slice(prompt_length - prompt_width, prompt_length + group_answer_width)
+            results = passes(input_ids[index, columns], attention_mask[index, columns], prompt_width)
+            for name, value in results.items():
+                if value.dim() == 2:
+                    value = F.pad(value, (0, answer_width - value.shape[1]))
+                parts.setdefault(name, []).append(value)
+            order.append(index)
+        inverse = torch.argsort(torch.cat(order))
+        return {name: torch.cat(values)[inverse] for name, values in parts.items()}
+
     def forward(self, input_ids, attention_mask, prompt_length, ptx_input_ids=None):
-        outputs = {"logits": self.answer_logits("actor", input_ids, attention_mask, prompt_length),
-                   "values": self.answer_values(input_ids, attention_mask, prompt_length)}
+        """The training pass: the actor's log-probs of the answer tokens and the critic's values."""
+        outputs = self.over_length_groups(input_ids, attention_mask, prompt_length, lambda ids, mask, width: {
+            "logprobs": self.answer_logprobs("actor", ids, mask, width),
+            "values": self.answer_values(ids, mask, width)})
         if ptx_input_ids is not None:
             outputs["ptx_loss"] = self.ptx_loss(ptx_input_ids)
         return outputs
@@ -940,6 +978,7 @@ class PPOTrainer(ResumableTrainer):
         self.train_stats, self.times = SumStats(), {"time_generation": 0.0, "time_scoring": 0.0, "time_training": 0.0}
         self.experience_stats = {}
         self.model.temperature = self.args.temperature
+        self.model.group_by_length = not (is_deepspeed_zero3_enabled() and self.args.world_size > 1)
         self.add_callback(PPOStepCallback(self))
 
     # -- data -----------------------------------------------------------------
@@ -1005,15 +1044,17 @@ class PPOTrainer(ResumableTrainer):
         """The no-grad passes, one generation batch at a time: reference log-probs of the answer
         tokens, critic values, reward scores."""
         model, width = self.model, rollout["width"]
+
+        def passes(ids, mask, prompt_length):
+            return {"ref_logprobs": model.answer_logprobs("reference", ids, mask, prompt_length),
+                    "values": model.answer_values(ids, mask, prompt_length), "scores": model.scores(ids, mask)}
+
         parts = {"ref_logprobs": [], "values": [], "scores": []}
         batch = self.args.per_device_generation_batch_size
         for start in range(0, rollout["input_ids"].shape[0], batch):
             ids, mask = rollout["input_ids"][start : start + batch], rollout["attention_mask"][start : start + batch]
-            logits = model.answer_logits("reference", ids, mask, width)
-            parts["ref_logprobs"].append(logprobs_from_logits(logits, ids[:, width:]))
-            del logits
-            parts["values"].append(model.answer_values(ids, mask, width))
-            parts["scores"].append(model.scores(ids, mask))
+            for name, value in model.over_length_groups(ids, mask, width, passes).items():
+                parts[name].append(value)
         return {name: torch.cat(values) for name, values in parts.items()}
 
     def make_experience(self, iteration: int) -> list:
@@ -1092,8 +1133,7 @@ class PPOTrainer(ResumableTrainer):
         outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         prompt_length=inputs["prompt_length"], ptx_input_ids=inputs.get("ptx_input_ids"))
         mask = inputs["response_mask"]
-        labels = inputs["input_ids"][:, inputs["prompt_length"]:]
-        logprobs = logprobs_from_logits(outputs["logits"], labels)
+        logprobs = outputs["logprobs"]
         actor_loss, clipfrac, approx_kl = policy_loss(logprobs, inputs["old_logprobs"], inputs["advantages"], mask,
                                                       self.args.cliprange)
         critic_loss, value_clipfrac = value_loss(outputs["values"], inputs["old_values"], inputs["returns"], mask,

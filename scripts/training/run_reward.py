@@ -39,6 +39,7 @@ from training_utils import (  # noqa: E402
     InputError,
     ResumableTrainer,
     ToolkitTrainingArguments,
+    padding_multiple,
     resolve_sequence_length,
     run_cli,
     train_and_finish,
@@ -155,7 +156,7 @@ def main():
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
-        data_collator=DataCollatorForPreferencePairs(tokenizer.pad_token_id),
+        data_collator=DataCollatorForPreferencePairs(tokenizer.pad_token_id, padding_multiple(training_args)),
         compute_metrics=preference_metrics,
         callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("rm_lora_model")],
     )

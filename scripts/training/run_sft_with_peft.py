@@ -37,6 +37,7 @@ from training_utils import (  # noqa: E402
     InputError,
     ToolkitTrainingArguments,
     build_trainer,
+    padding_multiple,
     resolve_sequence_length,
     run_cli,
     train_and_finish,
@@ -100,7 +101,7 @@ def main():
     model.config.use_cache = False
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
-    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForSupervisedDataset(pad_id), callbacks)
+    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args)), callbacks)
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
 
 

@@ -168,6 +168,12 @@ def resolve_sequence_length(flag: str, requested: Optional[int], config) -> int:
     return requested
 
 
+def padding_multiple(training_args: TrainingArguments) -> int:
+    """What the collators pad a batch's width up to: 8 on a GPU, whose tensor cores work in
+    tiles of 8; 1 elsewhere, where every padded position is computed for nothing."""
+    return 8 if training_args.device.type == "cuda" else 1
+
+
 def argmax_logits_for_metrics(logits, labels):
     """Keep only the predicted ids: accumulating full logits over an eval set costs vocab x more memory."""
     if isinstance(logits, tuple):
