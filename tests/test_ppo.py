@@ -309,7 +309,8 @@ def test_length_grouped_passes_equal_one_pass_over_the_padded_batch(tiny_model_d
     answer token, and the same gradients."""
     from transformers import AutoModelForCausalLM
 
-    from run_ppo import PPOPolicy, backbone_of, left_pad
+    from ppo_policy import PPOPolicy, backbone_of
+    from ppo_trainer import left_pad
 
     class OneModelPolicy(PPOPolicy):
         def __init__(self, causal_lm):
