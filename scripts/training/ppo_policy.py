@@ -105,9 +105,9 @@ class PPOPolicy(torch.nn.Module):
         batch, left-padded prompts of mixed lengths and answers that stop at different lengths
         make a sixth or more of the positions padding; cut away, they cost nothing. The real
         tokens see exactly what they saw in the full batch (same positions, same mask)."""
-        answer_width = input_ids.shape[1] - prompt_length
         if not self.group_by_length:
             return passes(input_ids, attention_mask, prompt_length)
+        answer_width = input_ids.shape[1] - prompt_length
         prompt_lengths = attention_mask[:, :prompt_length].sum(-1).tolist()
         answer_lengths = attention_mask[:, prompt_length:].sum(-1).clamp(min=1).tolist()
         min_rows = max(4, math.ceil(len(prompt_lengths) / 4))
