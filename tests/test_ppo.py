@@ -352,3 +352,46 @@ def test_length_grouped_passes_equal_one_pass_over_the_padded_batch(tiny_model_d
     assert whole_grads.keys() == grouped_grads.keys() and len(whole_grads) > 10
     for name, grad in whole_grads.items():
         torch.testing.assert_close(grouped_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_generated_answers_are_scored_where_the_reward_model_was_trained_to_read(tiny_tokenizer_dir):
+    """A rollout row (left-padded prompt, the answer up to its EOS, then generate's padding)
+    closed by append_turn_end attends to exactly the reward stage's row of the same conversation
+    (which ends with the template's turn end, where the score is read), at the same positions.
+    An answer cut at the length limit, without EOS, is scored where it stops."""
+    from transformers import AutoTokenizer
+
+    from build_dataset import ConversationTokenizer
+    from chat_templates import named_template
+    from ppo_policy import positions_from_mask
+    from ppo_trainer import answer_mask, append_turn_end, left_pad
+    from run_ppo import tokenize_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    template, eos = named_template("chatml", tokenizer), tokenizer.eos_token_id
+    turn_end = ConversationTokenizer(tokenizer, template, 256).turn_end_ids()
+    assert tokenizer.decode(turn_end).strip(" ") == "\n"
+    reward_rows, prompt_rows, answers = [], [], []
+    for prompt, answer in (("今天 天气", "很好 the fox jumps over"), ("the quick brown fox jumps", "我们")):
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        reward_rows.append(ConversationTokenizer(tokenizer, template, 256, keep_turn_end=True)("t", messages)["input_ids"])
+        prompt_rows.append(tokenize_prompts([("t", messages[:1])], tokenizer, template, 256, "prompt")[0])
+        assert reward_rows[-1][: len(prompt_rows[-1])] == prompt_rows[-1]
+        answers.append(reward_rows[-1][len(prompt_rows[-1]) : len(reward_rows[-1]) - len(turn_end)])
+        assert answers[-1][-1] == eos
+    prompt_rows.append(prompt_rows[0])
+    answers.append([tokenizer.convert_tokens_to_ids("▁the")] * (max(map(len, answers)) + 2))  # cut at the limit: no EOS
+    width, answer_width = max(map(len, prompt_rows)), max(map(len, answers))
+    prompt_ids, prompt_mask = left_pad(prompt_rows, width, eos)  # the pad id may be EOS
+    answer_ids = torch.tensor([a + [eos] * (answer_width - len(a)) for a in answers])
+    ids = torch.cat([prompt_ids, answer_ids], 1)
+    mask = torch.cat([prompt_mask, answer_mask(answer_ids, eos)[0]], 1)
+
+    closed_ids, closed_mask = append_turn_end(ids, mask, eos, turn_end)
+    positions = positions_from_mask(closed_mask)
+    for row, reward_row in enumerate(reward_rows):
+        real = closed_mask[row].bool()
+        assert closed_ids[row][real].tolist() == reward_row
+        assert positions[row][real].tolist() == list(range(len(reward_row)))
+    assert closed_ids[2][closed_mask[2].bool()].tolist() == ids[2][mask[2].bool()].tolist() == prompt_rows[2] + answers[2]
+    assert append_turn_end(ids, mask, eos, []) == (ids, mask)  # templates whose turns end at EOS

@@ -94,6 +94,26 @@ def test_labels_are_exactly_the_answers_plus_eos(record_format, template_name, t
     assert last_only["input_ids"] == sample["input_ids"]
 
 
+# What each template renders after the last answer's EOS to close its turn. "own" never renders
+# the tiny tokenizer's EOS </s>: it is added after the turn's "<|im_end|>\n", so nothing follows it.
+TURN_ENDS = {"llama2": "", "alpaca": "\n\n", "human_assistant": "", "chatml": "\n", "own": ""}
+
+
+@pytest.mark.parametrize("template_name", sorted(TEMPLATES) + ["own"])
+def test_reward_rows_end_with_the_template_turn_end(template_name, tokenizer):
+    """keep_turn_end (the reward stage's rows) adds exactly turn_end_ids() (what PPO appends to a
+    generated answer) to the row that ends at the answer's EOS, and those ids are the text the
+    template renders after it."""
+    messages = conversation_of("test:1", RECORDS["sharegpt"])
+    template = template_for(template_name, tokenizer)
+    at_eos = ConversationTokenizer(tokenizer, template, 1024)("t", messages)["input_ids"]
+    whole = ConversationTokenizer(tokenizer, template, 1024, keep_turn_end=True)("t", messages)
+    turn_end = ConversationTokenizer(tokenizer, template, 1024).turn_end_ids()
+    assert whole["input_ids"] == at_eos + turn_end
+    assert at_eos[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(turn_end, clean_up_tokenization_spaces=False).lstrip(" ") == TURN_ENDS[template_name]
+
+
 def test_truncation_cuts_the_answer_and_drops_prompt_only_samples(tokenizer):
     messages = conversation_of("t", {"instruction": "short question", "output": "一个很长的回答 " * 30})
     conversation_tokenizer = ConversationTokenizer(tokenizer, named_template("alpaca", tokenizer), 1024)

@@ -531,12 +531,14 @@ def heldout_exact_match(demo: Demo, adapter: Path | None) -> dict:
 
 def heldout_reward(demo: Demo, policy: Path) -> dict:
     """Mean reward-model score of the policy's greedy answers to the held-out review prompts.
-    Each answer is scored as PPO scores it: prompt + answer + EOS, read at the last token."""
+    Each answer is scored as PPO scores it: prompt + answer + EOS + the template's turn end,
+    read at the last token."""
     import torch
     from peft import PeftModel
     from transformers import AutoConfig, AutoTokenizer
 
     sys.path.insert(0, str(TRAINING_DIR))
+    from build_dataset import ConversationTokenizer
     from model_utils import reward_model_class, score_sequences
 
     model, tokenizer = load_causal_lm(demo, policy)
@@ -548,6 +550,7 @@ def heldout_reward(demo: Demo, policy: Path) -> dict:
     gc.collect()
 
     rm_tokenizer = AutoTokenizer.from_pretrained(demo.adapters["rm"])
+    turn_end = ConversationTokenizer(rm_tokenizer, rm_tokenizer.chat_template, PPO_MAX_ANSWER_LENGTH).turn_end_ids()
     config = AutoConfig.from_pretrained(demo.model_dir, num_labels=1)
     scorer = reward_model_class(config).from_pretrained(demo.model_dir, config=config, dtype=torch.float32)
     scorer = PeftModel.from_pretrained(scorer, str(demo.adapters["rm"])).eval()
@@ -556,8 +559,8 @@ def heldout_reward(demo: Demo, policy: Path) -> dict:
         for prompt, answer in zip(demo.ppo_heldout_prompts, answers):
             text = rm_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                     add_generation_prompt=True) + answer + rm_tokenizer.eos_token
-            ids = rm_tokenizer(text, add_special_tokens=False, return_tensors="pt")
-            scores.append(score_sequences(scorer, ids["input_ids"], ids["attention_mask"]).item())
+            ids = torch.tensor([rm_tokenizer(text, add_special_tokens=False)["input_ids"] + turn_end])
+            scores.append(score_sequences(scorer, ids, torch.ones_like(ids)).item())
     del scorer
     gc.collect()
     mean = sum(scores) / len(scores)

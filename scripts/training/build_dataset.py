@@ -538,13 +538,20 @@ class ConversationTokenizer:
     Each turn's text comes from the template's own renders: the prompt is what the template
     renders before an answer with add_generation_prompt (what inference will render), the answer
     is what the full render adds after it, up to and including EOS. Segments are tokenized one
-    by one, so the prompt tokens are exactly those inference will feed the model."""
+    by one, so the prompt tokens are exactly those inference will feed the model.
 
-    def __init__(self, tokenizer, template: str, max_length: int, train_on_last_turn_only: bool = False):
+    keep_turn_end keeps what the template renders after the last answer's EOS (ChatML's "\n",
+    Alpaca's "\n\n"): a reward model reads its score at the last token, and it is read at the
+    end of the whole turn, as transformers' and TRL's reward models read it. Rows end where a
+    generated answer ends plus turn_end_ids(), which is what PPO appends before scoring."""
+
+    def __init__(self, tokenizer, template: str, max_length: int, train_on_last_turn_only: bool = False,
+                 keep_turn_end: bool = False):
         self.tokenizer = tokenizer
         self.template = template
         self.max_length = max_length
         self.last_turn_only = train_on_last_turn_only
+        self.keep_turn_end = keep_turn_end
         self.eos = tokenizer.eos_token
         if self.eos is None:
             raise InputError("the tokenizer has no eos_token: answers could not end")
@@ -555,7 +562,8 @@ class ConversationTokenizer:
         )
 
     def segments(self, where: str, messages: list) -> list:
-        """[(text, trained, add_eos)] covering the conversation up to its last answer's EOS."""
+        """[(text, trained, add_eos)] covering the conversation up to its last answer's EOS (with
+        keep_turn_end, up to the end of its turn)."""
         answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
         segments, consumed = [], ""
         for turn, index in enumerate(answers):
@@ -568,8 +576,10 @@ class ConversationTokenizer:
             cut = answer.rfind(self.eos)
             # Text after the answer's EOS (a newline, say) opens the next prompt. A template whose
             # turns do not end in EOS gets it as one extra token, so the model still learns to stop.
-            answer = answer[: cut + len(self.eos)] if cut >= 0 else answer
-            trained = not self.last_turn_only or turn == len(answers) - 1
+            last = turn == len(answers) - 1
+            if cut >= 0 and not (last and self.keep_turn_end):
+                answer = answer[: cut + len(self.eos)]
+            trained = not self.last_turn_only or last
             segments += [(prompt[len(consumed):], False, False), (answer, trained, cut < 0)]
             consumed = prompt + answer
         return segments
@@ -585,6 +595,18 @@ class ConversationTokenizer:
         if all(label == -100 for label in labels):
             return None
         return {"input_ids": input_ids, "labels": labels}
+
+    def turn_end_ids(self) -> list:
+        """The ids the template puts after an answer's EOS to close its turn (empty for templates
+        that end a turn at EOS): what a row of keep_turn_end adds to one without it."""
+        probe = [{"role": "user", "content": "1 + 1 ="}, {"role": "assistant", "content": "2"}]
+        with_end = ConversationTokenizer(self.tokenizer, self.template, 1 << 30, keep_turn_end=True)
+        at_eos = ConversationTokenizer(self.tokenizer, self.template, 1 << 30)
+        whole, short = with_end("turn end probe", probe)["input_ids"], at_eos("turn end probe", probe)["input_ids"]
+        if whole[: len(short)] != short:
+            raise InputError("the chat template's turn end changes how the answer before it is tokenized; "
+                             "choose a --template")
+        return whole[len(short):]
 
     def tokenize_whole(self, segments: list) -> tuple:
         """Tokenize the rendered conversation as one string (as inference encodes a prompt: no
@@ -747,7 +769,7 @@ class DataCollatorForSupervisedDataset:
 
 # ----------------------------------------------------------------------------- preference pairs
 
-PREFERENCE_CACHE_VERSION = "pairs-1"
+PREFERENCE_CACHE_VERSION = "pairs-2"
 
 
 def preference_of(where: str, record) -> tuple:
@@ -793,8 +815,8 @@ def build_preference_dataset(
     data_phase: int = 2,
     seed: int = 42,
 ) -> Dataset:
-    """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to its
-    answer's EOS), cached. A pair whose prompt alone fills max_length is refused: it cannot be
+    """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to the
+    end of its answer's turn: the score is read there), cached. A pair whose prompt alone fills max_length is refused: it cannot be
     scored on its answers."""
     key = cache_key(
         {
@@ -806,7 +828,7 @@ def build_preference_dataset(
             "split": [data_split, data_phase, seed],
         }
     )
-    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length)
+    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, keep_turn_end=True)
 
     def build(tmp_dir):
         rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": [], "length": []}, 0

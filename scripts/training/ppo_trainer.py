@@ -73,6 +73,25 @@ def answer_mask(answers, eos_token_id: int):
     return (~seen_before).long(), is_eos.any(-1)
 
 
+def append_turn_end(input_ids, attention_mask, eos_token_id: int, turn_end_ids: list) -> tuple:
+    """Rows whose last attended token is EOS (answers that ended) get the template's turn end
+    (ChatML's "\n") right after it, where the reward model was trained to read its score (see
+    build_dataset.ConversationTokenizer's keep_turn_end). Rows cut at the answer length limit
+    are scored where they stop. Returns new (ids, mask), len(turn_end_ids) columns wider."""
+    if not turn_end_ids:
+        return input_ids, attention_mask
+    extra = len(turn_end_ids)
+    ids = F.pad(input_ids, (0, extra), value=eos_token_id)
+    mask = F.pad(attention_mask, (0, extra), value=0)
+    positions = torch.arange(attention_mask.shape[1], device=mask.device)
+    last = (attention_mask * positions).argmax(dim=-1)
+    rows = torch.nonzero(input_ids.gather(1, last[:, None]).squeeze(1) == eos_token_id).squeeze(1)
+    for offset, token in enumerate(turn_end_ids, start=1):
+        ids[rows, last[rows] + offset] = token
+        mask[rows, last[rows] + offset] = 1
+    return ids, mask
+
+
 class SumStats:
     """Sums and counts of named statistics, reduced across processes on request."""
 
@@ -145,9 +164,11 @@ class PPOTrainer(ResumableTrainer):
     """PPO on the Trainer: experience in, clipped policy + value (+ ptx) loss out; DeepSpeed,
     gradient accumulation/clipping, logging and checkpoints stay the Trainer's."""
 
-    def __init__(self, *args, prompts, eval_prompts, ptx_blocks, data_args, tokenizer, steps_per_iteration, **kwargs):
+    def __init__(self, *args, prompts, eval_prompts, ptx_blocks, data_args, tokenizer, steps_per_iteration,
+                 turn_end_ids=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.prompts, self.eval_prompts, self.ptx_blocks = prompts, eval_prompts, ptx_blocks
+        self.turn_end_ids = list(turn_end_ids)
         self.max_prompt_len, self.max_answer_len = data_args.max_prompt_seq_len, data_args.max_answer_seq_len
         self.unsup_coef = data_args.unsup_coef
         self.tokenizer = tokenizer
@@ -223,12 +244,13 @@ class PPOTrainer(ResumableTrainer):
     @torch.no_grad()
     def score_experience(self, rollout: dict) -> dict:
         """The no-grad passes, one generation batch at a time: reference log-probs of the answer
-        tokens, critic values, reward scores."""
-        model, width = self.model, rollout["width"]
+        tokens, critic values, reward scores (of each answer closed by the template's turn end)."""
+        model, width, eos = self.model, rollout["width"], self.tokenizer.eos_token_id
 
         def passes(ids, mask, prompt_length):
             return {"ref_logprobs": model.answer_logprobs("reference", ids, mask, prompt_length),
-                    "values": model.answer_values(ids, mask, prompt_length), "scores": model.scores(ids, mask)}
+                    "values": model.answer_values(ids, mask, prompt_length),
+                    "scores": model.scores(*append_turn_end(ids, mask, eos, self.turn_end_ids))}
 
         parts = {"ref_logprobs": [], "values": [], "scores": []}
         batch = self.args.per_device_generation_batch_size

@@ -411,6 +411,9 @@ def main():
     tokenizer, _, shared = check_models(model_args, data_args)
     template = use_template(data_args.template, tokenizer)
     prompts, eval_prompts = build_prompt_sets(data_args, tokenizer, template, training_args.seed)
+    # The reward model reads its score at the end of an answer's turn (run_reward.py trains it so).
+    turn_end_ids = ConversationTokenizer(tokenizer, template, data_args.max_answer_seq_len).turn_end_ids()
+    logger.info("answers are scored after the template's turn end %r", tokenizer.decode(turn_end_ids))
     steps_per_iteration = check_schedule(training_args, len(prompts))
     ptx_blocks = None
     if data_args.unsupervised_dataset_dir:
@@ -439,6 +442,7 @@ def main():
         data_args=data_args,
         tokenizer=tokenizer,
         steps_per_iteration=steps_per_iteration,
+        turn_end_ids=turn_end_ids,
     )
     train_and_finish(trainer, resume_checkpoint, False, eval_prompts, len(prompts))
 
