@@ -27,7 +27,9 @@ the kept pairs (nothing truncated or dropped on either side).
 Both sides see the same token ids: TRL tokenizes the rendered conversation whole, which with
 this template ends in "<|im_end|>\\n", and ours keeps the template's turn end after the answer's
 EOS too; both read the score at that last token. The benchmark checks, pair by pair, that ours'
-ids are exactly TRL's.
+ids are exactly TRL's. What differs is how they are run: TRL runs each pair as two padded rows;
+ours (--share_pair_prefix, the default) runs one row per pair, the tokens both sequences share
+(SmolLM's system turn and the request, ~40 of ~93 tokens) once, then both answers.
 
 Method. Each training run is a separate child process (benchmarks/trl_reward_runner.py, which
 runs TRL, or runs run_reward.py itself as __main__); the child's peak RSS and CPU time come from
@@ -294,7 +296,8 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
 def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -> dict:
     """Cross-check of time per step that a shared machine's load drift cannot bias: in this one
     process, the same first training batches as each side collates them (ours:
-    DataCollatorForPreferencePairs on ours' ids, padded as run_reward.py pads on a CPU; TRL:
+    DataCollatorForPreferencePairs on ours' ids, one row per pair with the shared prefix once and no
+    padding multiple, as run_reward.py collates on a CPU; TRL:
     DataCollatorForPreference on TRL's ids), each through that side's model class and loss
     (ours: mask-pooled score; TRL: transformers' sequence classifier), forward +
     backward + AdamW step, the two sides alternating step by step (ABBA...)."""
@@ -305,7 +308,7 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
     from build_dataset import DataCollatorForPreferencePairs, preference_of
-    from model_utils import reward_model_class, score_sequences
+    from model_utils import reward_model_class, score_pairs
 
     def lora(model):
         config = LoraConfig(task_type="SEQ_CLS", r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"],
@@ -322,7 +325,7 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
     trl_model, trl_opt = lora(AutoModelForSequenceClassification.from_pretrained(model_dir, config=config,
                                                                                dtype=torch.float32))
     ours_tok = ours_tokenizer(tokenizer, args.max_length)
-    ours_collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id, pad_to_multiple_of=1)
+    ours_collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id, pad_to_multiple_of=1, share_prefix=True)
     trl_collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
 
     def ours_step(batch):
@@ -333,7 +336,7 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
             features.append({"chosen_input_ids": ids[0], "rejected_input_ids": ids[1], "margin": 0.0})
         inputs = ours_collate(features)
         start = time.perf_counter()
-        chosen, rejected = score_sequences(ours_model, inputs["input_ids"], inputs["attention_mask"]).chunk(2)
+        chosen, rejected = score_pairs(ours_model, inputs)
         loss = -F.logsigmoid(chosen - rejected - inputs["margin"]).mean()
         loss.backward()
         ours_opt.step()

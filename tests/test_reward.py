@@ -53,6 +53,52 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_model_di
     assert abs(alone.item() - right[1].item()) > 1e-3  # different texts score differently
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prefix_rows_give_the_scores_and_gradients_of_separate_rows(attention, tiny_model_dir, tiny_tokenizer_dir):
+    """A pair as one row (shared prefix once, then chosen, then rejected, the rejected answer
+    masked from the chosen one) scores both answers as two padded rows do, with the same
+    gradients, and holds fewer tokens. Pairs: a long shared prompt, an answer that extends the
+    other, and two sequences that differ from their first token."""
+    from build_dataset import DataCollatorForPreferencePairs
+    from model_utils import ModelArguments, load_model, score_pairs
+    from training_utils import ToolkitTrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model_args = ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0,
+                                attn_implementation=attention)
+    model = load_model(model_args, ToolkitTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"),
+                       tokenizer, task="reward")
+    assert model.config._attn_implementation == attention
+    with torch.no_grad():  # a trained-looking adapter: LoRA B starts at zero
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+
+    def ids(text):
+        return tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+
+    prompt = "北京 上海 天气 很好 人民 日报 经济 发展 科学 技术 the quick fox"
+    pairs = [{"chosen_input_ids": ids(prompt + " 我们 今天 学习"), "rejected_input_ids": ids(prompt + " 人民 经济")},
+             {"chosen_input_ids": ids("我们 今天")[:-1], "rejected_input_ids": ids("我们 今天 学习 科学")},
+             {"chosen_input_ids": ids("科学 技术"), "rejected_input_ids": ids("the fox jumps over 今天 很好")}]
+    results = {}
+    for share_prefix in (False, True):
+        model.zero_grad()
+        batch = DataCollatorForPreferencePairs(tokenizer.unk_token_id, 1, share_prefix=share_prefix)(pairs)
+        chosen, rejected = score_pairs(model.train(), batch)
+        (chosen.sum() - 2 * rejected.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[share_prefix] = (chosen.detach(), rejected.detach(), grads, batch["input_ids"].numel())
+    (chosen, rejected, grads, tokens), (shared_chosen, shared_rejected, shared_grads, shared_tokens) = results.values()
+    torch.testing.assert_close(shared_chosen, chosen, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared_rejected, rejected, atol=1e-5, rtol=1e-5)
+    assert (chosen - rejected).abs().min() > 1e-3  # the answers score differently
+    assert grads.keys() == shared_grads.keys() and any("score" in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4)
+    assert shared_tokens < 0.8 * tokens
+
+
 def marker_pairs(count, seed):
     """Chosen answers carry the marker word 好评; rejected ones do not: learnable from one token."""
     rng = random.Random(seed)

@@ -355,12 +355,49 @@ def gathered_trainable(model):
 
 
 
+# Segments of a shared-prefix pair row (build_dataset.DataCollatorForPreferencePairs).
+PAIR_PREFIX, PAIR_CHOSEN, PAIR_REJECTED, PAIR_PADDING = 0, 1, 2, 3
+# Attention implementations that take an arbitrary 4D mask (flash attention does not).
+MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+def pair_attention_mask(pair_segments, attn_implementation: str, dtype):
+    """The 4D mask of shared-prefix pair rows: causal, except that the rejected answer does not
+    see the chosen one, so it sees exactly the prefix and itself, as in a row of its own. Padding
+    is at the end, where causality already hides it from real tokens. sdpa takes it as bool
+    (True: attend), eager as an additive float mask."""
+    width = pair_segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=pair_segments.device).tril()
+    hidden_chosen = (pair_segments[:, :, None] == PAIR_REJECTED) & (pair_segments[:, None, :] == PAIR_CHOSEN)
+    allowed = (causal[None] & ~hidden_chosen)[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def last_position_of(pair_segments, segment: int):
+    positions = torch.arange(pair_segments.shape[1], device=pair_segments.device)
+    return ((pair_segments == segment) * positions).argmax(dim=-1)
+
+
 def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                        labels=None, **kwargs):
+                        labels=None, pair_segments=None, **kwargs):
     """One score per row, read at the row's last attended token: right for left and right padding
     and mixed lengths. transformers' own pooling takes the last id that is not the pad id, which
     is wrong when the pad token is EOS, as it often is. Positions come from the mask, so left
-    padding does not shift them; the head runs on the pooled rows only."""
+    padding does not shift them; the head runs on the pooled rows only.
+
+    With pair_segments (rows of prefix + chosen answer + rejected answer, their position_ids
+    given), one row scores a pair: the chosen scores of all rows, then the rejected ones."""
+    if pair_segments is not None:
+        mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
+                                   self.get_input_embeddings().weight.dtype)
+        hidden = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        pooled = torch.cat([hidden[rows, last_position_of(pair_segments, PAIR_CHOSEN)],
+                            hidden[rows, last_position_of(pair_segments, PAIR_REJECTED)]])
+        return SequenceClassifierOutputWithPast(logits=self.score(pooled))
     if attention_mask is None:
         attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
     if position_ids is None:
@@ -382,3 +419,9 @@ def reward_model_class(config):
 def score_sequences(model, input_ids, attention_mask):
     """Scores of a batch from a model loaded with task="reward" (one float per row)."""
     return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+
+
+def score_pairs(model, batch: dict) -> tuple:
+    """(chosen, rejected) scores of a DataCollatorForPreferencePairs batch, either layout."""
+    inputs = {name: value for name, value in batch.items() if name != "margin"}
+    return model(**inputs).logits.squeeze(-1).float().chunk(2)

@@ -34,7 +34,7 @@ from build_dataset import (  # noqa: E402
     split_validation,
 )
 from chat_templates import use_template  # noqa: E402
-from model_utils import load_model, reward_model_class, score_sequences, start_run  # noqa: E402
+from model_utils import MASKABLE_ATTENTION, load_model, reward_model_class, score_pairs, start_run  # noqa: E402
 from training_utils import (  # noqa: E402
     InputError,
     ResumableTrainer,
@@ -61,6 +61,11 @@ class RewardArguments(ToolkitTrainingArguments):
     merge_on_save: bool = field(
         default=False, metadata={"help": "Also write OUT/rm_merged_model: base + adapter merged, for PPO."}
     )
+    share_pair_prefix: bool = field(
+        default=True,
+        metadata={"help": "One row per pair: the tokens chosen and rejected share (system prompt, question) run "
+                          "once, the same scores for fewer tokens. Needs sdpa or eager attention; off otherwise."},
+    )
 
 
 class RewardTrainer(ResumableTrainer):
@@ -68,8 +73,7 @@ class RewardTrainer(ResumableTrainer):
     pair's chosen and rejected sequences together (one forward for both)."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        scores = score_sequences(model, inputs["input_ids"], inputs["attention_mask"])
-        chosen, rejected = scores.chunk(2)
+        chosen, rejected = score_pairs(model, inputs)
         loss = -F.logsigmoid(chosen - rejected - inputs["margin"]).mean()
         if self.args.reward_center_coef:
             loss = loss + self.args.reward_center_coef * (chosen + rejected).pow(2).mean()
@@ -150,13 +154,18 @@ def main():
     training_args.remove_unused_columns = False
 
     model = load_model(model_args, training_args, tokenizer, task="reward")
+    attention = model.config._attn_implementation
+    share_prefix = training_args.share_pair_prefix and attention in MASKABLE_ATTENTION
+    if training_args.share_pair_prefix and not share_prefix:
+        logger.info("%s attention takes no custom mask: each pair's prefix is run twice", attention)
     trainer = RewardTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
-        data_collator=DataCollatorForPreferencePairs(tokenizer.pad_token_id, padding_multiple(training_args)),
+        data_collator=DataCollatorForPreferencePairs(tokenizer.pad_token_id, padding_multiple(training_args),
+                                                     share_prefix=share_prefix),
         compute_metrics=preference_metrics,
         callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("rm_lora_model")],
     )
