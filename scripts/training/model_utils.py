@@ -375,9 +375,10 @@ def pair_attention_mask(pair_segments, attn_implementation: str, dtype):
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def last_position_of(pair_segments, segment: int):
-    positions = torch.arange(pair_segments.shape[1], device=pair_segments.device)
-    return ((pair_segments == segment) * positions).argmax(dim=-1)
+def last_position(mask):
+    """Per row, the index of the last nonzero entry of a [rows, width] mask (0 for none)."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return (mask.long() * positions).argmax(dim=-1)
 
 
 def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
@@ -395,8 +396,8 @@ def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=
         hidden = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        pooled = torch.cat([hidden[rows, last_position_of(pair_segments, PAIR_CHOSEN)],
-                            hidden[rows, last_position_of(pair_segments, PAIR_REJECTED)]])
+        pooled = torch.cat([hidden[rows, last_position(pair_segments == PAIR_CHOSEN)],
+                            hidden[rows, last_position(pair_segments == PAIR_REJECTED)]])
         return SequenceClassifierOutputWithPast(logits=self.score(pooled))
     if attention_mask is None:
         attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
@@ -404,9 +405,7 @@ def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    last = (attention_mask * positions).argmax(dim=-1)
-    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
     return SequenceClassifierOutputWithPast(logits=self.score(pooled))
 
 

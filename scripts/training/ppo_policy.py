@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from model_utils import (
     DTYPES,
     ModelArguments,
+    last_position,
     load_model,
     load_model_config,
     log_trainable,
@@ -86,9 +87,7 @@ class PPOPolicy(torch.nn.Module):
     def scores(self, input_ids, attention_mask):
         """The reward model's score of each row, read at its last attended token."""
         hidden = self.hidden("reward", input_ids, attention_mask, positions_from_mask(attention_mask))
-        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-        last = (attention_mask * positions).argmax(dim=-1)
-        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
         return self.head("reward")(pooled).squeeze(-1).float()
 
     def ptx_loss(self, input_ids):

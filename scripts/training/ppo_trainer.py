@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig, TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from model_utils import gathered_trainable
+from model_utils import gathered_trainable, last_position
 from ppo_policy import SharedBasePolicy
 from ppo_utils import (
     ema_update,
@@ -83,8 +83,7 @@ def append_turn_end(input_ids, attention_mask, eos_token_id: int, turn_end_ids: 
     extra = len(turn_end_ids)
     ids = F.pad(input_ids, (0, extra), value=eos_token_id)
     mask = F.pad(attention_mask, (0, extra), value=0)
-    positions = torch.arange(attention_mask.shape[1], device=mask.device)
-    last = (attention_mask * positions).argmax(dim=-1)
+    last = last_position(attention_mask)
     rows = torch.nonzero(input_ids.gather(1, last[:, None]).squeeze(1) == eos_token_id).squeeze(1)
     for offset, token in enumerate(turn_end_ids, start=1):
         ids[rows, last[rows] + offset] = token
