@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_CPU_VERSION := 2.13.0
 
-.PHONY: install test demo bench clean
+.PHONY: install vendor-models test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,27 @@ $(STAMP): requirements.txt requirements-dev.txt | $(PY)
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Real tokenizers and chat templates of other model families, as test fixtures with no hub: llama.cpp
+# vendors vocabulary-only GGUF files (Llama-2/3, Qwen2, Phi-3, GPT-2, Gemma, ...) and the published chat
+# templates of ~70 models, and both ship in the llama-cpp-python sdist on PyPI. Download it once, keep only
+# those files (flattened) and drop the rest; tests/helpers/families.py builds its fixtures from them.
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
+VENDOR := .cache/vendor
+VENDOR_MODELS := $(VENDOR)/llama.cpp-models
+VENDOR_STAMP := $(VENDOR_MODELS)/.extracted
+
+$(VENDOR_STAMP): | $(PY)
+	rm -rf $(VENDOR_MODELS) && mkdir -p $(VENDOR_MODELS)
+	$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) -d $(VENDOR)/
+	tar -xzf $(VENDOR)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz -C $(VENDOR_MODELS) \
+		--strip-components=4 --wildcards \
+		'*/vendor/llama.cpp/models/ggml-vocab-*.gguf' '*/vendor/llama.cpp/models/templates/*.jinja'
+	rm -f $(VENDOR)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz
+	touch $(VENDOR_STAMP)
+
+vendor-models: $(VENDOR_STAMP)
+
+test: $(STAMP) $(VENDOR_STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)

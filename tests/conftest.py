@@ -1,6 +1,7 @@
 """Session fixtures built on the fly, with no hub: a SentencePiece BPE tokenizer with byte
 fallback (like LLaMA's) trained on a generated Chinese+English corpus, a tiny GQA Llama, an
-extended-vocabulary tokenizer, and small corpora; plus helpers to run the scripts as users do."""
+extended-vocabulary tokenizer, tiny models of real families with their real tokenizers and chat
+templates (helpers/families.py), and small corpora; plus helpers to run the scripts as users do."""
 
 import json
 import logging
@@ -134,6 +135,22 @@ def extended_tokenizer_dir(tmp_path_factory, tiny_tokenizer_dir):
     out = tmp_path_factory.mktemp("extended_tokenizer")
     tokenizer.save_pretrained(str(out))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory):
+    """family_model_dir(name): a directory with a tiny model of that family (helpers/families.py) and its
+    real tokenizer and chat template, built once per session."""
+    from helpers.families import build_family_model
+
+    built = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = build_family_model(name, str(tmp_path_factory.mktemp(f"family_{name}")))
+        return built[name]
+
+    return get
 
 
 def write_lines(path, lines) -> str:
