@@ -65,7 +65,7 @@ REWARD_MAX_SEQ_LENGTH = 96  # SmolLM2's default system turn + prompt + a review 
 PPO_MAX_PROMPT_LENGTH = 64
 PPO_MAX_ANSWER_LENGTH = 32
 CHAT_TURNS = ("写一条关于这家酒店的评价。", "What is 12 + 30?")
-LORA_ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+LORA_ALL_LINEAR = "all-linear"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from merge_utils import (  # noqa: E402
     InputError,
     atomic_output_dir,
     check_output_dir,
+    code_files,
     copy_files,
     run_cli,
     setup_logging,
@@ -104,6 +105,9 @@ def parse_args(argv=None):
                         help="Compare the merged model's logits with base+adapters in peft (needs both models in RAM).")
     parser.add_argument("--verify_tolerance", type=float, default=1e-3,
                         help="Largest accepted logit difference against peft's merge (rounded to the written dtype).")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="--verify: run the Python code the model directories ship (config.json auto_map) to "
+                             "load them. The merge itself only copies that code; trust the directories first.")
     return parser.parse_args(argv)
 
 
@@ -725,7 +729,8 @@ def write_model(plan: MergePlan, layout: list, out_dir: str, chunk_bytes: int, w
 # ----------------------------------------------------------------------------- verify
 
 
-def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePlan) -> tuple:
+def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePlan,
+           trust_remote_code: bool = False) -> tuple:
     """(difference, as_trained): max |logit difference| of the merged model against peft's own
     merge of base+adapters, and against base+adapters unmerged (the model as trained).
 
@@ -740,7 +745,9 @@ def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePla
     transformers.logging.set_verbosity_error()
     auto = AutoModelForSequenceClassification if plan.sequence_classification else AutoModelForCausalLM
     extra = {"num_labels": plan.tensors["score.weight"].shape[0]} if plan.sequence_classification else {}
-    reference = auto.from_pretrained(base_path, dtype=torch.float32, **extra)
+    if trust_remote_code:
+        logger.warning("--trust_remote_code: running the model's own code from %s", base_path)
+    reference = auto.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=trust_remote_code, **extra)
     for i, adapter_path in enumerate(adapter_paths):
         rows = plan.embedding_rows_after[i]
         if rows is not None and rows != reference.get_input_embeddings().weight.shape[0]:
@@ -749,10 +756,10 @@ def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePla
         if i < len(adapter_paths) - 1:
             reference = reference.merge_and_unload()
     reference.eval()
-    merged = auto.from_pretrained(merged_path, dtype=torch.float32).eval()
+    merged = auto.from_pretrained(merged_path, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
 
     if tokenizer_files(merged_path):
-        tokenizer = AutoTokenizer.from_pretrained(merged_path)
+        tokenizer = AutoTokenizer.from_pretrained(merged_path, trust_remote_code=trust_remote_code)
         batches = [tokenizer(prompt, return_tensors="pt")["input_ids"] for prompt in VERIFY_PROMPTS]
     else:
         generator = torch.Generator().manual_seed(0)
@@ -789,6 +796,9 @@ def main(argv=None) -> None:
         raise InputError(f"--chunk_mb must be positive, got {args.chunk_mb}")
 
     base = read_base_model(args.base_model)
+    if args.verify and base.config.get("auto_map") and not args.trust_remote_code:
+        raise InputError(f"{args.base_model}: --verify loads the model with transformers, which needs the model's "
+                         "own Python code (config.json auto_map): add --trust_remote_code if you trust that directory")
     adapters = [read_adapter(path) for path in adapter_paths]
     # Before any buffer exists: parsing a large tokenizer.json is the other transient peak.
     tokenizer_dir, tokenizer_names = choose_tokenizer(args.base_model, adapter_paths)
@@ -830,13 +840,14 @@ def main(argv=None) -> None:
             handle.write("\n")
         if os.path.isfile(os.path.join(args.base_model, "generation_config.json")):
             copy_files(args.base_model, ["generation_config.json"], tmp)
+        copy_files(args.base_model, code_files(args.base_model), tmp)
         copy_files(tokenizer_dir, tokenizer_names, tmp)
         if tokenizer_names:
             logger.info("tokenizer files from %s: %s", tokenizer_dir, ", ".join(tokenizer_names))
         merge_seconds = time.perf_counter() - start_time
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if args.verify:
-            difference, as_trained = verify(args.base_model, adapter_paths, tmp, plan)
+            difference, as_trained = verify(args.base_model, adapter_paths, tmp, plan, args.trust_remote_code)
             print(f"verify: max abs logit difference, peft base+adapters vs merged: {difference:.3g} "
                   f"(tolerance {args.verify_tolerance:g}); against the unmerged float32 model as trained: "
                   f"{as_trained:.3g}", flush=True)

@@ -58,6 +58,7 @@ from merge_utils import (  # noqa: E402
     InputError,
     atomic_output_dir,
     check_output_dir,
+    code_files,
     copy_files,
     run_cli,
     setup_logging,
@@ -104,6 +105,9 @@ def parse_args(argv=None):
                         help="Without --eval_corpus, every N-th training line is held out for the report.")
     parser.add_argument("--max_eval_lines", type=int, default=10000, help="Lines of the eval text used in the report.")
     parser.add_argument("--num_samples", type=int, default=3, help="Sample tokenizations shown in the report.")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="Run the Python code the tokenizer directory ships (tokenizer_config.json auto_map) to "
+                             "load it; the merged tokenizer keeps a copy of that code. Only for directories you trust.")
     return parser.parse_args(argv)
 
 
@@ -238,12 +242,15 @@ def inspect_base(path: str) -> BaseTokenizer:
                      "(no ByteLevel pre-tokenizer, no byte fallback): its unknown characters could not round-trip")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer, LlamaTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError) as err:
+        if "trust_remote_code" in str(err):  # not LLaMA's class below: its own code may tokenize differently
+            raise InputError(f"{path}: this tokenizer needs its own Python code (auto_map); if you trust that "
+                             "directory, rerun with --trust_remote_code") from None
         if os.path.isfile(os.path.join(path, "tokenizer.model")):
             return LlamaTokenizer.from_pretrained(path)  # a bare tokenizer.model: LLaMA's class
         raise InputError(f"{path}: cannot load a tokenizer from this directory ({err})") from None
@@ -335,7 +342,8 @@ def merge_sentencepiece(base: BaseTokenizer, extra) -> tuple:
                     "across_pre_tokenizer_boundary": 0}
 
 
-def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto, out_dir: str, base_tokenizer) -> None:
+def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto, out_dir: str, base_tokenizer,
+                                  trust_remote_code: bool = False) -> None:
     """The merged tokenizer.model plus the HF files transformers makes from it."""
     extra_ids = [token for token, index in base_tokenizer.get_vocab().items() if index >= len(base.proto.pieces)]
     if extra_ids:
@@ -345,10 +353,10 @@ def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto, out_dir: st
     with tempfile.TemporaryDirectory(dir=out_dir) as work:
         # Without tokenizer.json, transformers converts the merged .model into its fast tokenizer.
         names = [name for name in tokenizer_files(base.path) if name not in ("tokenizer.json", "tokenizer.model")]
-        copy_files(base.path, names, work)
+        copy_files(base.path, names + code_files(base.path), work)
         with open(os.path.join(work, "tokenizer.model"), "wb") as handle:
             handle.write(merged_proto.SerializeToString())
-        tokenizer = load_tokenizer(work)
+        tokenizer = load_tokenizer(work, trust_remote_code)
         tokenizer.save_pretrained(out_dir)
         copy_files(work, ["tokenizer.model"], out_dir)
 
@@ -622,6 +630,11 @@ def main(argv=None) -> None:
             raise InputError(f"--model_type {args.model_type}: this base needs a {needed} extra model "
                              "(a BPE tokenizer.json base, or a SentencePiece base of that type)")
 
+    # Loaded before the extra pieces are trained, so a base that cannot load is refused at once.
+    if args.trust_remote_code:
+        logger.warning("--trust_remote_code: running the tokenizer's own code from %s", args.base_tokenizer)
+    base_tokenizer = load_tokenizer(args.base_tokenizer, args.trust_remote_code)
+
     with tempfile.TemporaryDirectory(prefix="merge_tokenizers-") as work:
         train_path = os.path.join(work, "train.txt") if args.train_corpus else None
         eval_lines = split_corpus(args, train_path)
@@ -632,18 +645,18 @@ def main(argv=None) -> None:
         else:
             extra, extra_name = train_extra_model(args, base, train_path, work), "the trained model"
         check_compatible(base, extra, extra_name)
-        base_tokenizer = load_tokenizer(args.base_tokenizer)
 
         with atomic_output_dir(args.output_dir) as out:
             unreachable = []
             if base.kind == "sentencepiece":
                 merged_proto, stats = merge_sentencepiece(base, extra)
-                write_sentencepiece_tokenizer(base, merged_proto, out, base_tokenizer)
+                write_sentencepiece_tokenizer(base, merged_proto, out, base_tokenizer, args.trust_remote_code)
             else:
                 data, stats, new_tokens = merge_bpe_json(base, extra)
                 write_bpe_tokenizer(base, data, out)
                 unreachable = unreachable_tokens(out, new_tokens)
-            merged = load_tokenizer(out)
+            copy_files(base.path, code_files(base.path), out)  # the merged tokenizer loads with the same code
+            merged = load_tokenizer(out, args.trust_remote_code)
             try:
                 merged_model = os.path.join(out, "tokenizer.model") if base.kind == "sentencepiece" else None
                 report = build_report(args, base, base_tokenizer, merged, stats, eval_lines, unreachable, merged_model)

@@ -83,6 +83,14 @@ def tokenizer_files(directory: str) -> list:
     return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
 
 
+def code_files(directory: str) -> list:
+    """The Python files of a model or tokenizer that ships its own code (config.json's or
+    tokenizer_config.json's auto_map, loaded with --trust_remote_code): a merged copy needs them
+    beside its config to load at all. The merge copies them and never runs them."""
+    return sorted(name for name in os.listdir(directory)
+                  if name.endswith(".py") and os.path.isfile(os.path.join(directory, name)))
+
+
 def copy_files(source_dir: str, names, target_dir: str) -> None:
     for name in names:
         shutil.copyfile(os.path.join(source_dir, name), os.path.join(target_dir, name))

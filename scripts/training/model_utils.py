@@ -2,6 +2,7 @@
 quantization (QLoRA), attention implementation, vocabulary resize with mean-initialised rows,
 a new or continued peft LoRA adapter, and DeepSpeed's communication set-up for ZeRO-3."""
 
+import functools
 import json
 import logging
 import os
@@ -25,7 +26,19 @@ from training_utils import InputError, parse_args, resolve_resume_checkpoint, se
 logger = logging.getLogger(__name__)
 
 DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DEFAULT_LORA_TARGETS = "q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj"
+# Resolved per model by lora_target_modules: Llama's q/k/v/o/gate/up/down, Phi-3's qkv_proj and
+# gate_up_proj, GPT-2's c_attn/c_proj/c_fc, ... with no per-family name list to keep up to date.
+ALL_LINEAR = "all-linear"
+DEFAULT_LORA_TARGETS = ALL_LINEAR
+
+
+def trust_remote_code_field():
+    """--trust_remote_code, the same in every stage's arguments."""
+    return field(
+        default=False,
+        metadata={"help": "Run the Python code a model directory ships (config.json auto_map) to build its config, "
+                          "tokenizer and model. Only for directories you trust: that code runs with your rights."},
+    )
 
 
 @dataclass
@@ -48,7 +61,12 @@ class ModelArguments:
     attn_implementation: Optional[str] = field(
         default=None, metadata={"help": "eager, sdpa, flash_attention_2, ...; default: transformers' choice."}
     )
-    trainable: str = field(default=DEFAULT_LORA_TARGETS, metadata={"help": "LoRA target modules, comma list."})
+    trust_remote_code: bool = trust_remote_code_field()
+    trainable: str = field(
+        default=DEFAULT_LORA_TARGETS,
+        metadata={"help": "LoRA target modules, comma list; all-linear: every linear layer of the decoder "
+                          "(not the LM head or a score head)."},
+    )
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r."})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
@@ -71,24 +89,43 @@ def comma_list(value: Optional[str]) -> list:
     return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
+@functools.lru_cache(maxsize=None)
+def warn_remote_code(path: str) -> None:
+    """One warning per directory (cached): a run loads the same directory's config and tokenizer several times."""
+    logger.warning("--trust_remote_code: running the model's own code from %s", path)
+
+
+def load_error(path: str, err: Exception, failure: str) -> InputError:
+    """One line for a failed load; transformers' refusal of a directory's own code gives advice about its
+    Python argument, so name our flag instead."""
+    if "trust_remote_code" in str(err):
+        return InputError(f"{path}: {failure}: it needs its own Python code (auto_map); if you trust that "
+                          "directory, rerun with --trust_remote_code")
+    return InputError(f"{path}: {failure} ({err})")
+
+
 def load_tokenizer(model_args: ModelArguments):
     path = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if not os.path.isdir(path):
         raise InputError(f"{path}: tokenizer directory does not exist")
+    if model_args.trust_remote_code:
+        warn_remote_code(os.path.abspath(path))
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
-        raise InputError(f"{path}: cannot load a tokenizer from this directory ({err})") from None
+        raise load_error(path, err, "cannot load a tokenizer from this directory") from None
 
 
 def load_model_config(model_args: ModelArguments):
     path = model_args.model_name_or_path
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise InputError(f"{path}: --model_name_or_path is not a model directory (no config.json)")
+    if model_args.trust_remote_code:
+        warn_remote_code(os.path.abspath(path))
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise InputError(f"{path}/config.json: cannot read the model config ({err})") from None
+        raise load_error(f"{path}/config.json", err, "cannot read the model config") from None
 
 
 def read_adapter_config(peft_path: str) -> dict:
@@ -195,7 +232,8 @@ def subword_sources(model_args: ModelArguments, tokenizer, old_size: int) -> dic
     """{new id: old ids}: each new token's text as the base model's own tokenizer segments it.
     The token's stored string goes through the base tokenizer's model (BPE/unigram) directly, so
     byte-level and SentencePiece-style tokens are split in their own alphabet, with no decoding."""
-    base = load_tokenizer(ModelArguments(model_name_or_path=model_args.model_name_or_path))
+    base = load_tokenizer(ModelArguments(model_name_or_path=model_args.model_name_or_path,
+                                         trust_remote_code=model_args.trust_remote_code))
     segmenter = base.backend_tokenizer.model
     sources = {}
     for new_id in range(old_size, len(tokenizer)):
@@ -242,7 +280,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
 
     dtype = DTYPES[model_args.torch_dtype]
     quant = quantization_config(model_args, compute_dtype_for(model_args, training_args))
-    load_kwargs = {"config": config, "dtype": dtype}
+    load_kwargs = {"config": config, "dtype": dtype, "trust_remote_code": model_args.trust_remote_code}
     if model_args.attn_implementation:
         load_kwargs["attn_implementation"] = model_args.attn_implementation
     if quant is not None:
@@ -289,10 +327,10 @@ def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm"):
     if model_args.peft_path:
         logger.info("continuing LoRA adapter %s", model_args.peft_path)
         return load_peft_adapter(model, model_args.peft_path, is_trainable=True)
-    targets = comma_list(model_args.trainable)
+    modules_to_save = comma_list(model_args.modules_to_save)
+    targets = lora_target_modules(model, model_args.trainable, modules_to_save)
     if not targets:
         raise InputError("--trainable must name at least one module for LoRA (or use --full_finetuning)")
-    modules_to_save = comma_list(model_args.modules_to_save) or None
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # A tied model keeps one matrix for embed_tokens and lm_head; training two separate copies
     # would untie them and change what the merged model means.
@@ -304,13 +342,50 @@ def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm"):
         r=model_args.lora_rank,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
-        modules_to_save=modules_to_save,
+        modules_to_save=modules_to_save or None,
         ensure_weight_tying=ensure_tying,
     )
     try:
         return get_peft_model(model, lora_config)
     except ValueError as err:
         raise InputError(f"--trainable {model_args.trainable}: {err}") from None
+
+
+def lora_target_modules(model, trainable: str, modules_to_save: list) -> list:
+    """--trainable as peft target names: the comma list as given, or for all-linear the names found
+    in this model (logged). Resolved here rather than by peft so adapter_config.json lists the
+    layers by name, and a reader of the log sees what is trained."""
+    if trainable.strip() != ALL_LINEAR:
+        return comma_list(trainable)
+    targets = [name for name in linear_layer_names(model) if name not in modules_to_save]
+    logger.info("LoRA targets (%s): %s", ALL_LINEAR, ",".join(targets))
+    return targets
+
+
+def linear_layer_names(model) -> list:
+    """Target names (peft matches them as name suffixes) of every linear layer of the decoder body, in
+    model order: torch.nn.Linear, which bitsandbytes' Linear4bit and Linear8bitLt subclass, and
+    transformers' Conv1D (GPT-2's c_attn/c_proj/c_fc). Only the body (model.base_model) is searched,
+    so the LM head and task heads (score, classifier, ...) next to it are left out whatever their
+    names; the output embedding is excluded by identity for a model whose body holds it."""
+    from transformers.pytorch_utils import Conv1D
+
+    output_embedding = model.get_output_embeddings()
+    names = []
+    for path, module in model.base_model.named_modules():
+        if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output_embedding:
+            name = layer_suffix(path)
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def layer_suffix(path: str) -> str:
+    """The module path from its last non-numeric part: "layers.0.mlp.up_proj" -> "up_proj", and
+    "mlp.fc.0" -> "fc.0", since a bare "0" would match every module whose name ends in ".0"."""
+    parts = path.split(".")
+    start = max((i for i, part in enumerate(parts) if not part.isdigit()), default=0)
+    return ".".join(parts[start:])
 
 
 def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_path"):
@@ -411,7 +486,13 @@ def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=
 
 def reward_model_class(config):
     """The checkpoint's own sequence-classification class with mask_pooled_forward."""
-    base = AutoModelForSequenceClassification._model_mapping[type(config)]
+    mapping = AutoModelForSequenceClassification._model_mapping
+    if type(config) not in mapping:
+        # A --trust_remote_code config class: its own code may have no classifier, nor the
+        # .model/.score layout mask_pooled_forward reads.
+        raise InputError(f"{getattr(config, '_name_or_path', '')}: the reward model needs an architecture "
+                         f"transformers has a sequence classifier for; {type(config).__name__} has none here")
+    base = mapping[type(config)]
     return type(f"MaskPooled{base.__name__}", (base,), {"forward": mask_pooled_forward})
 
 

@@ -335,6 +335,7 @@ def actor_model_args(model_args) -> ModelArguments:
     return ModelArguments(
         model_name_or_path=model_args.actor_model_name_or_path, tokenizer_name_or_path=model_args.tokenizer_name_or_path,
         torch_dtype=model_args.torch_dtype, attn_implementation=model_args.attn_implementation,
+        trust_remote_code=model_args.trust_remote_code,
         trainable=model_args.trainable, lora_rank=model_args.lora_rank, lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout, peft_path=model_args.actor_lora_model,
     )
@@ -416,8 +417,9 @@ def load_frozen(model_dir: str, adapter_dir: Optional[str], task: str, model_arg
     """A frozen role: the model, with its adapter merged in (one plain forward per pass)."""
     from peft import PeftModel
 
-    config = load_model_config(ModelArguments(model_name_or_path=model_dir))
-    kwargs = {"config": config, "dtype": DTYPES[model_args.torch_dtype]}
+    trust_remote_code = model_args.trust_remote_code
+    config = load_model_config(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
+    kwargs = {"config": config, "dtype": DTYPES[model_args.torch_dtype], "trust_remote_code": trust_remote_code}
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
     with outside_zero3_init():
@@ -442,6 +444,7 @@ def load_separate_policy(model_args, training_args, tokenizer) -> SeparatePolicy
     critic_source = ModelArguments(
         model_name_or_path=model_args.critic_model_name_or_path or model_args.reward_model_name_or_path,
         torch_dtype=model_args.torch_dtype, attn_implementation=model_args.attn_implementation,
+        trust_remote_code=model_args.trust_remote_code,
         trainable=model_args.trainable, lora_rank=model_args.lora_rank, lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
         peft_path=None if model_args.critic_model_name_or_path else model_args.reward_lora_model,

@@ -18,7 +18,8 @@ DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 lr=2e-4
 lora_rank=64
 lora_alpha=128
-lora_trainable="q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj"
+# all-linear: every linear layer of the decoder, found by type (Llama, Qwen, Mistral, Phi-3, GPT-2 alike).
+lora_trainable="all-linear"
 lora_dropout=0.05
 # New vocabulary rows only learn if the embeddings train in full; drop this line for a base vocabulary.
 modules_to_save="embed_tokens,lm_head"

@@ -41,7 +41,7 @@ torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_reward.py" \
     --output_dir "$OUTPUT" \
     --lora_rank 64 \
     --lora_alpha 128 \
-    --trainable "q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj" \
+    --trainable all-linear \
     --lora_dropout 0.05 \
     --torch_dtype bfloat16 \
     --ddp_find_unused_parameters False \

@@ -20,7 +20,8 @@ if [ -n "${VALID:-}" ]; then validation=(--validation_file "$VALID" --eval_strat
 lr=1e-4
 lora_rank=64
 lora_alpha=128
-lora_trainable="q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj"
+# all-linear: every linear layer of the decoder, found by type (Llama, Qwen, Mistral, Phi-3, GPT-2 alike).
+lora_trainable="all-linear"
 lora_dropout=0.05
 
 torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_sft_with_peft.py" \
