@@ -36,9 +36,11 @@ from inference_utils import (  # noqa: E402
     context_limit,
     inference_tokenizer,
     load_for_inference,
+    template_kwargs_of,
     messages_of,
     trim_history,
 )
+from model_utils import trust_remote_code_field  # noqa: E402
 from training_utils import InputError, parse_args, run_cli  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class ChatArguments:
     )
     predictions_file: Optional[str] = field(default=None, metadata={"help": "Batch mode: where answers go (.jsonl)."})
     batch_size: int = field(default=8, metadata={"help": "Batch mode: prompts generated together."})
+    trust_remote_code: bool = trust_remote_code_field()
 
 
 def sampling_settings(args: ChatArguments) -> SamplingSettings:
@@ -185,11 +188,14 @@ def main():
                              "choose another name or remove it")
         records = read_prompt_records(chat_args.data_file, chat_args.system_prompt)
     # The data, the tokenizer and its template are checked before the weights are loaded.
-    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model)
+    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
+                                    trust_remote_code=chat_args.trust_remote_code)
     template = chat_template_of(tokenizer, model_args.template)
     model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
-                                          model_args.load_in_kbits, model_args.dtype, tokenizer)
-    generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens))
+                                          model_args.load_in_kbits, model_args.dtype, tokenizer,
+                                          trust_remote_code=chat_args.trust_remote_code)
+    generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
+                              template_kwargs_of(model_args))
     logger.info("sampling: %s", asdict(settings))
     if chat_args.seed is not None:
         set_seed(chat_args.seed)  # once: each turn then continues the same random stream

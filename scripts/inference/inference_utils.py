@@ -16,7 +16,13 @@ from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteri
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from build_dataset import MESSAGE_ROLES, string_field, turn_list  # noqa: E402
-from chat_templates import TEMPLATES, named_template  # noqa: E402
+from chat_templates import (  # noqa: E402
+    TEMPLATES,
+    named_template,
+    parse_template_kwargs,
+    saved_template_kwargs,
+    turn_end_text,
+)
 from model_utils import (  # noqa: E402
     DTYPES,
     ModelArguments,
@@ -48,6 +54,11 @@ class InferenceModelArguments:
         default=None,
         metadata={"help": f"Chat template if the tokenizer saved none: {', '.join(sorted(TEMPLATES))}."},
     )
+    template_kwargs: Optional[str] = field(
+        default=None, metadata={"help": "Keyword arguments of the chat template as a JSON object; default: those "
+                                "training saved with the tokenizer (chat_template_kwargs.json)."})
+    enable_thinking: Optional[bool] = field(
+        default=None, metadata={"help": "Passed to templates that take it (Qwen3); overrides the saved value."})
     max_context_tokens: Optional[int] = field(
         default=None, metadata={"help": "Prompt + answer tokens; default: the model's max_position_embeddings."}
     )
@@ -78,7 +89,7 @@ def has_tokenizer(directory: str) -> bool:
 
 
 def inference_model_arguments(base_model: str, lora_model: Optional[str], load_in_kbits: int = 16,
-                              dtype: str = "auto") -> ModelArguments:
+                              dtype: str = "auto", trust_remote_code: bool = False) -> ModelArguments:
     """The training scripts' ModelArguments for this model, its directories checked. The
     tokenizer comes from the adapter directory when it has one: training saved it there with
     the chat template and any added tokens."""
@@ -88,24 +99,24 @@ def inference_model_arguments(base_model: str, lora_model: Optional[str], load_i
         raise InputError(f"{lora_model}: --lora_model is not a LoRA adapter (no adapter_config.json)")
     tokenizer_dir = lora_model if lora_model and has_tokenizer(lora_model) else base_model
     return ModelArguments(model_name_or_path=base_model, tokenizer_name_or_path=tokenizer_dir,
-                          torch_dtype=dtype, load_in_kbits=load_in_kbits)
+                          torch_dtype=dtype, load_in_kbits=load_in_kbits, trust_remote_code=trust_remote_code)
 
 
-def inference_tokenizer(base_model: str, lora_model: Optional[str] = None):
-    return load_tokenizer(inference_model_arguments(base_model, lora_model))
+def inference_tokenizer(base_model: str, lora_model: Optional[str] = None, trust_remote_code: bool = False):
+    return load_tokenizer(inference_model_arguments(base_model, lora_model, trust_remote_code=trust_remote_code))
 
 
 def load_for_inference(base_model: str, lora_model: Optional[str] = None, load_in_kbits: int = 16,
-                       dtype: str = "auto", tokenizer=None):
+                       dtype: str = "auto", tokenizer=None, trust_remote_code: bool = False):
     """(model in eval mode, tokenizer) from a merged model or base + LoRA adapter (merged into
     the base unless the base is quantized)."""
-    model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype)
+    model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype, trust_remote_code)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_args)
     config = load_model_config(model_args)
     use_gpu = torch.cuda.is_available()
     compute_dtype = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if use_gpu else torch.float32)
     quant = quantization_config(model_args, compute_dtype)
-    load_kwargs = {"config": config, "dtype": DTYPES[dtype]}
+    load_kwargs = {"config": config, "dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if quant is not None:
         load_kwargs["quantization_config"] = quant
         if use_gpu:
@@ -140,18 +151,21 @@ def chat_template_of(tokenizer, requested: Optional[str]) -> str:
     )
 
 
-def template_turn_end(tokenizer, template: str) -> str:
+def template_kwargs_of(model_args: InferenceModelArguments) -> dict:
+    """The template's keyword arguments: those training saved with the tokenizer in use (the
+    adapter's if it has one), overridden by --template_kwargs / --enable_thinking."""
+    lora = model_args.lora_model
+    saved = saved_template_kwargs(lora if lora and has_tokenizer(lora) else model_args.base_model)
+    return saved | parse_template_kwargs(model_args.template_kwargs, model_args.enable_thinking)
+
+
+def template_turn_end(tokenizer, template: str, template_kwargs: Optional[dict] = None) -> str:
     """What the template writes after an answer before EOS (e.g. chatml's <|im_end|> when EOS is
     </s>): generation stops there too, so it never shows up in a reply."""
-    sentinel = "\u2063answer\u2063"
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": sentinel}],
-        chat_template=template, tokenize=False,
-    )
-    after = rendered.split(sentinel, 1)[-1]
-    if tokenizer.eos_token and tokenizer.eos_token in after:
-        after = after.split(tokenizer.eos_token, 1)[0]
-    return after.strip()
+    text, special = turn_end_text(tokenizer, template, template_kwargs)
+    if special and tokenizer.eos_token and text.endswith(tokenizer.eos_token):
+        text = text[: -len(tokenizer.eos_token)]
+    return text.strip()
 
 
 def context_limit(model, requested: Optional[int]) -> int:
@@ -298,19 +312,25 @@ class CancelledCriteria(StoppingCriteria):
 class ChatGenerator:
     """A loaded model and tokenizer with the chat template they were trained with."""
 
-    def __init__(self, model, tokenizer, template: Optional[str], context_tokens: int):
+    def __init__(self, model, tokenizer, template: Optional[str], context_tokens: int,
+                 template_kwargs: Optional[dict] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
         self.context_tokens = context_tokens
-        self.turn_end = template_turn_end(tokenizer, template) if template else ""
+        self.turn_end = template_turn_end(tokenizer, template, self.template_kwargs) if template else ""
         self.eos_ids = self.eos_token_ids()
         # Padding is masked out by the attention mask, so any id serves; EOS when there is no pad.
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     def eos_token_ids(self) -> list:
         ids = []
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+        # The template's turn-end token (Phi-3's <|end|>, Gemma's <end_of_turn>) ends a reply too.
+        turn_end_id = self.tokenizer.convert_tokens_to_ids(self.turn_end) if self.turn_end else None
+        turn_end_id = turn_end_id if turn_end_id != self.tokenizer.unk_token_id else None
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
+                       turn_end_id):
             for token in source if isinstance(source, (list, tuple)) else [source]:
                 if token is not None and token not in ids:
                     ids.append(int(token))
@@ -320,7 +340,7 @@ class ChatGenerator:
 
     def render(self, messages: list) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, tokenize=False, add_generation_prompt=True
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=True, **self.template_kwargs
         )
 
     def encode_chat(self, messages: list) -> list:

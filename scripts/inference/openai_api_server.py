@@ -45,8 +45,10 @@ from inference_utils import (  # noqa: E402
     context_limit,
     inference_tokenizer,
     load_for_inference,
+    template_kwargs_of,
     prompt_conversation,
 )
+from model_utils import trust_remote_code_field  # noqa: E402
 from training_utils import InputError, parse_args, run_cli  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class ServerArguments:
     default_max_tokens: int = field(
         default=512, metadata={"help": "Answer length limit for requests that set no max_tokens (capped by the context)."}
     )
+    trust_remote_code: bool = trust_remote_code_field()
 
 
 class APIError(Exception):
@@ -331,11 +334,14 @@ def main():
     model_args, server_args = parse_args((InferenceModelArguments, ServerArguments))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO, stream=sys.stderr, force=True)
-    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model)
+    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
+                                    trust_remote_code=server_args.trust_remote_code)
     template = chat_template_of(tokenizer, model_args.template)
     model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
-                                          model_args.load_in_kbits, model_args.dtype, tokenizer)
-    generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens))
+                                          model_args.load_in_kbits, model_args.dtype, tokenizer,
+                                          trust_remote_code=server_args.trust_remote_code)
+    generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
+                              template_kwargs_of(model_args))
     name = server_args.model_name or os.path.basename(os.path.normpath(model_args.lora_model or model_args.base_model))
     service = CompletionService(generator, name, server_args.default_max_tokens)
     app = create_app(service, server_args.api_key)

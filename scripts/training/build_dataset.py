@@ -20,10 +20,12 @@ import pyarrow as pa
 import torch
 from datasets import Dataset, load_from_disk
 from datasets.table import InMemoryTable
+from jinja2 import TemplateError
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from model_utils import PAIR_CHOSEN, PAIR_PADDING, PAIR_PREFIX, PAIR_REJECTED, gathered_trainable
+from chat_templates import first_special_token, save_template_kwargs, special_token_texts, turn_end_text
 from training_utils import InputError
 
 logger = logging.getLogger(__name__)
@@ -298,6 +300,7 @@ def save_adapter(model, tokenizer, path: str, is_main_process: bool) -> None:
             model.save_pretrained(path)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
+                save_template_kwargs(tokenizer, path)
 
 
 class SavePeftModelCallback(TrainerCallback):
@@ -317,7 +320,7 @@ class SavePeftModelCallback(TrainerCallback):
 
 # ----------------------------------------------------------------------------- supervised data
 
-SFT_CACHE_VERSION = "sft-1"
+SFT_CACHE_VERSION = "sft-2"
 
 
 @dataclass
@@ -342,13 +345,21 @@ class ConversationDataArguments:
         default=None,
         metadata={"help": "llama2, alpaca, chatml or human_assistant; default: the tokenizer's own chat_template."},
     )
+    template_kwargs: Optional[str] = field(
+        default=None, metadata={"help": "Keyword arguments the chat template is rendered with, as a JSON object "
+                                "(e.g. '{\"enable_thinking\": false}'); saved with the adapter for inference."})
+    enable_thinking: Optional[bool] = field(
+        default=None, metadata={"help": "Passed to templates that take it (Qwen3): false renders the empty "
+                                "<think></think> of non-thinking mode in the prompt."})
     max_seq_length: Optional[int] = field(default=None, metadata={"help": "Tokens per sequence (prompt + answer)."})
     data_cache_dir: Optional[str] = field(default=None, metadata={"help": "Where tokenized data is cached."})
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train samples."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval samples."})
 SFT_SUFFIXES = (".json", ".jsonl")
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
-MESSAGE_ROLES = ("system", "user", "assistant")
+# sharegpt's function_call / observation turns are an assistant's tool calls and a tool's result.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "function_call": "assistant",
+                  "observation": "tool"}
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
 
 def find_sft_files(dataset_dir: Optional[str], data_paths: Optional[list]) -> list:
@@ -458,10 +469,70 @@ def turn_list(where: str, record: dict, name: str, role_key: str, content_key: s
             raise InputError(f"{where}: field '{field_name}.{role_key}' has unknown role '{role}' "
                              f"(expected one of {', '.join(roles)})")
         content = turn.get(content_key)
-        if not isinstance(content, str):
+        if role == "function_call":  # sharegpt: the value is the call as JSON
+            message = {"role": "assistant", "content": "",
+                       "tool_calls": [tool_call(where, f"{field_name}.{content_key}", parse_json_field(
+                           where, f"{field_name}.{content_key}", content))]}
+        elif content is None and turn.get("tool_calls"):
+            message = {"role": "assistant", "content": ""}
+        elif not isinstance(content, str):
             raise InputError(f"{where}: field '{field_name}.{content_key}' is missing or not a string")
-        messages.append({"role": roles[role] if isinstance(roles, dict) else role, "content": content})
+        else:
+            message = {"role": roles[role] if isinstance(roles, dict) else role, "content": content}
+        messages.append(message | message_extras(where, field_name, turn, message["role"]))
     return messages
+
+
+def parse_json_field(where: str, field_name: str, value):
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{where}: field '{field_name}': not valid JSON ({err.msg})") from None
+
+
+def tool_call(where: str, field_name: str, call) -> dict:
+    """One tool call as chat templates expect it: {"type": "function", "function": {"name",
+    "arguments"}} (also accepted flat: {"name", "arguments"}); "id" kept where given."""
+    if not isinstance(call, dict):
+        raise InputError(f"{where}: field '{field_name}' must be an object with 'name' and 'arguments'")
+    function = call.get("function", call)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise InputError(f"{where}: field '{field_name}': a tool call needs a 'name' string")
+    arguments = parse_json_field(where, f"{field_name}.arguments", function.get("arguments", {}))
+    normal = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        normal["id"] = call["id"]
+    return normal
+
+
+def message_extras(where: str, field_name: str, turn: dict, role: str) -> dict:
+    """The optional keys of a message that templates render: an assistant's reasoning_content and
+    tool_calls, a tool result's tool_call_id and name."""
+    extras = {}
+    if role == "assistant":
+        if turn.get("reasoning_content") is not None:
+            extras["reasoning_content"] = string_field(where, turn, "reasoning_content")
+        if turn.get("tool_calls"):
+            calls = turn["tool_calls"]
+            if not isinstance(calls, list):
+                raise InputError(f"{where}: field '{field_name}.tool_calls' must be a list")
+            extras["tool_calls"] = [tool_call(where, f"{field_name}.tool_calls[{i}]", call)
+                                    for i, call in enumerate(calls)]
+    elif role == "tool":
+        for key in ("tool_call_id", "name"):
+            if turn.get(key) is not None:
+                extras[key] = string_field(where, turn, key)
+    return extras
+
+
+def tools_of(where: str, record) -> Optional[list]:
+    """A record's "tools" (function schemas the template lists for the model), as a list."""
+    tools = parse_json_field(where, "tools", record.get("tools")) if isinstance(record, dict) else None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise InputError(f"{where}: field 'tools' must be a list of function schemas")
+    return tools or None
 
 
 def conversation_of(where: str, record) -> list:
@@ -481,31 +552,47 @@ def conversation_of(where: str, record) -> list:
     return validate_conversation(where, messages, name)
 
 
+# Which roles may follow each role (None: the first turn after an optional system prompt).
+FOLLOWS = {None: ("user",), "user": ("assistant",), "assistant": ("user", "tool"), "tool": ("tool", "assistant")}
+
+
 def validate_conversation(where: str, messages: list, field_name: Optional[str]) -> list:
-    """System first (optional), then user/assistant alternating, ending with a non-empty answer."""
+    """System first (optional), then user and assistant alternating (an assistant's tool calls
+    followed by tool results, then the assistant again), ending with a non-empty answer."""
 
     def at(index):
         return f"field '{field_name}[{index}]'" if field_name else "the conversation"
 
     start = 1 if messages and messages[0]["role"] == "system" else 0
+    previous = None
     for index in range(start, len(messages)):
-        role = messages[index]["role"]
-        expected = "user" if (index - start) % 2 == 0 else "assistant"
+        message, role = messages[index], messages[index]["role"]
         if role == "system":
             raise InputError(f"{where}: {at(index)}: a system turn may only come first")
-        if role != expected:
-            raise InputError(f"{where}: {at(index)}: two consecutive {role} turns")
-        if role == "assistant" and not messages[index]["content"].strip():
+        allowed = FOLLOWS[previous]
+        if role == "tool" and previous == "assistant" and not messages[index - 1].get("tool_calls"):
+            allowed = ("user",)
+        if role not in allowed:
+            after = f"a {previous} turn" if previous else "the start (after an optional system turn)"
+            what = f"two consecutive {role} turns" if role == previous else f"the {role} turn cannot follow {after}"
+            raise InputError(f"{where}: {at(index)}: {what}")
+        if role == "assistant" and not message["content"].strip() and not message.get("tool_calls"):
             raise InputError(f"{where}: {at(index)}: empty answer")
+        previous = role
     if len(messages) == start:
         raise InputError(f"{where}: the conversation has no user turn")
     if messages[-1]["role"] != "assistant":
-        raise InputError(f"{where}: {at(len(messages) - 1)}: the conversation ends on a user turn (no answer to train on)")
+        raise InputError(f"{where}: {at(len(messages) - 1)}: the conversation ends on a {messages[-1]['role']} "
+                         "turn (no answer to train on)")
     return messages
 
 
 def read_conversations(path: str) -> list:
-    conversations = [conversation_of(f"{path}:{line}", record) for line, record in read_records(path)]
+    """[(where, messages, tools)] of every record of a file, where = "path:line"."""
+    conversations = []
+    for line, record in read_records(path):
+        where = f"{path}:{line}"
+        conversations.append((where, conversation_of(where, record), tools_of(where, record)))
     if not conversations:
         raise InputError(f"{path}: file holds no records (empty)")
     return conversations
@@ -533,59 +620,174 @@ def phase_indices(num_records: int, data_split: str, phase: int, seed: int) -> n
 
 
 class ConversationTokenizer:
-    """Token ids and labels of a conversation rendered by a chat template.
+    """Token ids and labels of a conversation rendered by a chat template, for any template.
 
-    Each turn's text comes from the template's own renders: the prompt is what the template
-    renders before an answer with add_generation_prompt (what inference will render), the answer
-    is what the full render adds after it, up to and including EOS. Segments are tokenized one
-    by one, so the prompt tokens are exactly those inference will feed the model.
+    The whole conversation is rendered once with the model's own template (as transformers would
+    render it); each assistant message is then found in that text by character offsets and its
+    span is trained: from where the model starts writing (after the template's generation
+    prompt) through the content, reasoning and tool calls the template renders, up to and
+    including the turn-end token (`turn_end_text`). System, user and tool text is never
+    trained. Where the render starts with `apply_chat_template(messages[:k],
+    add_generation_prompt=True)`, the answer's prompt is exactly the inference prompt; templates
+    that render earlier turns differently (Qwen3 drops reasoning before the last user turn,
+    Mistral moves the system prompt into the last user turn) are handled by finding the
+    template's generation header before the answer instead of requiring growing prefixes.
 
-    keep_turn_end keeps what the template renders after the last answer's EOS (ChatML's "\n",
-    Alpaca's "\n\n"): a reward model reads its score at the last token, and it is read at the
-    end of the whole turn, as transformers' and TRL's reward models read it. Rows end where a
-    generated answer ends plus turn_end_ids(), which is what PPO appends before scoring."""
+    keep_turn_end keeps what the template renders after the last answer's turn end (ChatML's
+    "\n"): a reward model reads its score at the last token, at the end of the whole turn, as
+    transformers' and TRL's reward models read it. turn_end_ids() is what that adds, and what PPO
+    appends to a generated answer before scoring it."""
 
     def __init__(self, tokenizer, template: str, max_length: int, train_on_last_turn_only: bool = False,
-                 keep_turn_end: bool = False):
+                 keep_turn_end: bool = False, template_kwargs: Optional[dict] = None):
         self.tokenizer = tokenizer
         self.template = template
         self.max_length = max_length
         self.last_turn_only = train_on_last_turn_only
         self.keep_turn_end = keep_turn_end
-        self.eos = tokenizer.eos_token
-        if self.eos is None:
+        self.template_kwargs = dict(template_kwargs or {})
+        if tokenizer.eos_token is None:
             raise InputError("the tokenizer has no eos_token: answers could not end")
+        self.turn_end, self.turn_end_is_special = turn_end_text(tokenizer, template, self.template_kwargs)
+        self.notes = {}  # what the template does differently from inference, counted once per build
 
-    def render(self, messages: list, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+    def render(self, messages: list, add_generation_prompt: bool, tools: Optional[list] = None,
+               where: str = "a conversation") -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=tools, **self.template_kwargs,
+            )
+        except TemplateError as err:  # the template's own raise_exception (roles it does not support, ...)
+            raise InputError(f"{where}: the chat template refuses this conversation ({err})") from None
 
-    def segments(self, where: str, messages: list) -> list:
-        """[(text, trained, add_eos)] covering the conversation up to its last answer's EOS (with
-        keep_turn_end, up to the end of its turn)."""
+    def segments(self, where: str, messages: list, tools: Optional[list] = None) -> list:
+        """[(text, trained, add_eos)] covering the conversation up to its last answer's turn end
+        (with keep_turn_end, up to the end of the render)."""
+        whole = self.render(messages, add_generation_prompt=False, tools=tools, where=where)
         answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-        segments, consumed = [], ""
-        for turn, index in enumerate(answers):
-            prompt = self.render(messages[:index], add_generation_prompt=True)
-            full = self.render(messages[: index + 1], add_generation_prompt=False)
-            if not prompt.startswith(consumed) or not full.startswith(prompt):
-                raise InputError(f"{where}: the chat template does not render this conversation as a growing prefix; "
-                                 "choose a --template")
-            answer = full[len(prompt):]
-            cut = answer.rfind(self.eos)
-            # Text after the answer's EOS (a newline, say) opens the next prompt. A template whose
-            # turns do not end in EOS gets it as one extra token, so the model still learns to stop.
-            last = turn == len(answers) - 1
-            if cut >= 0 and not (last and self.keep_turn_end):
-                answer = answer[: cut + len(self.eos)]
-            trained = not self.last_turn_only or last
-            segments += [(prompt[len(consumed):], False, False), (answer, trained, cut < 0)]
-            consumed = prompt + answer
+        spans = self.answer_spans(where, whole, messages, answers, tools)
+        prompt = self.render(messages[:answers[-1]], add_generation_prompt=True, tools=tools, where=where)
+        text = whole
+        if not whole.startswith(prompt):
+            text, spans = self.on_inference_prompt(where, whole, prompt, spans, messages, answers, tools)
+        start, end, add_eos = spans[-1]
+        if self.keep_turn_end and not add_eos:  # an appended EOS ends the row itself: nothing follows it
+            spans[-1] = (start, len(text), add_eos)
+        segments, position = [], 0
+        for turn, (start, end, add_eos) in enumerate(spans):
+            trained = not self.last_turn_only or turn == len(spans) - 1
+            segments += [(text[position:start], False, False), (text[start:end], trained, add_eos)]
+            position = end
         return segments
 
-    def __call__(self, where: str, messages: list) -> Optional[dict]:
-        segments = self.segments(where, messages)
+    def answer_spans(self, where: str, text: str, messages: list, answers: list, tools) -> list:
+        spans, position = [], 0
+        for index in answers:
+            spans.append(self.answer_span(where, text, position, messages, index, tools))
+            position = spans[-1][1]
+        return spans
+
+    def on_inference_prompt(self, where, whole, prompt, spans, messages, answers, tools) -> tuple:
+        """The template renders the last answer's prompt differently in a finished conversation than
+        as the inference prompt (Mistral-Nemo drops the system prompt unless the last turn is the
+        user's; the DeepSeek-R1 distills' generation prompt opens a think block): train on the
+        inference prompt itself, followed by the last answer as the conversation renders it, so
+        the model learns to answer the prompt it will be given. (text, spans)."""
+        last = answers[-1]
+        if messages[last].get("reasoning_content"):
+            raise InputError(f"{where}: turn {last} (assistant): field 'reasoning_content': the template's "
+                             "generation prompt leaves no reasoning for the model to write (is enable_thinking false?)")
+        self.note("prompt", f"the chat template renders a finished conversation's last prompt as "
+                            f"{whole[max(0, spans[-1][0] - 40):spans[-1][0]]!r} but the inference prompt as "
+                            f"{prompt[-40:]!r}: answers are trained after the inference prompt")
+        start, end, add_eos = spans[-1]
+        tail = whole[end:] if self.keep_turn_end and not add_eos else ""
+        text = prompt + whole[start:end] + tail
+        earlier = self.answer_spans(where, prompt, messages[:last], answers[:-1], tools)
+        return text, earlier + [(len(prompt), len(prompt) + end - start, add_eos)]
+
+    def answer_span(self, where: str, text: str, position: int, messages: list, index: int, tools) -> tuple:
+        """(start, end, add_eos) of assistant message `index` in the rendered text, at or after
+        `position` (the end of the previous answer)."""
+        message = messages[index]
+        prompt = self.render(messages[:index], add_generation_prompt=True, tools=tools)
+        if len(prompt) >= position and text.startswith(prompt):
+            start = len(prompt)
+        else:
+            start = self.header_end(text, position, messages, index, tools)
+        where_turn = f"{where}: turn {index} (assistant)"
+        anchor = self.find_body(where_turn, text, start, message, last=index == len(messages) - 1)
+        end = text.find(self.turn_end, anchor)
+        if end < 0:
+            raise InputError(f"{where_turn}: the chat template does not close this answer with {self.turn_end!r}")
+        # A plain-text turn end gets EOS appended, so the model still learns to stop.
+        return start, end + len(self.turn_end), not self.turn_end_is_special
+
+    def header_end(self, text: str, position: int, messages: list, index: int, tools) -> int:
+        """Where the assistant starts writing when the render is not a growing prefix: after the
+        longest head of the template's generation header (what add_generation_prompt adds) found
+        between the turns before the answer and the answer's own first text; at that text if the
+        header is not there (a template whose generation prompt adds nothing, like Mistral's)."""
+        with_header = self.render(messages[:index], add_generation_prompt=True, tools=tools)
+        without = self.render(messages[:index], add_generation_prompt=False, tools=tools)
+        header = with_header[len(os.path.commonprefix([with_header, without])):]
+        cursor = position
+        for previous in messages[index - 1::-1]:
+            if previous["role"] in ("assistant", "system"):
+                break
+            found = text.find(previous["content"], cursor) if previous["content"] else -1
+            cursor = found + len(previous["content"]) if found >= 0 else cursor
+        message = messages[index]
+        pieces = [message.get("reasoning_content") or "", message["content"], message["content"].strip()]
+        pieces += [call["function"]["name"] for call in message.get("tool_calls") or []]
+        found = [text.find(piece.strip(), cursor) for piece in pieces if piece.strip()]
+        body = min((at for at in found if at >= 0), default=len(text))
+        for size in range(len(header), 0, -1):
+            at = text.rfind(header[:size], cursor, body)
+            if at >= 0:
+                return at + size
+        return body
+
+    def find_body(self, where_turn: str, text: str, start: int, message: dict, last: bool) -> int:
+        """The end of what the answer itself renders (reasoning, content, tool calls) after start."""
+        anchor = start
+        reasoning = (message.get("reasoning_content") or "").strip()
+        content = message["content"]
+        content_at = -1
+        for candidate in (content, content.strip()):
+            if candidate and content_at < 0:
+                content_at, found = text.find(candidate, start), candidate
+        if content.strip() and content_at < 0:
+            raise InputError(f"{where_turn}: the chat template does not render this answer's content verbatim; "
+                             "choose a --template")
+        if content_at >= 0:
+            anchor = content_at + len(found)
+        if reasoning:
+            reasoning_at = text.find(reasoning, start)
+            if not 0 <= reasoning_at < (content_at if content_at >= 0 else len(text)):
+                if last:
+                    raise InputError(f"{where_turn}: field 'reasoning_content': the chat template does not render "
+                                     "reasoning; put it in the content or choose a template that renders it")
+                self.note("reasoning", "the chat template drops reasoning_content of answers before the last user "
+                                       "turn (as Qwen3's does): those answers are trained without it")
+        for call in message.get("tool_calls") or []:
+            name = call["function"]["name"]
+            found_at = text.find(name, anchor)
+            if found_at < 0:
+                raise InputError(f"{where_turn}: field 'tool_calls': the chat template does not render tool call "
+                                 f"'{name}'; choose a template that supports tools")
+            anchor = found_at + len(name)
+        return anchor
+
+    def note(self, kind: str, message: str) -> None:
+        """Count a by-design difference between training and inference renders; logged once."""
+        if kind not in self.notes:
+            logger.warning("%s", message)
+        self.notes[kind] = self.notes.get(kind, 0) + 1
+
+    def __call__(self, where: str, messages: list, tools: Optional[list] = None) -> Optional[dict]:
+        segments = self.segments(where, messages, tools)
         if getattr(self.tokenizer, "is_fast", False):
             input_ids, labels = self.tokenize_whole(segments)
         else:
@@ -596,12 +798,19 @@ class ConversationTokenizer:
             return None
         return {"input_ids": input_ids, "labels": labels}
 
+    def answer_end_id(self) -> int:
+        """The id of the token that ends an answer: the template's turn-end token, else EOS."""
+        token = first_special_token(self.turn_end, special_token_texts(self.tokenizer)) if self.turn_end_is_special \
+            else None
+        return self.tokenizer.convert_tokens_to_ids(token) if token else self.tokenizer.eos_token_id
+
     def turn_end_ids(self) -> list:
         """The ids the template puts after an answer's EOS to close its turn (empty for templates
         that end a turn at EOS): what a row of keep_turn_end adds to one without it."""
         probe = [{"role": "user", "content": "1 + 1 ="}, {"role": "assistant", "content": "2"}]
-        with_end = ConversationTokenizer(self.tokenizer, self.template, 1 << 30, keep_turn_end=True)
-        at_eos = ConversationTokenizer(self.tokenizer, self.template, 1 << 30)
+        with_end = ConversationTokenizer(self.tokenizer, self.template, 1 << 30, keep_turn_end=True,
+                                         template_kwargs=self.template_kwargs)
+        at_eos = ConversationTokenizer(self.tokenizer, self.template, 1 << 30, template_kwargs=self.template_kwargs)
         whole, short = with_end("turn end probe", probe)["input_ids"], at_eos("turn end probe", probe)["input_ids"]
         if whole[: len(short)] != short:
             raise InputError("the chat template's turn end changes how the answer before it is tokenized; "
@@ -648,10 +857,10 @@ class ConversationTokenizer:
 
 
 def tokenize_conversations(conversation_tokenizer, sources: list, desc: str) -> tuple:
-    """sources: [(where, messages)] -> (rows, dropped)."""
+    """sources: [(where, messages, tools)] -> (rows, dropped)."""
     rows, dropped = {"input_ids": [], "labels": [], "length": []}, 0
-    for where, messages in tqdm(sources, desc=desc, unit="sample"):
-        sample = conversation_tokenizer(where, messages)
+    for where, messages, tools in tqdm(sources, desc=desc, unit="sample"):
+        sample = conversation_tokenizer(where, messages, tools)
         if sample is None:
             dropped += 1
             continue
@@ -672,6 +881,7 @@ def build_sft_dataset(
     data_phase: int = 1,
     seed: int = 42,
     unsplit_files: tuple = (),
+    template_kwargs: Optional[dict] = None,
 ) -> Dataset:
     """Conversations of every file -> tokenized, masked samples, cached. With data_split, each
     file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part."""
@@ -681,12 +891,14 @@ def build_sft_dataset(
             "files": [(os.path.abspath(p), file_fingerprint(p), p in unsplit_files) for p in files],
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "template": template,
+            "template_kwargs": template_kwargs or {},
             "max_length": max_length,
             "last_turn_only": train_on_last_turn_only,
             "split": [data_split, data_phase, seed],
         }
     )
-    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, train_on_last_turn_only)
+    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, train_on_last_turn_only,
+                                                   template_kwargs=template_kwargs)
 
     def build(tmp_dir):
         sources = []
@@ -695,7 +907,7 @@ def build_sft_dataset(
             indices = range(len(conversations))
             if data_split and path not in unsplit_files:
                 indices = phase_indices(len(conversations), data_split, data_phase, seed)
-            sources += [(path, conversations[i]) for i in indices]
+            sources += [conversations[i] for i in indices]
         rows, dropped = tokenize_conversations(conversation_tokenizer, sources, "Tokenizing conversations")
         if dropped:
             logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d",
@@ -769,7 +981,7 @@ class DataCollatorForSupervisedDataset:
 
 # ----------------------------------------------------------------------------- preference pairs
 
-PREFERENCE_CACHE_VERSION = "pairs-2"
+PREFERENCE_CACHE_VERSION = "pairs-3"
 
 
 def preference_of(where: str, record) -> tuple:
@@ -814,6 +1026,7 @@ def build_preference_dataset(
     data_split: Optional[str] = None,
     data_phase: int = 2,
     seed: int = 42,
+    template_kwargs: Optional[dict] = None,
 ) -> Dataset:
     """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to the
     end of its answer's turn: the score is read there), cached. A pair whose prompt alone fills max_length is refused: it cannot be
@@ -824,11 +1037,13 @@ def build_preference_dataset(
             "files": [(os.path.abspath(p), file_fingerprint(p)) for p in files],
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "template": template,
+            "template_kwargs": template_kwargs or {},
             "max_length": max_length,
             "split": [data_split, data_phase, seed],
         }
     )
-    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, keep_turn_end=True)
+    conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, keep_turn_end=True,
+                                                   template_kwargs=template_kwargs)
 
     def build(tmp_dir):
         rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": [], "length": []}, 0

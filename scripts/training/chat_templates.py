@@ -5,7 +5,9 @@ prompts exactly as training did.
 Each named template ends every assistant turn with the tokenizer's EOS, so the model learns to
 stop; the conversation's tokens are the template's rendering, nothing inserted around it."""
 
+import json
 import logging
+import os
 from typing import Optional
 
 from training_utils import InputError
@@ -78,10 +80,89 @@ def resolve_template(requested: Optional[str], tokenizer, log) -> tuple:
     return "llama2", named_template("llama2", tokenizer)
 
 
-def use_template(requested: Optional[str], tokenizer) -> str:
-    """Resolve the template and set it as the tokenizer's chat_template: saved with every
-    adapter, so inference renders prompts exactly as training did."""
+def use_template(requested: Optional[str], tokenizer, template_kwargs: Optional[dict] = None) -> str:
+    """Resolve the template and set it as the tokenizer's chat_template, with the keyword
+    arguments it is rendered with: both are saved with every adapter (save_template_kwargs), so
+    inference renders prompts exactly as training did."""
     name, template = resolve_template(requested, tokenizer, logger)
-    logger.info("chat template: %s", name)
+    logger.info("chat template: %s%s", name, f" with {template_kwargs}" if template_kwargs else "")
     tokenizer.chat_template = template
+    tokenizer.chat_template_kwargs = dict(template_kwargs or {})
     return template
+
+
+TEMPLATE_KWARGS_FILE = "chat_template_kwargs.json"
+
+
+def save_template_kwargs(tokenizer, directory: str) -> None:
+    kwargs = getattr(tokenizer, "chat_template_kwargs", None)
+    if kwargs:
+        with open(os.path.join(directory, TEMPLATE_KWARGS_FILE), "w", encoding="utf-8") as handle:
+            json.dump(kwargs, handle, indent=2)
+
+
+def saved_template_kwargs(directory: Optional[str]) -> dict:
+    """The template keyword arguments training saved next to a tokenizer ({} if none)."""
+    path = os.path.join(directory, TEMPLATE_KWARGS_FILE) if directory else ""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            kwargs = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(kwargs, dict):
+        raise InputError(f"{path}: must hold a JSON object")
+    return kwargs
+
+
+def special_token_texts(tokenizer) -> list:
+    """Every special token's text (the tokenizer's named ones and added tokens marked special),
+    longest first so a search finds `<|im_end|>` before a shorter token inside it."""
+    texts = set(tokenizer.all_special_tokens)
+    texts.update(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+    return sorted((text for text in texts if text), key=len, reverse=True)
+
+
+def first_special_token(text: str, specials: list) -> Optional[str]:
+    """The special token that occurs first in text (None if none does)."""
+    found = [(text.find(token), -len(token), token) for token in specials if token in text]
+    return min(found)[2] if found else None
+
+
+def turn_end_text(tokenizer, template: str, template_kwargs: Optional[dict] = None) -> tuple:
+    """(text, special) with which the template closes an assistant turn: the text after an
+    answer up to and including the first special token (EOS for most; `<|im_end|>` for ChatML
+    with another EOS, `<|eot_id|>` for Llama-3, `<end_of_turn>` for Gemma, `<|end|>` for Phi-3),
+    special=True. A template that writes no special token there (a plain-text format) gives what
+    it writes after the answer, whitespace-trimmed, and special=False: training then appends EOS
+    so the model still learns to stop."""
+    sentinel = "\u2063answer\u2063"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": sentinel}],
+        chat_template=template, tokenize=False, **(template_kwargs or {}),
+    )
+    after = rendered.split(sentinel, 1)[-1]
+    special = first_special_token(after, special_token_texts(tokenizer))
+    if special is None:
+        return after.rstrip(), False
+    return after[: after.index(special) + len(special)], True
+
+
+def parse_template_kwargs(template_kwargs: Optional[str], enable_thinking: Optional[bool]) -> dict:
+    """--template_kwargs (a JSON object) and --enable_thinking as the keyword arguments the chat
+    template is rendered with, in training and in serving alike."""
+    kwargs = {}
+    if template_kwargs:
+        try:
+            kwargs = json.loads(template_kwargs)
+        except json.JSONDecodeError as err:
+            raise InputError(f"--template_kwargs {template_kwargs!r}: not valid JSON ({err.msg})") from None
+        if not isinstance(kwargs, dict):
+            raise InputError(f"--template_kwargs {template_kwargs!r}: must be a JSON object such as "
+                             '\'{"enable_thinking": false}\'')
+    if enable_thinking is not None:
+        if "enable_thinking" in kwargs and kwargs["enable_thinking"] != enable_thinking:
+            raise InputError("--enable_thinking and --template_kwargs' enable_thinking disagree: give one")
+        kwargs["enable_thinking"] = enable_thinking
+    return kwargs

@@ -164,10 +164,13 @@ class PPOTrainer(ResumableTrainer):
     gradient accumulation/clipping, logging and checkpoints stay the Trainer's."""
 
     def __init__(self, *args, prompts, eval_prompts, ptx_blocks, data_args, tokenizer, steps_per_iteration,
-                 turn_end_ids=(), **kwargs):
+                 turn_end_ids=(), answer_end_id=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.prompts, self.eval_prompts, self.ptx_blocks = prompts, eval_prompts, ptx_blocks
         self.turn_end_ids = list(turn_end_ids)
+        # The token that ends an answer: the template's turn end (Phi-3's <|end|>, Gemma's
+        # <end_of_turn>) where it is not EOS; generation stops on it and scores are read after it.
+        self.answer_end_id = tokenizer.eos_token_id if answer_end_id is None else answer_end_id
         self.max_prompt_len, self.max_answer_len = data_args.max_prompt_seq_len, data_args.max_answer_seq_len
         self.unsup_coef = data_args.unsup_coef
         self.tokenizer = tokenizer
@@ -194,7 +197,7 @@ class PPOTrainer(ResumableTrainer):
         return GenerationConfig(
             do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=1,
             repetition_penalty=1.0, max_new_tokens=self.max_answer_len, min_new_tokens=1,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_id, use_cache=True,
+            eos_token_id=self.answer_end_id, pad_token_id=self.pad_id, use_cache=True,
         )
 
     def generate(self, prompt_rows: list, seed: int) -> dict:
@@ -233,7 +236,7 @@ class PPOTrainer(ResumableTrainer):
             return torch.cat([F.pad(part, (0, longest - part.shape[1]), value=value) for part in parts])
 
         answers = padded(answers, self.pad_id)
-        mask, has_eos = answer_mask(answers, self.tokenizer.eos_token_id)
+        mask, has_eos = answer_mask(answers, self.answer_end_id)
         return {"input_ids": torch.cat([prompt_ids, answers], dim=1).to(device),
                 "attention_mask": torch.cat([prompt_mask, mask], dim=1).to(device),
                 "mask": mask.to(device), "has_eos": has_eos.to(device), "width": width,
@@ -244,7 +247,7 @@ class PPOTrainer(ResumableTrainer):
     def score_experience(self, rollout: dict) -> dict:
         """The no-grad passes, one generation batch at a time: reference log-probs of the answer
         tokens, critic values, reward scores (of each answer closed by the template's turn end)."""
-        model, width, eos = self.model, rollout["width"], self.tokenizer.eos_token_id
+        model, width, eos = self.model, rollout["width"], self.answer_end_id
 
         def passes(ids, mask, prompt_length):
             return {"ref_logprobs": model.answer_logprobs("reference", ids, mask, prompt_length),

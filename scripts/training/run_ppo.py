@@ -62,13 +62,15 @@ from build_dataset import (  # noqa: E402
     turn_list,
     validate_conversation,
 )
-from chat_templates import use_template  # noqa: E402
+from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from model_utils import (  # noqa: E402
+    DEFAULT_LORA_TARGETS,
     DTYPES,
     ModelArguments,
     load_model_config,
     load_tokenizer,
     read_adapter_config,
+    trust_remote_code_field,
 )
 from ppo_policy import SCORE_KEY_SUFFIX, load_separate_policy, load_shared_policy  # noqa: E402
 from ppo_trainer import PPOTrainer  # noqa: E402
@@ -121,8 +123,10 @@ class PPOModelArguments:
     )
     torch_dtype: str = field(default="auto", metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)})
     attn_implementation: Optional[str] = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2, ..."})
-    trainable: str = field(default="q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj",
-                           metadata={"help": "LoRA target modules of a new actor (or critic) adapter."})
+    trust_remote_code: bool = trust_remote_code_field()
+    trainable: str = field(default=DEFAULT_LORA_TARGETS,
+                           metadata={"help": "LoRA target modules of a new actor (or critic) adapter, comma list; "
+                                             "all-linear: every linear layer of the decoder."})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r of a new adapter."})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha of a new adapter."})
     lora_dropout: float = field(
@@ -228,7 +232,8 @@ def read_prompts(files: list, data_split: Optional[str], data_phase: int, seed: 
 def tokenize_prompts(prompts: list, tokenizer, template: str, max_prompt_len: int, desc: str) -> list:
     """Token ids of each prompt rendered with the generation prompt; a prompt longer than
     max_prompt_len keeps its end (the question nearest the answer), as DeepSpeed-Chat does."""
-    renderer = ConversationTokenizer(tokenizer, template, max_prompt_len)
+    renderer = ConversationTokenizer(tokenizer, template, max_prompt_len,
+                                     template_kwargs=getattr(tokenizer, "chat_template_kwargs", None))
     rows, truncated = [], 0
     for _, messages in prompts:
         ids = tokenizer(renderer.render(messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
@@ -276,9 +281,14 @@ def has_tokenizer(path: Optional[str]) -> bool:
     return bool(path) and any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer.model"))
 
 
-def tokenizer_of(model_dir: str, adapter_dir: Optional[str]):
+def tokenizer_of(model_dir: str, adapter_dir: Optional[str], trust_remote_code: bool):
     """The tokenizer saved with an adapter (it carries the stage's chat template), else the model's."""
-    return load_tokenizer(ModelArguments(model_name_or_path=adapter_dir if has_tokenizer(adapter_dir) else model_dir))
+    return load_tokenizer(ModelArguments(model_name_or_path=adapter_dir if has_tokenizer(adapter_dir) else model_dir,
+                                         trust_remote_code=trust_remote_code))
+
+
+def config_of(model_dir: str, trust_remote_code: bool):
+    return load_model_config(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
 
 
 def check_same_tokenizer(actor_tokenizer, other, role: str, where: str) -> None:
@@ -328,24 +338,27 @@ def same_directory(first: Optional[str], second: Optional[str]) -> bool:
 def check_models(model_args: PPOModelArguments, data_args: PPODataArguments):
     """Refuse, before any weight is loaded, role combinations that would train silently wrong.
     Returns (actor tokenizer, actor config, shared_base)."""
-    actor_config = load_model_config(ModelArguments(model_name_or_path=model_args.actor_model_name_or_path))
+    trust_remote_code = model_args.trust_remote_code
+    actor_config = config_of(model_args.actor_model_name_or_path, trust_remote_code)
     if model_args.actor_lora_model:
         read_adapter_config(model_args.actor_lora_model)
-    reward_config = load_model_config(ModelArguments(model_name_or_path=model_args.reward_model_name_or_path))
+    reward_config = config_of(model_args.reward_model_name_or_path, trust_remote_code)
     if model_args.tokenizer_name_or_path:
         tokenizer = load_tokenizer(ModelArguments(model_name_or_path=model_args.actor_model_name_or_path,
-                                                  tokenizer_name_or_path=model_args.tokenizer_name_or_path))
+                                                  tokenizer_name_or_path=model_args.tokenizer_name_or_path,
+                                                  trust_remote_code=trust_remote_code))
     else:
-        tokenizer = tokenizer_of(model_args.actor_model_name_or_path, model_args.actor_lora_model)
+        tokenizer = tokenizer_of(model_args.actor_model_name_or_path, model_args.actor_lora_model, trust_remote_code)
     reward_dir = model_args.reward_lora_model if has_tokenizer(model_args.reward_lora_model) else model_args.reward_model_name_or_path
-    check_same_tokenizer(tokenizer, tokenizer_of(model_args.reward_model_name_or_path, model_args.reward_lora_model),
-                         "reward", reward_dir)
+    reward_tokenizer = tokenizer_of(model_args.reward_model_name_or_path, model_args.reward_lora_model,
+                                    trust_remote_code)
+    check_same_tokenizer(tokenizer, reward_tokenizer, "reward", reward_dir)
     check_reward_source(model_args.reward_model_name_or_path, model_args.reward_lora_model, "--reward_model_name_or_path")
     configs = [("actor", actor_config), ("reward", reward_config)]
     if model_args.critic_model_name_or_path:
-        configs.append(("critic", load_model_config(ModelArguments(model_name_or_path=model_args.critic_model_name_or_path))))
-        check_same_tokenizer(tokenizer, tokenizer_of(model_args.critic_model_name_or_path, None), "critic",
-                             model_args.critic_model_name_or_path)
+        configs.append(("critic", config_of(model_args.critic_model_name_or_path, trust_remote_code)))
+        check_same_tokenizer(tokenizer, tokenizer_of(model_args.critic_model_name_or_path, None, trust_remote_code),
+                             "critic", model_args.critic_model_name_or_path)
         check_reward_source(model_args.critic_model_name_or_path, None, "--critic_model_name_or_path")
     total = data_args.max_prompt_seq_len + data_args.max_answer_seq_len
     for flag, value in (("--max_prompt_seq_len", data_args.max_prompt_seq_len),
@@ -409,11 +422,15 @@ def main():
     setup_logging(training_args)
     resume_checkpoint = resolve_resume_checkpoint(training_args)
     tokenizer, _, shared = check_models(model_args, data_args)
-    template = use_template(data_args.template, tokenizer)
+    template = use_template(data_args.template, tokenizer,
+                            parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     prompts, eval_prompts = build_prompt_sets(data_args, tokenizer, template, training_args.seed)
     # The reward model reads its score at the end of an answer's turn (run_reward.py trains it so).
-    turn_end_ids = ConversationTokenizer(tokenizer, template, data_args.max_answer_seq_len).turn_end_ids()
-    logger.info("answers are scored after the template's turn end %r", tokenizer.decode(turn_end_ids))
+    answers = ConversationTokenizer(tokenizer, template, data_args.max_answer_seq_len,
+                                    template_kwargs=tokenizer.chat_template_kwargs)
+    turn_end_ids, answer_end_id = answers.turn_end_ids(), answers.answer_end_id()
+    logger.info("answers end with %r and are scored after the template's turn end %r",
+                tokenizer.convert_ids_to_tokens(answer_end_id), tokenizer.decode(turn_end_ids))
     steps_per_iteration = check_schedule(training_args, len(prompts))
     ptx_blocks = None
     if data_args.unsupervised_dataset_dir:
@@ -443,6 +460,7 @@ def main():
         tokenizer=tokenizer,
         steps_per_iteration=steps_per_iteration,
         turn_end_ids=turn_end_ids,
+        answer_end_id=answer_end_id,
     )
     train_and_finish(trainer, resume_checkpoint, False, eval_prompts, len(prompts))
 

@@ -33,7 +33,7 @@ from build_dataset import (  # noqa: E402
     first_samples,
     split_validation,
 )
-from chat_templates import use_template  # noqa: E402
+from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from model_utils import MASKABLE_ATTENTION, load_model, reward_model_class, score_pairs, start_run  # noqa: E402
 from training_utils import (  # noqa: E402
     InputError,
@@ -106,7 +106,7 @@ def build_datasets(data_args: RewardDataArguments, tokenizer, template: str, max
     if not files:
         raise InputError("no training data: give --dataset_dir or --data_path")
     common = {"tokenizer": tokenizer, "template": template, "max_length": max_length,
-              "cache_dir": data_cache_dir(data_args.data_cache_dir)}
+              "cache_dir": data_cache_dir(data_args.data_cache_dir), "template_kwargs": tokenizer.chat_template_kwargs}
     train = build_preference_dataset(files, data_split=data_args.data_split, data_phase=data_args.data_phase,
                                      seed=seed, **common)
     if data_args.validation_file:
@@ -122,7 +122,8 @@ def save_merged(model_args, training_args, tokenizer) -> None:
 
     config = load_model_config(model_args)
     config.num_labels = 1
-    base = reward_model_class(config).from_pretrained(model_args.model_name_or_path, config=config, dtype=torch.float32)
+    base = reward_model_class(config).from_pretrained(model_args.model_name_or_path, config=config, dtype=torch.float32,
+                                                      trust_remote_code=model_args.trust_remote_code)
     merged = PeftModel.from_pretrained(base, os.path.join(training_args.output_dir, "rm_lora_model")).merge_and_unload()
     merged.config.architectures = [type(merged).__mro__[1].__name__]
     merged.config.pad_token_id = tokenizer.pad_token_id
@@ -137,7 +138,8 @@ def main():
         RewardDataArguments, RewardArguments
     )
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
-    template = use_template(data_args.template, tokenizer)
+    template = use_template(data_args.template, tokenizer,
+                            parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     if tokenizer.pad_token is None:
         # Saved models need a pad id (our masks never compare ids with it). Not EOS if avoidable:
         # transformers' own pooling scores the last id that is not the pad id, and answers end

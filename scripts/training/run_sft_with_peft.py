@@ -31,7 +31,7 @@ from build_dataset import (  # noqa: E402
     pack_samples,
     split_validation,
 )
-from chat_templates import use_template  # noqa: E402
+from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from model_utils import load_model, start_run  # noqa: E402
 from training_utils import (  # noqa: E402
     InputError,
@@ -61,7 +61,7 @@ def build_datasets(data_args: SFTDataArguments, tokenizer, template: str, max_le
     if not train_files and not unsplit:
         raise InputError("no training data: give --dataset_dir, --data_path or --sft_only_data_path")
     common = {"tokenizer": tokenizer, "template": template, "max_length": max_length,
-              "cache_dir": data_cache_dir(data_args.data_cache_dir)}
+              "cache_dir": data_cache_dir(data_args.data_cache_dir), "template_kwargs": tokenizer.chat_template_kwargs}
     train = build_sft_dataset(
         train_files + unsplit, train_on_last_turn_only=data_args.train_on_last_turn_only,
         data_split=data_args.data_split, data_phase=data_args.data_phase, seed=seed, unsplit_files=tuple(unsplit),
@@ -79,7 +79,8 @@ def main():
         SFTDataArguments, ToolkitTrainingArguments
     )
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
-    template = use_template(data_args.template, tokenizer)
+    template = use_template(data_args.template, tokenizer,
+                            parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="tokenize the supervised data"):
