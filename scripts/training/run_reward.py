@@ -25,6 +25,7 @@ from transformers import set_seed  # noqa: E402
 
 from build_dataset import (  # noqa: E402
     ConversationDataArguments,
+    ConversationTokenizer,
     DataCollatorForPreferencePairs,
     SavePeftModelCallback,
     build_preference_dataset,
@@ -33,7 +34,7 @@ from build_dataset import (  # noqa: E402
     first_samples,
     split_validation,
 )
-from chat_templates import parse_template_kwargs, use_template  # noqa: E402
+from chat_templates import parse_template_kwargs, special_token_texts, use_template  # noqa: E402
 from model_utils import MASKABLE_ATTENTION, load_model, reward_model_class, score_pairs, start_run  # noqa: E402
 from training_utils import (  # noqa: E402
     InputError,
@@ -114,6 +115,24 @@ def build_datasets(data_args: RewardDataArguments, tokenizer, template: str, max
     return split_validation(train, data_args.validation_split_percentage, seed)
 
 
+def choose_pad_token(tokenizer, template: str) -> None:
+    """Saved models need a pad id (our masks never compare ids with it), and it must not be the
+    token a reward row ends with: transformers' own sequence classifiers score the last id that is
+    not the pad id, so a merged model loaded by them would read one token early (Llama-3 has no pad
+    token, and its rows end with EOS = <|eot_id|>). Kept when it is not that token; otherwise unk,
+    a special token named for padding, or another special token, in that order."""
+    rows = ConversationTokenizer(tokenizer, template, 1 << 30, template_kwargs=tokenizer.chat_template_kwargs)
+    row_end = (rows.turn_end_ids() or [rows.answer_end_id()])[-1]
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != row_end:
+        return
+    avoid = {row_end, tokenizer.eos_token_id, tokenizer.bos_token_id}
+    specials = special_token_texts(tokenizer)
+    candidates = [tokenizer.unk_token] + [t for t in specials if "pad" in t.lower()] + specials
+    pad = next((t for t in candidates if t and tokenizer.convert_tokens_to_ids(t) not in avoid), tokenizer.eos_token)
+    logger.info("pad token: %r (the reward rows end with %r)", pad, tokenizer.convert_ids_to_tokens(row_end))
+    tokenizer.pad_token = pad
+
+
 def save_merged(model_args, training_args, tokenizer) -> None:
     """Base + trained adapter merged into a plain sequence classifier (main process, CPU)."""
     from peft import PeftModel
@@ -140,11 +159,7 @@ def main():
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     template = use_template(data_args.template, tokenizer,
                             parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
-    if tokenizer.pad_token is None:
-        # Saved models need a pad id (our masks never compare ids with it). Not EOS if avoidable:
-        # transformers' own pooling scores the last id that is not the pad id, and answers end
-        # with EOS, so an AutoModelForSequenceClassification loader would read the wrong token.
-        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    choose_pad_token(tokenizer, template)
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="tokenize the preference pairs"):
