@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_CPU_VERSION := 2.13.0
 
-.PHONY: install vendor-models test demo bench clean
+.PHONY: install vendor-models lint test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,12 @@ $(VENDOR_STAMP): | $(PY)
 
 vendor-models: $(VENDOR_STAMP)
 
-test: $(STAMP) $(VENDOR_STAMP)
+# ruff.toml: one line length (120), one import order, pyflakes and pycodestyle. (`ruff format` reads the same
+# settings for a file you reformat; the hand layout is not enforced.)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint $(STAMP) $(VENDOR_STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)

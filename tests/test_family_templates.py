@@ -7,10 +7,11 @@ prompt."""
 import pytest
 from transformers import AutoTokenizer
 
-from build_dataset import ConversationTokenizer, conversation_of
 from chat_templates import named_template, parse_template_kwargs
-from helpers.families import FAMILIES, family_tokenizer_dir
-from training_utils import InputError
+from cli import InputError
+from conversation_tokenizer import ConversationTokenizer
+from helpers.families import family_tokenizer_dir
+from records import conversation_of
 
 # The token each family's template closes an assistant turn with.
 TURN_END = {"llama3": "<|eot_id|>", "qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "mistral": "</s>",
@@ -25,7 +26,8 @@ SUPPORTS_SYSTEM = {name for name in TURN_END if name != "gemma2"}
 RENDERS_TOOLS = {"llama3", "qwen2.5", "qwen3", "mistral", "deepseek-r1-qwen"}
 
 SYSTEM = "You are terse. 请简短回答。"
-MULTI_TURN = [{"role": "user", "content": "第一个问题：一加一？"}, {"role": "assistant", "content": "First answer: 二."},
+MULTI_TURN = [{"role": "user", "content": "第一个问题：一加一？"},
+              {"role": "assistant", "content": "First answer: 二."},
               {"role": "user", "content": "And the second question?"},
               {"role": "assistant", "content": "Second answer, 第二个。"}]
 TOOL_CALL = {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
@@ -76,7 +78,8 @@ def test_multi_turn_labels_are_the_answers_and_their_turn_end(family, with_syste
     name, tokenizer, template = family
     if with_system and name not in SUPPORTS_SYSTEM:
         with pytest.raises(InputError, match=r"t:1: the chat template refuses this conversation"):
-            ConversationTokenizer(tokenizer, template, 4096)("t:1", [{"role": "system", "content": SYSTEM}] + MULTI_TURN)
+            ConversationTokenizer(tokenizer, template, 4096)(
+                "t:1", [{"role": "system", "content": SYSTEM}] + MULTI_TURN)
         return
     messages = conversation_of("t:1", {"messages": ([{"role": "system", "content": SYSTEM}] if with_system else [])
                                        + MULTI_TURN})
@@ -118,7 +121,8 @@ def test_tool_calls_are_trained_and_tool_results_are_not(family):
     name, tokenizer, template = family
     conversation_tokenizer = ConversationTokenizer(tokenizer, template, 4096)
     if name not in RENDERS_TOOLS:
-        with pytest.raises(InputError, match=r"^t:3: (turn 1 \(assistant\): field 'tool_calls'|the chat template refuses)"):
+        with pytest.raises(InputError,
+                           match=r"^t:3: (turn 1 \(assistant\): field 'tool_calls'|the chat template refuses)"):
             conversation_tokenizer("t:3", TOOL_TURNS, TOOLS)
         return
     sample = conversation_tokenizer("t:3", TOOL_TURNS, TOOLS)
@@ -169,7 +173,8 @@ def test_an_answer_the_template_does_not_render_verbatim_is_refused():
 
 def test_sharegpt_function_call_and_observation_map_to_tool_turns():
     record = {"conversations": [{"from": "human", "value": "weather?"},
-                                {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+                                {"from": "function_call",
+                                 "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
                                 {"from": "observation", "value": "22C"}, {"from": "gpt", "value": "Warm."}],
               "tools": '[{"type": "function", "function": {"name": "get_weather"}}]'}
     messages = conversation_of("s:1", record)

@@ -17,9 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chat_templates import named_template, use_template
-from conftest import REPO, free_port, refuse_in_process, script_env
+from helpers.commands import REPO, assert_ok, check_refused, free_port, refuse, run_in_process, script_env
 from inference_utils import PromptTooLong, template_turn_end, trim_history
-from test_bad_input import check_refused, refuse
 
 INFERENCE = os.path.join(REPO, "scripts", "inference")
 CHAT_SCRIPT = os.path.join(INFERENCE, "chat.py")
@@ -82,7 +81,8 @@ class Reference:
                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
                 pad_token_id=self.tokenizer.eos_token_id,
             )[0, len(prompt_ids):].tolist()
-        return self.tokenizer.decode(output, skip_special_tokens=True), output, output[-1] == self.tokenizer.eos_token_id
+        return (self.tokenizer.decode(output, skip_special_tokens=True), output,
+                output[-1] == self.tokenizer.eos_token_id)
 
     def chat(self, messages, max_new_tokens):
         return self.generate(self.chat_ids(messages), max_new_tokens)
@@ -325,7 +325,8 @@ def test_chat_cli_session_trims_history_and_matches_direct_generate(chat_model_d
     first, second, third = "我们 今天", "the quick brown fox jumps over lazy dog model", "河 river"
     max_new = 8
     answer1 = chat_reference.chat(user(first), max_new)[0]
-    with_history = len(chat_reference.chat_ids(user(first) + [{"role": "assistant", "content": answer1}] + user(second)))
+    with_history = len(chat_reference.chat_ids(user(first) + [{"role": "assistant", "content": answer1}]
+                                               + user(second)))
     budget = max(len(chat_reference.chat_ids(user(first))), len(chat_reference.chat_ids(user(second))))
     assert budget < with_history  # the second turn only fits without the first exchange
     session = "\n".join([first, second, "/clear", third, "/quit", "never read"]) + "\n"
@@ -343,7 +344,8 @@ def test_chat_cli_session_trims_history_and_matches_direct_generate(chat_model_d
     assert "(history cleared)" in out
     assert first in prompts[0] and first not in prompts[1] and second in prompts[1]
     assert second not in prompts[2] and third in prompts[2]
-    assert answers == [answer1, chat_reference.chat(user(second), max_new)[0], chat_reference.chat(user(third), max_new)[0]]
+    assert answers == [answer1, chat_reference.chat(user(second), max_new)[0],
+                       chat_reference.chat(user(third), max_new)[0]]
     assert "never read" not in out
 
 
@@ -363,14 +365,13 @@ def write_jsonl(path, records):
     return str(path)
 
 
-def test_batch_predictions_in_input_order_equal_one_by_one_greedy(tmp_path, chat_model_dir, chat_reference, capsys):
+def test_batch_predictions_in_input_order_equal_one_by_one_greedy(tmp_path, chat_model_dir, chat_reference):
     data = write_jsonl(tmp_path / "prompts.jsonl", BATCH_RECORDS)
     predictions = tmp_path / "out" / "predictions.jsonl"
     # In-process (chat.py's real process runs in the session test above).
-    code, _, err = refuse_in_process(CHAT_SCRIPT, ["--base_model", chat_model_dir, "--data_file", data,
-                                                   "--predictions_file", predictions, "--batch_size", "3",
-                                                   "--max_new_tokens", "10", *GREEDY], capsys)
-    assert code == 0, err[-3000:]
+    assert_ok(run_in_process(CHAT_SCRIPT, ["--base_model", chat_model_dir, "--data_file", data,
+                                           "--predictions_file", predictions, "--batch_size", "3",
+                                           "--max_new_tokens", "10", *GREEDY]))
     lines = [json.loads(line) for line in predictions.read_text(encoding="utf-8").splitlines()]
     assert len(lines) == len(BATCH_RECORDS)
     lengths = set()
@@ -387,31 +388,33 @@ def test_batch_predictions_in_input_order_equal_one_by_one_greedy(tmp_path, chat
     assert len({line["response"] for line in lines}) == len(lines)
 
 
-def test_batch_refuses_existing_output_and_bad_lines(tmp_path, chat_model_dir, tiny_model_dir, capsys):
+def test_batch_refuses_existing_output_and_bad_lines(tmp_path, chat_model_dir, tiny_model_dir):
     data = write_jsonl(tmp_path / "prompts.jsonl", BATCH_RECORDS)
     existing = tmp_path / "existing.jsonl"
     existing.write_text("keep me\n")
     args = ["--base_model", chat_model_dir, "--data_file", data, "--predictions_file", existing]
-    check_refused(refuse(CHAT_SCRIPT, args, capsys, in_process=True), "--predictions_file already exists")
+    check_refused(refuse(CHAT_SCRIPT, args, in_process=True), "--predictions_file already exists")
     assert existing.read_text() == "keep me\n"
 
     bad_cases = {
-        "missing.jsonl": (BATCH_RECORDS[:2] + [{"question": "x"}], "missing.jsonl:3: field 'prompt' or 'messages' is missing"),
-        "role.jsonl": ([{"messages": [{"role": "bot", "content": "x"}]}], "role.jsonl:1: field 'messages[0].role' has unknown role"),
+        "missing.jsonl": (BATCH_RECORDS[:2] + [{"question": "x"}],
+                          "missing.jsonl:3: field 'prompt' or 'messages' is missing"),
+        "role.jsonl": ([{"messages": [{"role": "bot", "content": "x"}]}],
+                       "role.jsonl:1: field 'messages[0].role' has unknown role"),
         "type.jsonl": ([{"prompt": 7}], "type.jsonl:1: field 'prompt' must be a string"),
     }
     for name, (records, expected) in bad_cases.items():
         output = tmp_path / f"{name}.out"
         args = ["--base_model", chat_model_dir, "--data_file", write_jsonl(tmp_path / name, records),
                 "--predictions_file", output]
-        check_refused(refuse(CHAT_SCRIPT, args, capsys, in_process=True), expected)
+        check_refused(refuse(CHAT_SCRIPT, args, in_process=True), expected)
         assert not output.exists()
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(BATCH_RECORDS[0]) + "\n{\"prompt\": \n")
     args = ["--base_model", chat_model_dir, "--data_file", broken, "--predictions_file", tmp_path / "b.out"]
-    check_refused(refuse(CHAT_SCRIPT, args, capsys, in_process=True), "broken.jsonl:2: not valid JSON")
+    check_refused(refuse(CHAT_SCRIPT, args, in_process=True), "broken.jsonl:2: not valid JSON")
 
     # A model whose tokenizer saved no chat template, and no --template: refused, not guessed.
     args = ["--base_model", tiny_model_dir, "--data_file", data, "--predictions_file", tmp_path / "c.out"]
-    check_refused(refuse(CHAT_SCRIPT, args, capsys, in_process=True), "the tokenizer has no chat_template")
+    check_refused(refuse(CHAT_SCRIPT, args, in_process=True), "the tokenizer has no chat_template")
     assert not (tmp_path / "c.out").exists()

@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 
-from test_bad_input import refuse
-from conftest import REPO, run_script, script_env, tiny_pt_args
+from helpers.commands import REPO, check_refused, refuse, run_script, script_env
+from helpers.merge_tools import TOLERANCE, load_merged, logits_of, lora, merge, tiny_llama
+from helpers.tiny_runs import tiny_pt_args
 
 MERGE_DIR = os.path.join(REPO, "scripts", "merge")
 SCRIPT = os.path.join(MERGE_DIR, "merge_llama_with_lora.py")
@@ -23,7 +24,6 @@ sys.path.insert(0, MERGE_DIR)
 
 import merge_llama_with_lora as merge_lora  # noqa: E402
 
-TOLERANCE = 1e-4
 # An intermediate interpreter runs the measured child: a child forked from pytest itself would
 # count pytest's pages in its ru_maxrss until it execs.
 MEASURE = """
@@ -36,55 +36,6 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def tiny_llama(vocab_size: int, tied: bool = False, dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(dtype).eval()
-
-
-def randomize(peft_model, seed: int) -> None:
-    """Give every trainable tensor (LoRA A and B, saved modules) a visible, seeded change."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if parameter.requires_grad:
-                noise = torch.randn(parameter.shape, generator=generator).to(parameter.dtype)
-                if "lora_" in name:
-                    parameter.copy_(noise * 0.1)
-                else:
-                    parameter.add_(noise * 0.05)
-
-
-def lora(model, seed: int, **config):
-    from peft import LoraConfig, get_peft_model
-
-    options = {"r": 4, "lora_alpha": 8, "init_lora_weights": False, "target_modules": "all-linear", **config}
-    peft_model = get_peft_model(model, LoraConfig(**options))
-    randomize(peft_model, seed)
-    return peft_model.eval()
-
-
-def merge(base_dir, adapters, output_dir, *extra):
-    merge_lora.main(["--base_model", str(base_dir), "--lora_model", ",".join(map(str, adapters)),
-                     "--output_dir", str(output_dir), *map(str, extra)])
-
-
-def logits_of(model, input_ids):
-    with torch.no_grad():
-        return model(input_ids=input_ids).logits.float()
-
-
-def load_merged(path, sequence_classification=False):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    auto = AutoModelForSequenceClassification if sequence_classification else AutoModelForCausalLM
-    return auto.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def safetensors_names(directory) -> dict:
@@ -446,7 +397,7 @@ BAD_INPUT_CASES = ["another_base", "no_adapter_config", "output_exists", "output
 
 
 @pytest.mark.parametrize("case", BAD_INPUT_CASES)
-def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir, capsys):
+def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir):
     import shutil
 
     base, adapter, out = small_base / "base", small_base / "adapter", tmp_path / "out"
@@ -468,12 +419,9 @@ def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir, capsys):
         expected = "the tokenizer has 404 tokens but the merged embeddings have 400 rows"
     before = snapshot(small_base)
     # The first case runs as a real process; the others in-process through the same run_cli.
-    result = refuse(SCRIPT, ["--base_model", base, "--lora_model", adapter, "--output_dir", out], capsys,
+    result = refuse(SCRIPT, ["--base_model", base, "--lora_model", adapter, "--output_dir", out],
                     in_process=case != BAD_INPUT_CASES[0])
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and expected in errors[0], result.stderr
+    check_refused(result, expected)
     assert snapshot(small_base) == before  # inputs untouched
     if case == "output_exists":
         assert os.listdir(out) == ["keep.txt"]

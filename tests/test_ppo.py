@@ -2,6 +2,7 @@
 learning signal, the two placements, DeepSpeed, resume, EMA, ptx mixing and bad input."""
 
 import json
+import math
 import os
 import random
 import shutil
@@ -9,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import CHINESE, ENGLISH, KILL_WRAPPER, REPO, TRAINING, options_to_argv, run_script
-from test_bad_input import check_refused, refuse
-from test_pretraining import adapter_weights, assert_ok, log_history
+from helpers.commands import KILL_WRAPPER, REPO, TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
+from helpers.corpora import CHINESE, ENGLISH
+from helpers.run_outputs import adapter_weights, log_history
 
 PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
 RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
@@ -139,7 +140,8 @@ def short_runs(tiny_model_dir, reward_adapter, prompt_file, pretrain_dir, tmp_pa
         "checkpointed": {"gradient_checkpointing": True},
     }
     for name, extra in runs.items():
-        result = run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, root / name, **extra), script=PPO_SCRIPT)
+        result = run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, root / name, **extra),
+                            script=PPO_SCRIPT)
         assert_ok(result)
         runs[name] = root / name
         if name in ("shared", "separate"):
@@ -211,7 +213,8 @@ def uninterrupted(tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory)
     return out
 
 
-def test_resume_after_sigkill_continues_identically(tiny_model_dir, reward_adapter, prompt_file, uninterrupted, tmp_path):
+def test_resume_after_sigkill_continues_identically(tiny_model_dir, reward_adapter, prompt_file, uninterrupted,
+                                                    tmp_path):
     crashed = tmp_path / "crashed"
     args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, crashed, **RESUMED)
     killed = run_script(args, script=PPO_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "2"])
@@ -254,7 +257,7 @@ def mismatched_reward_adapter(tmp_path, reward_adapter, extended_tokenizer_dir):
 
 @pytest.mark.parametrize("case", ["tokenizer_mismatch", "empty_prompts", "too_long", "base_as_reward"])
 def test_ppo_bad_input_is_refused_cleanly(case, tiny_model_dir, reward_adapter, prompt_file, extended_tokenizer_dir,
-                                          tmp_path, capsys):
+                                          tmp_path):
     out = tmp_path / "out"
     overrides, expected = {}, None
     if case == "tokenizer_mismatch":
@@ -274,7 +277,7 @@ def test_ppo_bad_input_is_refused_cleanly(case, tiny_model_dir, reward_adapter, 
         expected = f"{tiny_model_dir}: --reward_model_name_or_path is not a reward model (no score head"
     args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, **overrides)
     # One case as a real process (the whole contract), the others in-process through run_cli.
-    check_refused(refuse(PPO_SCRIPT, args, capsys, in_process=case != "tokenizer_mismatch"), expected)
+    check_refused(refuse(PPO_SCRIPT, args, in_process=case != "tokenizer_mismatch"), expected)
     assert not out.exists()
 
 
@@ -282,7 +285,7 @@ def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer
     from transformers import AutoTokenizer
 
     from chat_templates import named_template
-    from run_ppo import read_prompts, tokenize_prompts
+    from prompt_data import read_prompts, tokenize_prompts
 
     path = os.path.join(REPO, "data", "ppo_sample", "prompts.jsonl")
     prompts = read_prompts([path], None, 3, 42)
@@ -309,8 +312,8 @@ def test_length_grouped_passes_equal_one_pass_over_the_padded_batch(tiny_model_d
     answer token, and the same gradients."""
     from transformers import AutoModelForCausalLM
 
+    from ppo_experience import left_pad
     from ppo_policy import PPOPolicy, backbone_of
-    from ppo_trainer import left_pad
 
     class OneModelPolicy(PPOPolicy):
         def __init__(self, causal_lm):
@@ -361,20 +364,21 @@ def test_generated_answers_are_scored_where_the_reward_model_was_trained_to_read
     An answer cut at the length limit, without EOS, is scored where it stops."""
     from transformers import AutoTokenizer
 
-    from build_dataset import ConversationTokenizer
     from chat_templates import named_template
-    from ppo_policy import positions_from_mask
-    from ppo_trainer import answer_mask, append_turn_end, left_pad
-    from run_ppo import tokenize_prompts
+    from conversation_tokenizer import ConversationTokenizer
+    from ppo_experience import answer_mask, append_turn_end, left_pad
+    from ppo_utils import positions_from_mask
+    from prompt_data import tokenize_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     template, eos = named_template("chatml", tokenizer), tokenizer.eos_token_id
-    turn_end = ConversationTokenizer(tokenizer, template, 256).turn_end_ids()
+    turn_end = ConversationTokenizer(tokenizer, template, 256).after_turn_end_ids()
     assert tokenizer.decode(turn_end).strip(" ") == "\n"
     reward_rows, prompt_rows, answers = [], [], []
     for prompt, answer in (("今天 天气", "很好 the fox jumps over"), ("the quick brown fox jumps", "我们")):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-        reward_rows.append(ConversationTokenizer(tokenizer, template, 256, keep_turn_end=True)("t", messages)["input_ids"])
+        reward_row = ConversationTokenizer(tokenizer, template, 256, keep_after_turn_end=True)("t", messages)
+        reward_rows.append(reward_row["input_ids"])
         prompt_rows.append(tokenize_prompts([("t", messages[:1])], tokenizer, template, 256, "prompt")[0])
         assert reward_rows[-1][: len(prompt_rows[-1])] == prompt_rows[-1]
         answers.append(reward_rows[-1][len(prompt_rows[-1]) : len(reward_rows[-1]) - len(turn_end)])
@@ -393,5 +397,81 @@ def test_generated_answers_are_scored_where_the_reward_model_was_trained_to_read
         real = closed_mask[row].bool()
         assert closed_ids[row][real].tolist() == reward_row
         assert positions[row][real].tolist() == list(range(len(reward_row)))
-    assert closed_ids[2][closed_mask[2].bool()].tolist() == ids[2][mask[2].bool()].tolist() == prompt_rows[2] + answers[2]
+    assert (closed_ids[2][closed_mask[2].bool()].tolist() == ids[2][mask[2].bool()].tolist()
+            == prompt_rows[2] + answers[2])
     assert append_turn_end(ids, mask, eos, []) == (ids, mask)  # templates whose turns end at EOS
+
+
+def test_training_and_evaluation_measure_reward_and_kl_alike():
+    """Training's and evaluation's statistics of one Experience are one computation: the same
+    reward (clipped score after the missing-EOS penalty, minus kl_coef x KL), KL and score, worked
+    out here by hand; evaluation's row weights drop the rows that only fill its last batch."""
+    from types import SimpleNamespace
+
+    from ppo_experience import Rollout, RolloutScores, evaluation_metrics, shape_experience, training_metrics
+
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 1], [1, 1, 0]])
+    rollout = Rollout(input_ids=torch.zeros(3, 5, dtype=torch.long), attention_mask=torch.ones(3, 5, dtype=torch.long),
+                      prompt_length=2, response_mask=mask, has_eos=torch.tensor([True, False, True]),
+                      logprobs=torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.4, -0.6], [-1.0, -1.0, 0.0]]),
+                      entropy=mask.clone())
+    scored = RolloutScores(ref_logprobs=torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -0.9, -0.1], [-1.0, -3.0, -0.5]]),
+                           values=torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0], [0.0, 0.0, 9.0]]),
+                           scores=torch.tensor([2.0, 10.0, -0.5]))
+    settings = SimpleNamespace(missing_eos_penalty=1.0, clip_reward_value=5.0, gamma=1.0, lam=0.95)
+    experience = shape_experience(rollout, scored, 0.1, settings)
+    train = training_metrics(experience, 0.1, "cpu")
+    evaluation = evaluation_metrics(experience, torch.ones(3), "cpu")
+    assert set(evaluation) == {f"eval_{name}" for name in train if name != "kl_coef"}
+    for name in ("reward_mean", "reward_std", "score_mean", "kl", "response_length", "eos_fraction"):
+        assert evaluation[f"eval_{name}"] == pytest.approx(train[name], abs=1e-9), name
+    # Sequence KL: 0.5 - 1 = -0.5; 0.5 - 0.5 = 0; 2 (row 2's padding is not counted).
+    # Scores after the penalty: 2; 10 - 1 = 9 (no EOS), clipped to 5 in the reward; -0.5.
+    # Rewards: 2 + 0.05 = 2.05; 5 - 0 = 5; -0.5 - 0.2 = -0.7.
+    assert train["kl"] == pytest.approx(1.5 / 3) and train["score_mean"] == pytest.approx(10.5 / 3)
+    assert train["reward_mean"] == pytest.approx(6.35 / 3)
+    assert train["reward_std"] == pytest.approx(((2.05 ** 2 + 25 + 0.49) / 3 - (6.35 / 3) ** 2) ** 0.5)
+    assert train["response_length"] == pytest.approx(8 / 3) and train["eos_fraction"] == pytest.approx(2 / 3)
+    assert train["value_mean"] == pytest.approx(0.5) and train["entropy"] == pytest.approx(1.0)
+    assert train["kl_coef"] == 0.1
+    # The last row only pads evaluation's batch: weighted out, the means are the first two rows'.
+    first_two = evaluation_metrics(experience, torch.tensor([1.0, 1.0, 0.0]), "cpu", "held_out")
+    assert first_two["held_out_reward_mean"] == pytest.approx((2.05 + 5) / 2)
+    assert first_two["held_out_kl"] == pytest.approx(-0.25) and first_two["held_out_score_mean"] == pytest.approx(5.5)
+
+
+def test_qlora_ppo_trains_on_a_4bit_base_with_the_shared_flag_names(tiny_model_dir, reward_adapter, prompt_file,
+                                                                    tmp_path):
+    """--load_in_kbits 4 (QLoRA, the other stages' flag) reaches every PPO role: two iterations on the quantized
+    shared base log finite losses, and the actor and critic adapters learn. The other stages' names of the actor
+    and of the micro-batch size are accepted and mapped, with a log line."""
+    out = tmp_path / "out"
+    args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, load_in_kbits=4,
+                    actor_model_name_or_path=None, model_name_or_path=tiny_model_dir,
+                    per_device_training_batch_size=None, per_device_train_batch_size=8)
+    result = run_script(args, script=PPO_SCRIPT)
+    assert_ok(result)
+    assert f"flag mapped: --model_name_or_path {tiny_model_dir} -> --actor_model_name_or_path" in result.stdout
+    assert "flag mapped: --per_device_train_batch_size 8 -> --per_device_training_batch_size" in result.stdout
+    steps = step_logs(out)
+    assert len(steps) == 2 and all(all(math.isfinite(e[key]) for key in COMPARED) for e in steps), steps
+    # A learning signal: the critic's error is nonzero and the first update moved the policy off the reference.
+    assert steps[0]["value_loss"] > 0 and steps[1]["kl"] != 0, steps
+    actor = adapter_weights(out / "ppo_lora_model")
+    assert any(key.endswith("lora_B.weight") and actor[key].abs().sum() > 0 for key in actor)
+    assert any("lora_A" in key for key in adapter_weights(out / "critic"))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model_name_or_path", "a", "--actor_model_name_or_path", "b", "--reward_model_name_or_path", "r"],
+     "--model_name_or_path a and --actor_model_name_or_path b both given"),
+    (["--actor_model_name_or_path", "a", "--reward_model_name_or_path", "r", "--learning_rate", "0.1",
+      "--actor_learning_rate", "0.2"], "--learning_rate 0.1 and --actor_learning_rate 0.2 both given"),
+    (["--reward_model_name_or_path", "r"], "--actor_model_name_or_path is required"),
+])
+def test_ppo_refuses_a_flag_given_under_both_names(argv, expected):
+    from cli import InputError, parse_args
+    from run_ppo import PPOArguments, PPOModelArguments
+
+    with pytest.raises(InputError, match=expected):
+        parse_args((PPOModelArguments, PPOArguments), argv + ["--output_dir", "o", "--use_cpu"])

@@ -10,17 +10,21 @@ import torch
 from ppo_utils import (
     AdaptiveKLController,
     FixedKLController,
+    advantages_and_returns,
     ema_update,
     entropy_from_logits,
     gae_advantages_and_returns,
     kl_penalty_rewards,
+    last_position,
     length_chunks,
     logprobs_from_logits,
     make_kl_controller,
     masked_mean,
     masked_var,
     masked_whiten,
+    penalised_scores,
     policy_loss,
+    positions_from_mask,
     value_loss,
 )
 
@@ -234,3 +238,32 @@ def test_length_chunks_group_similar_rows_to_skip_padding():
     assert length_chunks([8, 8, 8, 8], [3, 3, 3, 3], 1) == [([0, 1, 2, 3], 8, 3)]
     # Answers count too: equal prompts, answers 1, 9, 1, 9 -> {0, 2} 2 x 9 + {1, 3} 2 x 17 = 52 < 4 x 17.
     assert length_chunks([8, 8, 8, 8], [1, 9, 1, 9], 2) == [([0, 2], 8, 1), ([1, 3], 8, 9)]
+
+
+def test_advantages_are_whitened_over_the_batch_and_returns_are_not():
+    values = torch.tensor([[0.25, 0.5, 1.0, 0.0]])
+    rewards = torch.tensor([[1.0, -2.0, 4.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0]])
+    advantages, returns = advantages_and_returns(values, rewards, mask, 1.0, 1.0)
+    # GAE with gamma = lam = 1: [2.75, 1.5, 3.0] (reward-to-go [3, 2, 4] minus V), mean 29/12;
+    # deviations 1/3, -11/12, 7/12; unbiased variance (16 + 121 + 49) / 144 / 2 = 31/48.
+    std = math.sqrt(31 / 48)
+    close(advantages, [[(1 / 3) / std, -(11 / 12) / std, (7 / 12) / std, 0.0]], atol=1e-5)
+    close(returns, [[3.0, 2.0, 4.0, 0.0]])  # the critic's targets come from the unwhitened advantages
+    # One real token has no variance: its advantage stays as GAE gave it (4 - 1 = 3), not NaN.
+    alone, _ = advantages_and_returns(values, rewards, torch.tensor([[0.0, 0, 1, 0]]), 1.0, 1.0)
+    close(alone, [[0.0, 0.0, 3.0, 0.0]])
+
+
+def test_missing_eos_penalty_applies_to_unended_answers_only():
+    scores, has_eos = torch.tensor([2.0, 10.0, -0.5]), torch.tensor([True, False, True])
+    close(penalised_scores(scores, has_eos, 1.5), [2.0, 8.5, -0.5])
+    close(penalised_scores(scores, has_eos, None), [2.0, 10.0, -0.5])
+
+
+def test_last_position_and_positions_from_left_and_right_padded_masks():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    assert last_position(mask).tolist() == [4, 2, 0]  # left padded, right padded, nothing real
+    assert last_position(mask.float()).tolist() == [4, 2, 0]
+    # Attended tokens count from 0 whatever the padding; padding reads 0 before and the last count after.
+    assert positions_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2], [0, 0, 0, 0, 0]]

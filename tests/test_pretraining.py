@@ -7,20 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import KILL_WRAPPER, REPO, run_script, tiny_pt_args
-
-
-def log_history(output_dir):
-    with open(os.path.join(output_dir, "trainer_state.json")) as handle:
-        return json.load(handle)["log_history"]
-
-
-def adapter_weights(adapter_dir):
-    return load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
-
-
-def assert_ok(result):
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+from helpers.commands import KILL_WRAPPER, REPO, assert_ok, run_script
+from helpers.run_outputs import adapter_weights, log_history, losses_of
+from helpers.tiny_runs import tiny_pt_args
 
 
 def test_loss_falls_and_eval_perplexity_falls(tiny_model_dir, pretrain_dir, tmp_path):
@@ -86,11 +75,13 @@ def test_deepspeed_two_processes(config, tiny_model_dir, varied_pretrain_dir, tm
 @pytest.mark.parametrize("kbits", [4, 8])
 def test_qlora_kbits(kbits, tiny_model_dir, pretrain_dir, tmp_path):
     out = tmp_path / "out"
-    args = tiny_pt_args(tiny_model_dir, pretrain_dir, out, tmp_path / "cache",
-                        max_steps=3, save_steps=3, load_in_kbits=kbits, validation_split_percentage=0)
+    args = tiny_pt_args(tiny_model_dir, pretrain_dir, out, tmp_path / "cache", max_steps=6, save_steps=6,
+                        load_in_kbits=kbits, validation_split_percentage=0)
     assert_ok(run_script(args))
-    losses = [entry["loss"] for entry in log_history(out) if "loss" in entry]
-    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+    # LoRA on the quantized base learns the repeated sentences: the first step's loss is the base model's, and
+    # the last steps' (single batches, so averaged) lie clearly below it. Measured: 6.7 -> 3.7 on average.
+    losses = losses_of(out)
+    assert len(losses) == 6 and sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
     weights = adapter_weights(out / "pt_lora_model")
     assert any(key.endswith("lora_B.weight") and weights[key].abs().sum() > 0 for key in weights)
 
@@ -141,7 +132,8 @@ def test_new_rows_start_at_mean(tiny_model_dir, extended_tokenizer_dir, tmp_path
     model = load_model(model_args, training_args, tokenizer)
     base = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     for name, key in (("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight")):
-        module = getattr(model.base_model.model.model, name) if name == "embed_tokens" else model.base_model.model.lm_head
+        module = (getattr(model.base_model.model.model, name) if name == "embed_tokens"
+                  else model.base_model.model.lm_head)
         trained_copy = module.modules_to_save["default"].weight.detach()
         old = base[key]
         assert trained_copy.shape[0] == len(tokenizer)

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from build_dataset import build_pretraining_blocks, split_validation
-from training_utils import InputError
+from build_dataset import build_pretraining_blocks
+from cli import InputError
+from data_splits import split_validation
 
 
 def blocks_digest(blocks) -> str:
@@ -42,7 +43,7 @@ def test_blocks_are_documents_joined_by_eos(tokenizer, tmp_path):
 
 
 def test_parallel_tokenization_equals_serial(tokenizer, tmp_path):
-    from conftest import generated_corpus
+    from helpers.corpora import generated_corpus
 
     data = tmp_path / "data"
     data.mkdir()
@@ -93,7 +94,7 @@ def _build_after_barrier(barrier, data, tokenizer_dir, cache, queue):
 
 
 def test_concurrent_builds_never_see_half_written_cache(tokenizer, tiny_tokenizer_dir, tmp_path):
-    from conftest import generated_corpus
+    from helpers.corpora import generated_corpus
 
     data = tmp_path / "data"
     data.mkdir()
@@ -103,7 +104,8 @@ def test_concurrent_builds_never_see_half_written_cache(tokenizer, tiny_tokenize
     for attempt in range(20):
         cache = str(tmp_path / f"cache{attempt}")
         barrier, queue = context.Barrier(2), context.Queue()
-        workers = [context.Process(target=_build_after_barrier, args=(barrier, str(data), tiny_tokenizer_dir, cache, queue))
+        workers = [context.Process(target=_build_after_barrier,
+                                   args=(barrier, str(data), tiny_tokenizer_dir, cache, queue))
                    for _ in range(2)]
         for worker in workers:
             worker.start()
@@ -116,7 +118,7 @@ def test_concurrent_builds_never_see_half_written_cache(tokenizer, tiny_tokenize
 
 
 def test_validation_split_is_seeded_and_disjoint(tokenizer, tmp_path):
-    from conftest import generated_corpus
+    from helpers.corpora import generated_corpus
 
     data = tmp_path / "data"
     data.mkdir()

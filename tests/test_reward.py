@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import CHINESE, ENGLISH, KILL_WRAPPER, REPO, TRAINING, run_script, tiny_sft_args
-from test_bad_input import check_refused, refuse
-from test_pretraining import adapter_weights, assert_ok, log_history
+from helpers.commands import KILL_WRAPPER, REPO, TRAINING, assert_ok, check_refused, refuse, run_script
+from helpers.corpora import CHINESE, ENGLISH
+from helpers.run_outputs import adapter_weights, log_history
+from helpers.tiny_runs import tiny_sft_args
 
 RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
 
@@ -44,8 +45,10 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_model_di
         return score_sequences(model, torch.tensor(rows), torch.tensor(masks))
 
     alone = score([sequence], [[1] * n])[0]
-    right = score([sequence + [pad] * (width - n), longer + [pad] * 3], [[1] * n + [0] * (width - n), [1] * len(longer) + [0] * 3])
-    left = score([[pad] * (width - n) + sequence, [pad] * 3 + longer], [[0] * (width - n) + [1] * n, [0] * 3 + [1] * len(longer)])
+    right = score([sequence + [pad] * (width - n), longer + [pad] * 3],
+                  [[1] * n + [0] * (width - n), [1] * len(longer) + [0] * 3])
+    left = score([[pad] * (width - n) + sequence, [pad] * 3 + longer],
+                 [[0] * (width - n) + [1] * n, [0] * 3 + [1] * len(longer)])
     eos_padded = score([sequence + [tokenizer.eos_token_id] * 4], [[1] * n + [0] * 4])[0]  # pad id == EOS
     for value in (right[0], left[0], eos_padded):
         assert abs(value.item() - alone.item()) <= 1e-5
@@ -54,7 +57,8 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_model_di
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_shared_prefix_rows_give_the_scores_and_gradients_of_separate_rows(attention, tiny_model_dir, tiny_tokenizer_dir):
+def test_shared_prefix_rows_give_the_scores_and_gradients_of_separate_rows(attention, tiny_model_dir,
+                                                                           tiny_tokenizer_dir):
     """A pair as one row (shared prefix once, then chosen, then rejected, the rejected answer
     masked from the chosen one) scores both answers as two padded rows do, with the same
     gradients, and holds fewer tokens. Pairs: a long shared prompt, an answer that extends the
@@ -195,14 +199,15 @@ GOOD_PAIR = {"prompt": "写一条好评", "chosen": "很好 很好", "rejected":
 @pytest.mark.parametrize("case,bad,expected", [
     ("missing_chosen", {"prompt": "p", "rejected": "r"}, "d.jsonl:2: field 'chosen' is missing"),
     ("missing_rejected", {"prompt": "p", "chosen": "c"}, "d.jsonl:2: field 'rejected' is missing"),
-    ("long_prompt", {"prompt": "我们 " * 300, "chosen": "c", "rejected": "r"}, "d.jsonl:2: the prompt alone fills --max_seq_length 256"),
+    ("long_prompt", {"prompt": "我们 " * 300, "chosen": "c", "rejected": "r"},
+     "d.jsonl:2: the prompt alone fills --max_seq_length 256"),
 ])
-def test_reward_bad_input_is_refused_cleanly(case, bad, expected, tiny_model_dir, tmp_path, capsys):
+def test_reward_bad_input_is_refused_cleanly(case, bad, expected, tiny_model_dir, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(GOOD_PAIR, ensure_ascii=False) + "\n" + json.dumps(bad, ensure_ascii=False) + "\n")
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = tiny_rm_args(tiny_model_dir, out, cache, data_path=data)
-    check_refused(refuse(RM_SCRIPT, args, capsys, in_process=case != "missing_chosen"), expected)
+    check_refused(refuse(RM_SCRIPT, args, in_process=case != "missing_chosen"), expected)
     assert not out.exists()
 
 

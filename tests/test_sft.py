@@ -12,19 +12,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from build_dataset import (
-    ConversationTokenizer,
-    DataCollatorForSupervisedDataset,
-    build_sft_dataset,
-    conversation_of,
-    pack_samples,
-    phase_indices,
-)
+from build_dataset import DataCollatorForSupervisedDataset, build_sft_dataset, pack_samples
 from chat_templates import TEMPLATES, named_template
-from conftest import KILL_WRAPPER, REPO, SFT_SCRIPT, run_script, tiny_sft_args
+from conversation_tokenizer import ConversationTokenizer
+from data_splits import phase_indices
+from helpers.commands import KILL_WRAPPER, REPO, SFT_SCRIPT, assert_ok, check_refused, refuse, run_script
+from helpers.run_outputs import adapter_weights, log_history, losses_of
+from helpers.tiny_runs import tiny_sft_args
+from records import conversation_of
 from sft_tasks import arithmetic_records
-from test_bad_input import check_refused, refuse
-from test_pretraining import adapter_weights, assert_ok, log_history
 
 # SmolLM2's own template (chatml with a default system prompt): a tokenizer's own chat_template.
 OWN_TEMPLATE = (
@@ -101,14 +97,14 @@ TURN_ENDS = {"llama2": "", "alpaca": "\n\n", "human_assistant": "", "chatml": "\
 
 @pytest.mark.parametrize("template_name", sorted(TEMPLATES) + ["own"])
 def test_reward_rows_end_with_the_template_turn_end(template_name, tokenizer):
-    """keep_turn_end (the reward stage's rows) adds exactly turn_end_ids() (what PPO appends to a
+    """keep_after_turn_end (the reward stage's rows) adds exactly after_turn_end_ids() (what PPO appends to a
     generated answer) to the row that ends at the answer's EOS, and those ids are the text the
     template renders after it."""
     messages = conversation_of("test:1", RECORDS["sharegpt"])
     template = template_for(template_name, tokenizer)
     at_eos = ConversationTokenizer(tokenizer, template, 1024)("t", messages)["input_ids"]
-    whole = ConversationTokenizer(tokenizer, template, 1024, keep_turn_end=True)("t", messages)
-    turn_end = ConversationTokenizer(tokenizer, template, 1024).turn_end_ids()
+    whole = ConversationTokenizer(tokenizer, template, 1024, keep_after_turn_end=True)("t", messages)
+    turn_end = ConversationTokenizer(tokenizer, template, 1024).after_turn_end_ids()
     assert whole["input_ids"] == at_eos + turn_end
     assert at_eos[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(turn_end, clean_up_tokenization_spaces=False).lstrip(" ") == TURN_ENDS[template_name]
@@ -209,7 +205,7 @@ def test_data_split_is_disjoint_complete_and_stable():
     assert [len(p) for p in parts] == [600, 200, 200]
     assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
     assert not phase_indices(1000, "6,2,2", 1, seed=8).tolist() == parts[0].tolist()  # the seed matters
-    code = ("import sys; sys.path.insert(0, 'scripts/training'); from build_dataset import phase_indices; "
+    code = ("import sys; sys.path.insert(0, 'scripts/training'); from data_splits import phase_indices; "
             "print(phase_indices(1000, '6,2,2', 2, seed=7).tolist())")
     other_process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert json.loads(other_process.stdout.strip().splitlines()[-1]) == parts[1].tolist()
@@ -256,18 +252,26 @@ def test_sft_lowers_eval_loss_and_saves_template(tiny_model_dir, arithmetic_file
     assert (out / "sft_lora_model" / "adapter_model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("config", ["ds_zero2_no_offload", "ds_zero3_no_offload"])
-def test_sft_deepspeed_two_processes(config, tiny_model_dir, arithmetic_files, tmp_path):
+def test_sft_deepspeed_zero2_and_zero3_two_processes_train_alike(tiny_model_dir, arithmetic_files, tmp_path):
+    """Partitioning is an implementation detail: on the same data and seed, ZeRO-2 and ZeRO-3 log the same
+    losses, the loss falls, and each saves a full-shape adapter with the same weights."""
     train_dir, _ = arithmetic_files
-    out = tmp_path / "out"
-    args = tiny_sft_args(tiny_model_dir, out, tmp_path / "cache", dataset_dir=train_dir, template="chatml",
-                         packing=True, max_steps=4, save_steps=4,
-                         deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
-    assert_ok(run_script(args, nproc=2, script=SFT_SCRIPT))
-    losses = [e["loss"] for e in log_history(out) if "loss" in e]
-    assert len(losses) == 4 and all(0 < loss < 20 for loss in losses)
-    weights = adapter_weights(out / "sft_lora_model")
-    assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (8, 64)
+    runs = {}
+    for config in ("ds_zero2_no_offload", "ds_zero3_no_offload"):
+        out = tmp_path / config
+        args = tiny_sft_args(tiny_model_dir, out, tmp_path / "cache", dataset_dir=train_dir, template="chatml",
+                             packing=True, max_steps=4, save_steps=4, lora_dropout=0.0,
+                             deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
+        assert_ok(run_script(args, nproc=2, script=SFT_SCRIPT))
+        weights = adapter_weights(out / "sft_lora_model")
+        assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (8, 64)
+        runs[config] = (losses_of(out), weights)
+    (zero2_losses, zero2_weights), (zero3_losses, zero3_weights) = runs.values()
+    assert len(zero2_losses) == len(zero3_losses) == 4
+    assert zero2_losses == pytest.approx(zero3_losses, rel=1e-4)
+    assert zero2_losses[-1] < zero2_losses[0]
+    assert zero2_weights.keys() == zero3_weights.keys()
+    assert max((zero2_weights[k] - zero3_weights[k]).abs().max().item() for k in zero2_weights) <= 1e-4
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -276,7 +280,8 @@ def test_sft_resume_after_sigkill_equals_uninterrupted(nproc, tiny_model_dir, ar
     extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if nproc == 2 else {}
     common = {"dataset_dir": train_dir, "template": "llama2", "packing": True, **extra}
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    assert_ok(run_script(tiny_sft_args(tiny_model_dir, straight, tmp_path / "c", **common), nproc=nproc, script=SFT_SCRIPT))
+    assert_ok(run_script(tiny_sft_args(tiny_model_dir, straight, tmp_path / "c", **common), nproc=nproc,
+                         script=SFT_SCRIPT))
     args = tiny_sft_args(tiny_model_dir, crashed, tmp_path / "c", **common)
     killed = run_script(args, nproc=nproc, script=SFT_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "5"])
     assert killed.returncode != 0 and not (crashed / "checkpoint-10").exists()
@@ -289,7 +294,8 @@ GOOD = {"instruction": "q", "output": "a"}
 BAD_SFT_CASES = {
     "broken_json": (b'{"instruction": "q", "output": "a"}\n{"instruction": \n', "d.jsonl:2: not valid JSON"),
     "missing_output": ({"instruction": "q"}, "d.jsonl:2: field 'output' is missing"),
-    "missing_conversations": ({"conversation": []}, "d.jsonl:2: no 'instruction'/'output', 'conversations' or 'messages'"),
+    "missing_conversations": ({"conversation": []},
+                              "d.jsonl:2: no 'instruction'/'output', 'conversations' or 'messages'"),
     "unknown_role": ({"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
                      "d.jsonl:2: field 'conversations[1].from' has unknown role 'bot'"),
     "two_user_turns": ({"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "q2"},
@@ -304,7 +310,7 @@ BAD_SFT_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SFT_CASES) + ["unknown_template"])
-def test_sft_bad_input_is_refused_cleanly(case, tiny_model_dir, tmp_path, capsys):
+def test_sft_bad_input_is_refused_cleanly(case, tiny_model_dir, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     options = {"template": "alpaca"}
@@ -317,7 +323,7 @@ def test_sft_bad_input_is_refused_cleanly(case, tiny_model_dir, tmp_path, capsys
     (data / "d.jsonl").write_bytes(content)
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = tiny_sft_args(tiny_model_dir, out, cache, dataset_dir=data, **options)
-    check_refused(refuse(SFT_SCRIPT, args, capsys, in_process=case != "broken_json"), expected)
+    check_refused(refuse(SFT_SCRIPT, args, in_process=case != "broken_json"), expected)
     assert not out.exists()
     assert not cache.exists() or not list(cache.iterdir())
 
@@ -330,7 +336,8 @@ def test_sft_cache_key_covers_template_and_length(tokenizer, tmp_path, caplog):
     def build(template_name, max_length):
         caplog.clear()
         with caplog.at_level("INFO", logger="build_dataset"):
-            built = build_sft_dataset([str(data)], tokenizer, named_template(template_name, tokenizer), max_length, cache)
+            built = build_sft_dataset([str(data)], tokenizer, named_template(template_name, tokenizer), max_length,
+                                      cache)
         return built, "cache hit" in caplog.text
 
     first, hit = build("chatml", 256)

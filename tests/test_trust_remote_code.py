@@ -11,10 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 
 import model_utils
+from cli import InputError, parse_args
 from model_utils import ModelArguments, load_model, load_model_config, load_tokenizer, reward_model_class
 from ppo_policy import actor_model_args, load_frozen
 from run_ppo import PPOModelArguments
-from training_utils import InputError, parse_args
 
 CONFIG_CODE = '''from transformers import LlamaConfig
 
@@ -172,8 +172,9 @@ def remote_adapter_dir(remote_model_dir, tmp_path_factory):
 
 def test_merge_verify_needs_the_flag_and_the_merged_model_keeps_its_code(remote_model_dir, remote_adapter_dir,
                                                                           tmp_path, capsys):
-    import merge_llama_with_lora
     from transformers import AutoModelForCausalLM
+
+    import merge_llama_with_lora
 
     merged = tmp_path / "tiny_remote_merged"
     arguments = ["--base_model", remote_model_dir, "--lora_model", remote_adapter_dir, "--output_dir", str(merged),
@@ -194,7 +195,7 @@ def remote_bpe_tokenizer_dir(tmp_path_factory):
     """A byte-level BPE tokenizer (the kind vocabulary extension accepts) with its own tokenizer class."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from conftest import generated_corpus
+    from helpers.corpora import generated_corpus
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -209,10 +210,10 @@ def remote_bpe_tokenizer_dir(tmp_path_factory):
 
 
 def test_vocabulary_extension_of_a_tokenizer_with_its_own_code(remote_bpe_tokenizer_dir, tmp_path):
-    import merge_tokenizers
     from transformers import AutoTokenizer
 
-    from conftest import generated_corpus
+    import merge_tokenizers
+    from helpers.corpora import generated_corpus
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(generated_corpus(400, seed=1)) + "\n", encoding="utf-8")

@@ -10,27 +10,25 @@ every row's answer starts right after its own last prompt token.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from tqdm.auto import tqdm
 
-from sft_tasks import is_exact_match
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 
-
-def record_messages(record: dict) -> list[dict]:
-    """The conversation up to the answer, built as run_sft_with_peft.py reads an alpaca record
-    (optional system, instruction + "\\n" + input); multi-turn history is not supported here."""
-    if record.get("history"):
-        raise ValueError("records with 'history' are not supported by the exact-match scorer")
-    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
-    user = f"{record['instruction']}\n{record['input']}" if record.get("input") else record["instruction"]
-    return messages + [{"role": "user", "content": user}]
+from records import PROMPT, conversation_of  # noqa: E402
+from sft_tasks import is_exact_match  # noqa: E402
 
 
 def render_prompts(tokenizer, records: list[dict]) -> list[str]:
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat_template to render prompts with")
-    return [tokenizer.apply_chat_template(record_messages(record), tokenize=False, add_generation_prompt=True)
-            for record in records]
+    # The conversation up to the answer, read exactly as run_sft_with_peft.py reads the record.
+    return [tokenizer.apply_chat_template(conversation_of(f"record {index}", record, PROMPT), tokenize=False,
+                                          add_generation_prompt=True)
+            for index, record in enumerate(records)]
 
 
 @torch.inference_mode()

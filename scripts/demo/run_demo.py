@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING_DIR = REPO / "scripts" / "training"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(TRAINING_DIR)]
 
 from demo_report import plot_losses, render_report  # noqa: E402
 from exact_match import exact_match, generate_answers, render_prompts  # noqa: E402
@@ -158,7 +158,7 @@ def vocabulary_extension(demo: Demo) -> dict:
         "vocab_size": demo.plan.vocab_size,
     })
     demo.tokenizer_dir = out
-    report = read_json(out / "vocab_extension_report.json")
+    report = read_stage_result(out / "vocab_extension_report.json")
     figures = flat_numbers(report)
     logger.info("vocabulary %d -> %d tokens; held-out tokens per character %.3f -> %.3f",
                 figures["vocab_size.before"], figures["vocab_size.after"],
@@ -205,7 +205,7 @@ def continued_pretraining(demo: Demo) -> dict:
     demo.adapters["pt"] = out / "pt_lora_model"
     return {"steps": plan.pt_steps, "batch_size": plan.pt_batch_size, "block_size": BLOCK_SIZE,
             "learning_rate": plan.pt_learning_rate, "logging_steps": plan.pt_logging_steps,
-            **loss_summary(out), **read_json(out / "eval_results.json")}
+            **loss_summary(out), **read_stage_result(out / "eval_results.json")}
 
 
 def heldout_after(demo: Demo) -> dict:
@@ -275,12 +275,12 @@ def supervised_fine_tuning(demo: Demo) -> dict:
         "report_to": "none",
     })
     demo.adapters["sft"] = out / "sft_lora_model"
-    train = read_json(out / "train_results.json")
+    train = read_stage_result(out / "train_results.json")
     return {"steps": plan.sft_steps, "batch_size": SFT_BATCH_SIZE, "max_seq_length": SFT_MAX_SEQ_LENGTH,
             "learning_rate": plan.sft_learning_rate, "logging_steps": plan.sft_logging_steps,
             "max_new_tokens": SFT_MAX_NEW_TOKENS,
             "packed_rows": train.get("train_samples"), "train_runtime": train.get("train_runtime"),
-            **loss_summary(out), **read_json(out / "eval_results.json")}
+            **loss_summary(out), **read_stage_result(out / "eval_results.json")}
 
 
 def exact_match_after(demo: Demo) -> dict:
@@ -326,7 +326,7 @@ def reward_model(demo: Demo) -> dict:
     demo.adapters["rm"] = out / "rm_lora_model"
     return {"steps": plan.rm_steps, "batch_size": plan.rm_batch_size, "learning_rate": plan.rm_learning_rate,
             "train_pairs": len(train), "logging_steps": max(1, plan.rm_steps // 8),
-            "sample_pair": heldout[0], **loss_summary(out), **read_json(out / "eval_results.json")}
+            "sample_pair": heldout[0], **loss_summary(out), **read_stage_result(out / "eval_results.json")}
 
 
 def reward_before_ppo(demo: Demo) -> dict:
@@ -379,7 +379,7 @@ def ppo(demo: Demo) -> dict:
             "train_reward_first": rewards[0] if rewards else None,
             "train_reward_last": rewards[-1] if rewards else None,
             "kl_last": next((entry["kl"] for entry in reversed(logged) if "kl" in entry), None),
-            **{key: value for key, value in read_json(out / "train_results.json").items()
+            **{key: value for key, value in read_stage_result(out / "train_results.json").items()
                if key in ("train_runtime", "train_loss")}}
 
 
@@ -456,25 +456,23 @@ def first_texts(path: Path, min_chars: int) -> list[str]:
     return texts
 
 
-def load_causal_lm(demo: Demo, adapter: Path | None):
-    """(model, tokenizer): the base, or base + adapter with the adapter's saved tokenizer (its
-    vocabulary and chat template); embeddings grown first when the adapter extended them."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_frozen_model(demo: Demo, adapter: Path | None, task: str = "causal_lm"):
+    """(model, tokenizer) through the toolkit's own loader: the base, or base + adapter folded in
+    with the adapter's saved tokenizer (its vocabulary and chat template; the embeddings grown to
+    it first), in float32, in eval mode."""
+    from model_files import has_tokenizer
+    from model_utils import ModelArguments, load_model, load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(adapter or demo.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # the adapter holds the rows
-        model = PeftModel.from_pretrained(model, str(adapter))
-    return model.eval(), tokenizer
+    adapter_dir = str(adapter) if adapter is not None else None
+    model_args = ModelArguments(model_name_or_path=str(demo.model_dir), peft_path=adapter_dir,
+                                tokenizer_name_or_path=adapter_dir if has_tokenizer(adapter_dir) else None,
+                                torch_dtype="float32")
+    tokenizer = load_tokenizer(model_args)
+    return load_model(model_args, None, tokenizer, task=task, trainable=False), tokenizer
 
 
 def heldout_perplexity(demo: Demo, adapter: Path | None) -> dict:
-    model, tokenizer = load_causal_lm(demo, adapter)
+    model, tokenizer = load_frozen_model(demo, adapter)
     figures = heldout_nll(model, tokenizer, demo.heldout_texts, BLOCK_SIZE,
                           desc=f"Held-out NLL ({'with ' + adapter.name if adapter else 'base model'})")
     del model
@@ -514,7 +512,7 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 def heldout_exact_match(demo: Demo, adapter: Path | None) -> dict:
     """Greedy answers to the held-out questions. With an adapter, the prompts are rendered by
     the tokenizer saved with it, i.e. by the chat template the adapter was trained with."""
-    model, tokenizer = load_causal_lm(demo, adapter)
+    model, tokenizer = load_frozen_model(demo, adapter)
     if not tokenizer.chat_template:
         raise StageError(f"{adapter or demo.model_dir}: the tokenizer has no chat_template")
     figures = exact_match(model, tokenizer, demo.sft_heldout, max_new_tokens=SFT_MAX_NEW_TOKENS,
@@ -534,14 +532,11 @@ def heldout_reward(demo: Demo, policy: Path) -> dict:
     Each answer is scored as PPO scores it: prompt + answer + EOS + the template's turn end,
     read at the last token."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoConfig, AutoTokenizer
 
-    sys.path.insert(0, str(TRAINING_DIR))
-    from build_dataset import ConversationTokenizer
-    from model_utils import reward_model_class, score_sequences
+    from conversation_tokenizer import ConversationTokenizer
+    from model_utils import score_sequences
 
-    model, tokenizer = load_causal_lm(demo, policy)
+    model, tokenizer = load_frozen_model(demo, policy)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True) for prompt in demo.ppo_heldout_prompts]
     answers = generate_answers(model, tokenizer, prompts, max_new_tokens=PPO_MAX_ANSWER_LENGTH,
@@ -549,11 +544,9 @@ def heldout_reward(demo: Demo, policy: Path) -> dict:
     del model
     gc.collect()
 
-    rm_tokenizer = AutoTokenizer.from_pretrained(demo.adapters["rm"])
-    turn_end = ConversationTokenizer(rm_tokenizer, rm_tokenizer.chat_template, PPO_MAX_ANSWER_LENGTH).turn_end_ids()
-    config = AutoConfig.from_pretrained(demo.model_dir, num_labels=1)
-    scorer = reward_model_class(config).from_pretrained(demo.model_dir, config=config, dtype=torch.float32)
-    scorer = PeftModel.from_pretrained(scorer, str(demo.adapters["rm"])).eval()
+    scorer, rm_tokenizer = load_frozen_model(demo, demo.adapters["rm"], task="reward")
+    turn_end = ConversationTokenizer(rm_tokenizer, rm_tokenizer.chat_template,
+                                     PPO_MAX_ANSWER_LENGTH).after_turn_end_ids()
     scores = []
     with torch.inference_mode():
         for prompt, answer in zip(demo.ppo_heldout_prompts, answers):
@@ -593,7 +586,7 @@ def run_training_script(script: str, options: dict) -> None:
     run_script(TRAINING_DIR / script, options)
 
 
-def read_json(path: Path) -> dict:
+def read_stage_result(path: Path) -> dict:
     if not path.is_file():
         raise StageError(f"{path} is missing: the script did not finish its run")
     return json.loads(path.read_text(encoding="utf-8"))
@@ -612,7 +605,7 @@ def flat_numbers(report: dict, prefix: str = "") -> dict:
 
 
 def log_history(output_dir: Path) -> list[dict]:
-    return read_json(output_dir / "trainer_state.json")["log_history"]
+    return read_stage_result(output_dir / "trainer_state.json")["log_history"]
 
 
 def loss_summary(output_dir: Path) -> dict:

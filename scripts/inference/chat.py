@@ -25,7 +25,7 @@ sys.path[:0] = [os.path.join(SCRIPTS, "inference"), os.path.join(SCRIPTS, "train
 
 from transformers import set_seed  # noqa: E402
 
-from build_dataset import read_records  # noqa: E402
+from cli import InputError, parse_args, run_cli  # noqa: E402
 from inference_utils import (  # noqa: E402
     ChatGenerator,
     InferenceModelArguments,
@@ -37,11 +37,10 @@ from inference_utils import (  # noqa: E402
     inference_tokenizer,
     load_for_inference,
     template_kwargs_of,
-    messages_of,
     trim_history,
 )
 from model_utils import trust_remote_code_field  # noqa: E402
-from training_utils import InputError, parse_args, run_cli  # noqa: E402
+from records import read_records, request_of  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,8 @@ class ChatArguments:
     system_prompt: Optional[str] = field(default=None, metadata={"help": "System turn before the conversation."})
     show_prompt: bool = field(default=False, metadata={"help": "Print each rendered prompt (to check the template)."})
     data_file: Optional[str] = field(
-        default=None, metadata={"help": "Batch mode: .jsonl/.json of {\"prompt\": ...} or {\"messages\": [...]} records."}
+        default=None,
+        metadata={"help": "Batch mode: .jsonl/.json of {\"prompt\": ...} or {\"messages\": [...]} records."},
     )
     predictions_file: Optional[str] = field(default=None, metadata={"help": "Batch mode: where answers go (.jsonl)."})
     batch_size: int = field(default=8, metadata={"help": "Batch mode: prompts generated together."})
@@ -94,7 +94,7 @@ def read_prompt_records(path: str, system_prompt: Optional[str]) -> list:
         raise InputError(f"{path}: --data_file does not exist")
     if not path.endswith((".json", ".jsonl")):
         raise InputError(f"{path}: --data_file must be .jsonl (one record a line) or .json (a list)")
-    records = [(f"{path}:{line}",) + messages_of(f"{path}:{line}", record, system_prompt)
+    records = [(f"{path}:{line}",) + request_of(f"{path}:{line}", record, system_prompt)
                for line, record in read_records(path)]
     if not records:
         raise InputError(f"{path}: file holds no records (empty)")
@@ -167,7 +167,8 @@ def chat_loop(generator: ChatGenerator, settings: SamplingSettings, system_promp
         print("Assistant: ", end="", flush=True)
         streamer = TextDeltaStreamer(generator.tokenizer, lambda delta: print(delta, end="", flush=True),
                                      generator.chat_stops())
-        completion = generator.generate([generator.encode_chat(messages)], settings, generator.chat_stops(), streamer)[0]
+        completion = generator.generate([generator.encode_chat(messages)], settings, generator.chat_stops(),
+                                        streamer)[0]
         print(flush=True)
         history = messages[len(system):] + [{"role": "assistant", "content": completion.text}]
 

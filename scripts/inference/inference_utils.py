@@ -12,10 +12,9 @@ from typing import Callable, Optional, Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training"))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+from transformers import StoppingCriteria, StoppingCriteriaList  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
-from build_dataset import MESSAGE_ROLES, string_field, turn_list  # noqa: E402
 from chat_templates import (  # noqa: E402
     TEMPLATES,
     named_template,
@@ -23,17 +22,9 @@ from chat_templates import (  # noqa: E402
     saved_template_kwargs,
     turn_end_text,
 )
-from model_utils import (  # noqa: E402
-    DTYPES,
-    ModelArguments,
-    embedding_rows,
-    load_model_config,
-    load_peft_adapter,
-    load_tokenizer,
-    quantization_config,
-    resize_embeddings_with_mean,
-)
-from training_utils import InputError  # noqa: E402
+from cli import InputError  # noqa: E402
+from model_files import has_tokenizer  # noqa: E402
+from model_utils import DTYPES, ModelArguments, load_model, load_model_config, load_tokenizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +35,8 @@ class InferenceModelArguments:
 
     base_model: str = field(metadata={"help": "A merged model, or the base of --lora_model (HF format directory)."})
     lora_model: Optional[str] = field(
-        default=None, metadata={"help": "A LoRA adapter directory (e.g. sft_lora_model); its tokenizer is used if it has one."}
+        default=None,
+        metadata={"help": "A LoRA adapter directory (e.g. sft_lora_model); its tokenizer is used if it has one."},
     )
     load_in_kbits: int = field(
         default=16, metadata={"help": "4 or 8: quantize the base with bitsandbytes; 16: no.", "choices": [4, 8, 16]}
@@ -84,10 +76,6 @@ class Completion:
     completion_tokens: int
 
 
-def has_tokenizer(directory: str) -> bool:
-    return any(os.path.isfile(os.path.join(directory, name)) for name in ("tokenizer_config.json", "tokenizer.json"))
-
-
 def inference_model_arguments(base_model: str, lora_model: Optional[str], load_in_kbits: int = 16,
                               dtype: str = "auto", trust_remote_code: bool = False) -> ModelArguments:
     """The training scripts' ModelArguments for this model, its directories checked. The
@@ -97,8 +85,8 @@ def inference_model_arguments(base_model: str, lora_model: Optional[str], load_i
         raise InputError(f"{base_model}: --base_model is not a model directory (no config.json)")
     if lora_model and not os.path.isfile(os.path.join(lora_model, "adapter_config.json")):
         raise InputError(f"{lora_model}: --lora_model is not a LoRA adapter (no adapter_config.json)")
-    tokenizer_dir = lora_model if lora_model and has_tokenizer(lora_model) else base_model
-    return ModelArguments(model_name_or_path=base_model, tokenizer_name_or_path=tokenizer_dir,
+    tokenizer_dir = lora_model if has_tokenizer(lora_model) else base_model
+    return ModelArguments(model_name_or_path=base_model, tokenizer_name_or_path=tokenizer_dir, peft_path=lora_model,
                           torch_dtype=dtype, load_in_kbits=load_in_kbits, trust_remote_code=trust_remote_code)
 
 
@@ -112,25 +100,11 @@ def load_for_inference(base_model: str, lora_model: Optional[str] = None, load_i
     the base unless the base is quantized)."""
     model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype, trust_remote_code)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_args)
-    config = load_model_config(model_args)
-    use_gpu = torch.cuda.is_available()
-    compute_dtype = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if use_gpu else torch.float32)
-    quant = quantization_config(model_args, compute_dtype)
-    load_kwargs = {"config": config, "dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
-    if quant is not None:
-        load_kwargs["quantization_config"] = quant
-        if use_gpu:
-            load_kwargs["device_map"] = {"": 0}
-    model = AutoModelForCausalLM.from_pretrained(base_model, **load_kwargs)
-    if len(tokenizer) > embedding_rows(model):
-        # The adapter's saved embed_tokens/lm_head (vocabulary extension) then fill the new rows.
-        resize_embeddings_with_mean(model, len(tokenizer))
-    if lora_model:
-        model = load_peft_adapter(model, lora_model, is_trainable=False, flag="--lora_model")
-        if quant is None:
-            # Folding the adapter in makes each generated token as cheap as with a merged model.
-            model = model.merge_and_unload()
-    if quant is None and use_gpu:
+    # The config passed in skips the training checks: rows the tokenizer adds beyond the base's
+    # come from the adapter's saved embed_tokens/lm_head (vocabulary extension), or start at the mean.
+    model = load_model(model_args, None, tokenizer, config=load_model_config(model_args), trainable=False,
+                       adapter_flag="--lora_model")
+    if load_in_kbits == 16 and torch.cuda.is_available():
         model = model.to("cuda")
     model.eval()
     logger.info("loaded %s%s (%s, %s)", base_model, f" + {lora_model}" if lora_model else "",
@@ -176,41 +150,6 @@ def context_limit(model, requested: Optional[int]) -> int:
         raise InputError(f"--max_context_tokens {requested} must be between 2 and the model's "
                          f"max_position_embeddings {max_positions}")
     return requested
-
-
-def prompt_conversation(where: str, messages: list, field_name: str = "messages") -> list:
-    """A conversation to answer: optional system first, then user/assistant alternating, ending
-    on a user turn (the templates assume this order)."""
-    start = 1 if messages and messages[0]["role"] == "system" else 0
-    for index in range(start, len(messages)):
-        role = messages[index]["role"]
-        expected = "user" if (index - start) % 2 == 0 else "assistant"
-        if role == "system":
-            raise InputError(f"{where}: field '{field_name}[{index}]': a system turn may only come first")
-        if role != expected:
-            raise InputError(f"{where}: field '{field_name}[{index}]': two consecutive {role} turns")
-    if len(messages) == start:
-        raise InputError(f"{where}: field '{field_name}': the conversation has no user turn")
-    if messages[-1]["role"] != "user":
-        raise InputError(f"{where}: field '{field_name}[{len(messages) - 1}]': the conversation must end on a user turn")
-    return messages
-
-
-def messages_of(where: str, record, system_prompt: Optional[str] = None) -> tuple:
-    """(field name, its value, messages) of a {"prompt": "..."} or {"messages": [...]} record."""
-    if not isinstance(record, dict):
-        raise InputError(f"{where}: a record must be a JSON object")
-    if "messages" in record:
-        messages = prompt_conversation(where, turn_list(where, record, "messages", "role", "content", MESSAGE_ROLES))
-        name = "messages"
-    elif "prompt" in record:
-        messages = [{"role": "user", "content": string_field(where, record, "prompt")}]
-        name = "prompt"
-    else:
-        raise InputError(f"{where}: field 'prompt' or 'messages' is missing")
-    if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
-    return name, record[name], messages
 
 
 class PromptTooLong(Exception):

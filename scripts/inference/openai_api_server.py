@@ -29,13 +29,13 @@ from typing import Any, Optional, Union
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(SCRIPTS, "inference"), os.path.join(SCRIPTS, "training")]
 
-from fastapi import FastAPI, Request  # noqa: E402
+from fastapi import APIRouter, FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
-from build_dataset import MESSAGE_ROLES, turn_list  # noqa: E402
+from cli import InputError, parse_args, run_cli  # noqa: E402
 from inference_utils import (  # noqa: E402
     ChatGenerator,
     InferenceModelArguments,
@@ -46,17 +46,18 @@ from inference_utils import (  # noqa: E402
     inference_tokenizer,
     load_for_inference,
     template_kwargs_of,
-    prompt_conversation,
 )
 from model_utils import trust_remote_code_field  # noqa: E402
-from training_utils import InputError, parse_args, run_cli  # noqa: E402
+from records import PROMPT, conversation_of  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ServerArguments:
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."})
+    host: str = field(
+        default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."}
+    )
     port: int = field(default=8000, metadata={"help": "TCP port."})
     api_key: Optional[str] = field(
         default=None, metadata={"help": "Require 'Authorization: Bearer KEY' on every request."}
@@ -65,7 +66,8 @@ class ServerArguments:
         default=None, metadata={"help": "The model id clients name; default: the adapter's or model's directory name."}
     )
     default_max_tokens: int = field(
-        default=512, metadata={"help": "Answer length limit for requests that set no max_tokens (capped by the context)."}
+        default=512,
+        metadata={"help": "Answer length limit for requests that set no max_tokens (capped by the context)."},
     )
     trust_remote_code: bool = trust_remote_code_field()
 
@@ -130,8 +132,7 @@ def request_messages(raw: list) -> list:
         role = "system" if message.get("role") == "developer" else message.get("role")
         messages.append({**message, "role": role, "content": content})
     try:
-        turns = turn_list("request", {"messages": messages}, "messages", "role", "content", MESSAGE_ROLES)
-        return prompt_conversation("request", turns)
+        return conversation_of("request", {"messages": messages}, PROMPT)
     except InputError as err:
         raise APIError(400, str(err).removeprefix("request: "), param="messages", code="invalid_value") from None
 
@@ -185,7 +186,8 @@ class CompletionService:
 
     async def complete(self, prompt_ids: list, settings: SamplingSettings, stops: list):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.worker, lambda: self.generator.generate([prompt_ids], settings, stops)[0])
+        return await loop.run_in_executor(self.worker,
+                                          lambda: self.generator.generate([prompt_ids], settings, stops)[0])
 
     async def stream(self, prompt_ids: list, settings: SamplingSettings, stops: list, chunk, opening=None,
                      include_usage: bool = False):
@@ -235,10 +237,21 @@ def include_usage(request: SamplingRequest) -> bool:
 
 
 def create_app(service: CompletionService, api_key: Optional[str]) -> FastAPI:
+    """The server: the API key check, OpenAI-style error bodies, and the /v1 endpoints."""
     app = FastAPI(title="OpenAI-compatible API", docs_url=None, redoc_url=None)
-    generator = service.generator
+    app.middleware("http")(api_key_check(api_key))
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+    app.include_router(openai_routes(service))
+    return app
 
-    @app.middleware("http")
+
+def api_key_check(api_key: Optional[str]):
+    """HTTP middleware answering 401, in OpenAI's error format, to a request without the key
+    (every request passes when the server has no key)."""
+
     async def require_api_key(request: Request, call_next):
         if api_key is not None:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -246,88 +259,107 @@ def create_app(service: CompletionService, api_key: Optional[str]) -> FastAPI:
                 return JSONResponse(error_body("Missing API key: send 'Authorization: Bearer KEY'",
                                                code="invalid_api_key"), status_code=401)
             if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-                return JSONResponse(error_body("Incorrect API key provided", code="invalid_api_key"), status_code=401)
+                return JSONResponse(error_body("Incorrect API key provided", code="invalid_api_key"),
+                                    status_code=401)
         return await call_next(request)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError):
-        return JSONResponse(error_body(err.message, err.error_type, err.param, err.code), status_code=err.status)
+    return require_api_key
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, err: RequestValidationError):
-        # FastAPI answers 422 in its own format; OpenAI clients expect 400 with an error body.
-        problems = err.errors()
-        locations = [".".join(str(part) for part in problem["loc"] if part != "body") for problem in problems]
-        message = "; ".join(f"{where}: {problem['msg']}" if where else problem["msg"]
-                            for where, problem in zip(locations, problems))
-        return JSONResponse(error_body(message or "invalid request", param=locations[0] if locations else None,
-                                       code="invalid_value"), status_code=400)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, err: StarletteHTTPException):
-        return JSONResponse(error_body(str(err.detail), code=None), status_code=err.status_code)
+async def api_error(request: Request, err: APIError):
+    return JSONResponse(error_body(err.message, err.error_type, err.param, err.code), status_code=err.status)
 
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, err: Exception):
-        logger.exception("request failed")
-        return JSONResponse(error_body(f"the server failed: {err}", "server_error"), status_code=500)
 
-    @app.get("/v1/models")
+async def validation_error(request: Request, err: RequestValidationError):
+    # FastAPI answers 422 in its own format; OpenAI clients expect 400 with an error body.
+    problems = err.errors()
+    locations = [".".join(str(part) for part in problem["loc"] if part != "body") for problem in problems]
+    message = "; ".join(f"{where}: {problem['msg']}" if where else problem["msg"]
+                        for where, problem in zip(locations, problems))
+    return JSONResponse(error_body(message or "invalid request", param=locations[0] if locations else None,
+                                   code="invalid_value"), status_code=400)
+
+
+async def http_error(request: Request, err: StarletteHTTPException):
+    return JSONResponse(error_body(str(err.detail), code=None), status_code=err.status_code)
+
+
+async def server_error(request: Request, err: Exception):
+    logger.exception("request failed")
+    return JSONResponse(error_body(f"the server failed: {err}", "server_error"), status_code=500)
+
+
+def openai_routes(service: CompletionService) -> APIRouter:
+    """GET /v1/models, POST /v1/chat/completions and POST /v1/completions, served by service."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                             "created": service.created, "owned_by": "owner"}]}
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest):
-        service.check_request(request)
-        prompt_ids = generator.encode_chat(request_messages(request.messages))
-        settings = service.settings_for(request, len(prompt_ids), "messages")
-        stops = generator.chat_stops(stop_list(request.stop))
-        reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": reply_id, "created": created, "model": service.model_name, "system_fingerprint": None}
-        if request.stream:
-            def chunk(text, finish_reason):
-                delta = {} if text is None else {"content": text}
-                return {**head, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        return await chat_completion_response(service, request)
 
-            opening = chunk("", None)
-            opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            events = service.stream(prompt_ids, settings, stops, chunk, opening, include_usage(request))
-            return StreamingResponse(events, media_type="text/event-stream")
-        completion = await service.complete(prompt_ids, settings, stops)
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
-                             "logprobs": None, "finish_reason": completion.finish_reason}],
-                "usage": usage(completion)}
-
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: CompletionRequest):
-        service.check_request(request)
-        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
-        if len(prompts) != 1:
-            raise APIError(400, f"prompt holds {len(prompts)} prompts; send one per request", param="prompt",
-                           code="invalid_value")
-        prompt_ids = generator.encode_text(prompts[0])
-        if not prompt_ids:
-            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
-        settings = service.settings_for(request, len(prompt_ids), "prompt")
-        stops = stop_list(request.stop)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name,
-                "object": "text_completion", "system_fingerprint": None}
-        if request.stream:
-            def chunk(text, finish_reason):
-                return {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                                             "finish_reason": finish_reason}]}
+        return await text_completion_response(service, request)
 
-            events = service.stream(prompt_ids, settings, stops, chunk, include_usage=include_usage(request))
-            return StreamingResponse(events, media_type="text/event-stream")
-        completion = await service.complete(prompt_ids, settings, stops)
-        return {**head, "choices": [{"index": 0, "text": completion.text, "logprobs": None,
-                                     "finish_reason": completion.finish_reason}],
-                "usage": usage(completion)}
+    return router
 
-    return app
+
+async def chat_completion_response(service: CompletionService, request: ChatCompletionRequest):
+    """A chat.completion body, or a stream of chat.completion.chunk events."""
+    generator = service.generator
+    service.check_request(request)
+    prompt_ids = generator.encode_chat(request_messages(request.messages))
+    settings = service.settings_for(request, len(prompt_ids), "messages")
+    stops = generator.chat_stops(stop_list(request.stop))
+    reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": reply_id, "created": created, "model": service.model_name, "system_fingerprint": None}
+    if request.stream:
+        def chunk(text, finish_reason):
+            delta = {} if text is None else {"content": text}
+            return {**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+        opening = chunk("", None)
+        opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        events = service.stream(prompt_ids, settings, stops, chunk, opening, include_usage(request))
+        return StreamingResponse(events, media_type="text/event-stream")
+    completion = await service.complete(prompt_ids, settings, stops)
+    return {**head, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+                         "logprobs": None, "finish_reason": completion.finish_reason}],
+            "usage": usage(completion)}
+
+
+async def text_completion_response(service: CompletionService, request: CompletionRequest):
+    """A text_completion body, or a stream of text_completion events."""
+    service.check_request(request)
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if len(prompts) != 1:
+        raise APIError(400, f"prompt holds {len(prompts)} prompts; send one per request", param="prompt",
+                       code="invalid_value")
+    prompt_ids = service.generator.encode_text(prompts[0])
+    if not prompt_ids:
+        raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+    settings = service.settings_for(request, len(prompt_ids), "prompt")
+    stops = stop_list(request.stop)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name,
+            "object": "text_completion", "system_fingerprint": None}
+    if request.stream:
+        def chunk(text, finish_reason):
+            return {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                         "finish_reason": finish_reason}]}
+
+        events = service.stream(prompt_ids, settings, stops, chunk, include_usage=include_usage(request))
+        return StreamingResponse(events, media_type="text/event-stream")
+    completion = await service.complete(prompt_ids, settings, stops)
+    return {**head, "choices": [{"index": 0, "text": completion.text, "logprobs": None,
+                                 "finish_reason": completion.finish_reason}],
+            "usage": usage(completion)}
 
 
 def main():

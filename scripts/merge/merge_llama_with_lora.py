@@ -52,8 +52,9 @@ from merge_utils import (  # noqa: E402
     check_output_dir,
     code_files,
     copy_files,
+    read_json,
     run_cli,
-    setup_logging,
+    setup_tool_logging,
     tokenizer_files,
 )
 
@@ -247,17 +248,6 @@ class BaseModel:
     tensor_file: dict  # name -> weight file name
 
 
-def read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{path}: {what} is not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise InputError(f"{path}: {what} is not a JSON object")
-    return value
-
-
 def read_base_model(path: str) -> BaseModel:
     if not os.path.isdir(path):
         raise InputError(f"{path}: --base_model does not exist or is not a directory")
@@ -363,6 +353,15 @@ def read_adapter(path: str) -> Adapter:
     if not os.path.isfile(config_path):
         raise InputError(f"{path}: --lora_model is not a LoRA adapter (no adapter_config.json)")
     config = read_json(config_path, "adapter_config.json")
+    check_adapter_config(config_path, config)
+    weights_file, tensors = read_adapter_tensors(path)
+    pairs, replacements = sort_adapter_tensors(weights_file, tensors)
+    lora = lora_modules(path, config, pairs, weights_file)
+    return Adapter(path, config, lora, replacements, weights_file)
+
+
+def check_adapter_config(config_path: str, config: dict) -> None:
+    """Refuse an adapter whose merge is not W += scaling * B @ A on the unchanged base."""
     if config.get("peft_type", "LORA") != "LORA":
         raise InputError(f"{config_path}: peft_type is {config.get('peft_type')}; only LoRA adapters can be merged")
     for key, name in UNSUPPORTED_FEATURES.items():
@@ -377,7 +376,11 @@ def read_adapter(path: str) -> Adapter:
     if "r" not in config or "lora_alpha" not in config:
         raise InputError(f"{config_path}: field 'r' or 'lora_alpha' is missing")
 
-    weights_file, tensors = read_adapter_tensors(path)
+
+def sort_adapter_tensors(weights_file: str, tensors: dict) -> tuple:
+    """(pairs, replacements) from the adapter's saved tensors: pairs maps a module name to its
+    LoRA matrices by kind (A, B, or eA, eB for an embedding); replacements maps a model tensor
+    name to a tensor the adapter saved whole (modules_to_save)."""
     pairs, replacements, aliases = {}, {}, {}
     for key, entry in tensors.items():
         if not key.startswith(PEFT_PREFIX):
@@ -401,8 +404,11 @@ def read_adapter(path: str) -> Adapter:
                 aliases[name.replace(".modules_to_save.", ".").replace(".base_layer.", ".")] = entry
             else:
                 replacements[name] = entry  # modules_to_save: peft writes the trained copy under the plain name
-    replacements = {**aliases, **replacements}
+    return pairs, {**aliases, **replacements}
 
+
+def lora_modules(path: str, config: dict, pairs: dict, weights_file: str) -> dict:
+    """Target weight name -> LoraModule, with each module's rank and alpha from the patterns."""
     lora = {}
     fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
     for module, parts in pairs.items():
@@ -421,7 +427,7 @@ def read_adapter(path: str) -> Adapter:
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         lora[f"{module}.weight"] = LoraModule(path, module, weight_a, weight_b, scaling,
                                               transposed=embedding or fan_in_fan_out, embedding=embedding)
-    return Adapter(path, config, lora, replacements, weights_file)
+    return lora
 
 
 # ----------------------------------------------------------------------------- merge plan
@@ -511,10 +517,26 @@ def check_model_type(base: BaseModel, adapter: Adapter) -> None:
 def plan_merge(base: BaseModel, adapters: list, workspace: Optional[Workspace] = None) -> MergePlan:
     """Apply the adapters to the base's shapes and check everything; read no weights except to
     compare a tied model's two saved embeddings."""
+    plan, embed, tied = base_plan(base)
+    for adapter in adapters:
+        check_model_type(base, adapter)
+        replacements = dict(adapter.replacements)
+        if tied and ({embed, OUTPUT_EMBEDDING} & (set(adapter.lora) | set(replacements))):
+            tied = plan_tied_embeddings(plan, embed, adapter, replacements, workspace)
+        plan_replacements(plan, base, embed, adapter, replacements)
+        plan_lora_updates(plan, base, adapter)
+        plan.embedding_rows_after.append(plan.tensors[embed].shape[0] if embed else None)
+    plan_vocabulary(plan, embed)
+    if plan.sequence_classification:
+        plan_sequence_classifier(plan)
+    return plan
+
+
+def base_plan(base: BaseModel) -> tuple:
+    """(plan, input embedding name, tied): the base model unchanged, as a plan to apply adapters to."""
     config = dict(base.config)
     notes = []
     tensors = {name: TensorPlan(name, entry, entry.dtype) for name, entry in base.tensors.items()}
-    home = dict(base.tensor_file)
     embed = input_embedding_name(tensors)
     if "tie_word_embeddings" in config:
         tied = bool(config["tie_word_embeddings"]) and embed is not None
@@ -524,91 +546,109 @@ def plan_merge(base: BaseModel, adapters: list, workspace: Optional[Workspace] =
         # transformers re-ties a tied model at load time, ignoring a stored lm_head.
         del tensors[OUTPUT_EMBEDDING]
         notes.append("the base is tied and also stores lm_head.weight: it is dropped, as transformers ignores it")
-    sequence_classification = False
-    embedding_rows_after = []
+    plan = MergePlan(tensors, config, dict(base.tensor_file), notes, vocab_rows=None, embedding_rows_after=[],
+                     sequence_classification=False)
+    return plan, embed, tied
 
-    for adapter in adapters:
-        label = adapter.path
-        check_model_type(base, adapter)
-        replacements = dict(adapter.replacements)
-        if tied and ({embed, OUTPUT_EMBEDDING} & (set(adapter.lora) | set(replacements))):
-            if {embed, OUTPUT_EMBEDDING} & set(adapter.lora):
-                raise InputError(f"{label}: LoRA on the embeddings of a tied model is not supported; "
-                                 "train them with --modules_to_save embed_tokens instead")
-            new_embed, new_head = replacements.get(embed), replacements.get(OUTPUT_EMBEDDING)
-            if new_embed is not None and new_head is not None and \
-                    same_values(new_embed, new_head, workspace or Workspace()):
-                del replacements[OUTPUT_EMBEDDING]  # trained as one matrix: stays one
-            else:
-                if new_head is None and tuple(new_embed.shape) != tensors[embed].shape:
-                    raise InputError(
-                        f"{label}: the adapter resizes the embeddings of a tied model to {new_embed.shape[0]} rows "
-                        "but saves only embed_tokens, so the output embedding's new rows are not in it; "
-                        "train with ensure_weight_tying (as our training scripts do) or "
-                        "--modules_to_save embed_tokens,lm_head")
-                # Trained apart: the output embedding keeps what it was (or what the adapter saved).
-                tensors[OUTPUT_EMBEDDING] = replace(tensors[embed], name=OUTPUT_EMBEDDING,
-                                                    deltas=list(tensors[embed].deltas))
-                home[OUTPUT_EMBEDDING] = home.get(embed)
-                tied = False
-                config["tie_word_embeddings"] = False
-                notes.append(f"{label} trains the input and output embeddings apart: the merged model is untied "
-                             "(lm_head.weight written, tie_word_embeddings false)")
 
-        for name, entry in replacements.items():
-            current = tensors.get(name)
-            if current is None:
-                if adapter.config.get("task_type") == "SEQ_CLS" and name.startswith("score."):
-                    tensors[name] = TensorPlan(name, entry, tensors[embed].dtype if embed else entry.dtype)
-                    home[name] = None
-                    sequence_classification = True
-                    continue
-                raise InputError(f"{adapter.weights_file}: saved tensor {name} matches no tensor of the base model "
-                                 f"{base.path}: an adapter for another model?")
-            resizable = name in (embed, OUTPUT_EMBEDDING)
-            fits = tuple(entry.shape) == current.shape or (
-                resizable and len(entry.shape) == 2 and entry.shape[1] == current.shape[1])
-            if not fits:
-                raise InputError(f"{adapter.weights_file}: saved tensor {name} has shape {list(entry.shape)} but the "
-                                 f"model has {list(current.shape)}: an adapter for another model?")
-            if entry.dtype not in FLOAT_DTYPES or current.dtype not in FLOAT_DTYPES:
-                if entry.dtype != current.dtype:
-                    raise InputError(f"{adapter.weights_file}: saved tensor {name} is {entry.dtype}, "
-                                     f"the base's is {current.dtype}")
-            tensors[name] = TensorPlan(name, entry, current.dtype)
+def plan_tied_embeddings(plan: MergePlan, embed: str, adapter: Adapter, replacements: dict,
+                         workspace: Optional[Workspace]) -> bool:
+    """An adapter that touches a tied model's embeddings: whether the model stays tied. Trained
+    as one matrix (both saved, equal), the saved lm_head is dropped from replacements; trained
+    apart, the plan gets its own lm_head and an untied config."""
+    label = adapter.path
+    if {embed, OUTPUT_EMBEDDING} & set(adapter.lora):
+        raise InputError(f"{label}: LoRA on the embeddings of a tied model is not supported; "
+                         "train them with --modules_to_save embed_tokens instead")
+    new_embed, new_head = replacements.get(embed), replacements.get(OUTPUT_EMBEDDING)
+    if new_embed is not None and new_head is not None and same_values(new_embed, new_head, workspace or Workspace()):
+        del replacements[OUTPUT_EMBEDDING]  # trained as one matrix: stays one
+        return True
+    tensors = plan.tensors
+    if new_head is None and tuple(new_embed.shape) != tensors[embed].shape:
+        raise InputError(
+            f"{label}: the adapter resizes the embeddings of a tied model to {new_embed.shape[0]} rows "
+            "but saves only embed_tokens, so the output embedding's new rows are not in it; "
+            "train with ensure_weight_tying (as our training scripts do) or "
+            "--modules_to_save embed_tokens,lm_head")
+    # Trained apart: the output embedding keeps what it was (or what the adapter saved).
+    tensors[OUTPUT_EMBEDDING] = replace(tensors[embed], name=OUTPUT_EMBEDDING, deltas=list(tensors[embed].deltas))
+    plan.home[OUTPUT_EMBEDDING] = plan.home.get(embed)
+    plan.config["tie_word_embeddings"] = False
+    plan.notes.append(f"{label} trains the input and output embeddings apart: the merged model is untied "
+                      "(lm_head.weight written, tie_word_embeddings false)")
+    return False
 
-        for name, module in adapter.lora.items():
-            current = tensors.get(name)
-            if current is None:
-                raise InputError(f"{adapter.weights_file}: LoRA module {module.module} matches no weight of the base "
-                                 f"model {base.path}: an adapter for another model?")
-            if module.delta_shape() != current.shape:
-                raise InputError(f"{adapter.weights_file}: LoRA module {module.module} makes a "
-                                 f"{list(module.delta_shape())} update but the weight is {list(current.shape)}: "
-                                 "an adapter for another model (or a fan_in_fan_out mismatch)?")
-            if current.dtype not in FLOAT_DTYPES:
-                raise InputError(f"{name}: the base weight is {current.dtype} (quantized?); merge into a float base")
-            current.deltas.append(module)
-        embedding_rows_after.append(tensors[embed].shape[0] if embed else None)
 
-    vocab_rows = tensors[embed].shape[0] if embed else None
-    head = tensors.get(OUTPUT_EMBEDDING)
+def plan_replacements(plan: MergePlan, base: BaseModel, embed: Optional[str], adapter: Adapter,
+                      replacements: dict) -> None:
+    """Tensors the adapter saved whole take the place of the base's (embeddings may grow rows);
+    a sequence classifier's score head is new."""
+    tensors = plan.tensors
+    for name, entry in replacements.items():
+        current = tensors.get(name)
+        if current is None:
+            if adapter.config.get("task_type") == "SEQ_CLS" and name.startswith("score."):
+                tensors[name] = TensorPlan(name, entry, tensors[embed].dtype if embed else entry.dtype)
+                plan.home[name] = None
+                plan.sequence_classification = True
+                continue
+            raise InputError(f"{adapter.weights_file}: saved tensor {name} matches no tensor of the base model "
+                             f"{base.path}: an adapter for another model?")
+        resizable = name in (embed, OUTPUT_EMBEDDING)
+        fits = tuple(entry.shape) == current.shape or (
+            resizable and len(entry.shape) == 2 and entry.shape[1] == current.shape[1])
+        if not fits:
+            raise InputError(f"{adapter.weights_file}: saved tensor {name} has shape {list(entry.shape)} but the "
+                             f"model has {list(current.shape)}: an adapter for another model?")
+        if entry.dtype not in FLOAT_DTYPES or current.dtype not in FLOAT_DTYPES:
+            if entry.dtype != current.dtype:
+                raise InputError(f"{adapter.weights_file}: saved tensor {name} is {entry.dtype}, "
+                                 f"the base's is {current.dtype}")
+        tensors[name] = TensorPlan(name, entry, current.dtype)
+
+
+def plan_lora_updates(plan: MergePlan, base: BaseModel, adapter: Adapter) -> None:
+    """Each LoRA module's delta goes onto its weight, after those of earlier adapters."""
+    for name, module in adapter.lora.items():
+        current = plan.tensors.get(name)
+        if current is None:
+            raise InputError(f"{adapter.weights_file}: LoRA module {module.module} matches no weight of the base "
+                             f"model {base.path}: an adapter for another model?")
+        if module.delta_shape() != current.shape:
+            raise InputError(f"{adapter.weights_file}: LoRA module {module.module} makes a "
+                             f"{list(module.delta_shape())} update but the weight is {list(current.shape)}: "
+                             "an adapter for another model (or a fan_in_fan_out mismatch)?")
+        if current.dtype not in FLOAT_DTYPES:
+            raise InputError(f"{name}: the base weight is {current.dtype} (quantized?); merge into a float base")
+        current.deltas.append(module)
+
+
+def plan_vocabulary(plan: MergePlan, embed: Optional[str]) -> None:
+    """The vocabulary size after every adapter: both embeddings agree, config.json follows."""
+    plan.vocab_rows = vocab_rows = plan.tensors[embed].shape[0] if embed else None
+    head = plan.tensors.get(OUTPUT_EMBEDDING)
     if head is not None and vocab_rows is not None and head.shape[0] != vocab_rows:
         raise InputError(f"after the adapters the input embedding has {vocab_rows} rows but lm_head has "
                          f"{head.shape[0]}: an adapter resized only one of them (train both: --modules_to_save "
                          "embed_tokens,lm_head)")
+    config = plan.config
     if vocab_rows is not None and isinstance(config.get("vocab_size"), int) and config["vocab_size"] != vocab_rows:
-        notes.append(f"vocab_size {config['vocab_size']} -> {vocab_rows} (embedding rows from the adapter)")
+        plan.notes.append(f"vocab_size {config['vocab_size']} -> {vocab_rows} (embedding rows from the adapter)")
         config["vocab_size"] = vocab_rows
-    if sequence_classification:
-        tensors.pop(OUTPUT_EMBEDDING, None)
-        labels = tensors["score.weight"].shape[0] if "score.weight" in tensors else config.get("num_labels", 2)
-        config["architectures"] = [arch.replace("ForCausalLM", "ForSequenceClassification")
-                                   for arch in config.get("architectures", [])]
-        config["id2label"] = {str(i): f"LABEL_{i}" for i in range(labels)}
-        config["label2id"] = {f"LABEL_{i}": i for i in range(labels)}
-        notes.append(f"score head from the adapter: the merged model is a sequence classifier with {labels} label(s)")
-    return MergePlan(tensors, config, home, notes, vocab_rows, embedding_rows_after, sequence_classification)
+
+
+def plan_sequence_classifier(plan: MergePlan) -> None:
+    """A score head from an adapter makes the merged model a sequence classifier: no lm_head,
+    the classifier architecture and its labels in config.json."""
+    tensors, config = plan.tensors, plan.config
+    tensors.pop(OUTPUT_EMBEDDING, None)
+    labels = tensors["score.weight"].shape[0] if "score.weight" in tensors else config.get("num_labels", 2)
+    config["architectures"] = [arch.replace("ForCausalLM", "ForSequenceClassification")
+                               for arch in config.get("architectures", [])]
+    config["id2label"] = {str(i): f"LABEL_{i}" for i in range(labels)}
+    config["label2id"] = {f"LABEL_{i}": i for i in range(labels)}
+    plan.notes.append(f"score head from the adapter: the merged model is a sequence classifier with {labels} label(s)")
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -786,15 +826,7 @@ def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePla
 def main(argv=None) -> None:
     args = parse_args(argv)
     start_time = time.perf_counter()
-    adapter_paths = [path.strip() for path in args.lora_model.split(",") if path.strip()]
-    if not adapter_paths:
-        raise InputError("--lora_model names no adapter directory")
-    check_output_dir(args.output_dir, {"--base_model": args.base_model,
-                                       **{f"--lora_model {p}": p for p in adapter_paths}})
-    max_shard_size = parse_size(args.max_shard_size) if args.max_shard_size else None
-    if args.chunk_mb <= 0:
-        raise InputError(f"--chunk_mb must be positive, got {args.chunk_mb}")
-
+    adapter_paths, max_shard_size = check_arguments(args)
     base = read_base_model(args.base_model)
     if args.verify and base.config.get("auto_map") and not args.trust_remote_code:
         raise InputError(f"{args.base_model}: --verify loads the model with transformers, which needs the model's "
@@ -805,61 +837,100 @@ def main(argv=None) -> None:
     tokens = tokenizer_size(tokenizer_dir) if tokenizer_names else None
     workspace = Workspace()
     plan = plan_merge(base, adapters, workspace)
-    if tokens is not None and plan.vocab_rows is not None:
-        if tokens > plan.vocab_rows:
-            raise InputError(f"{tokenizer_dir}: the tokenizer has {tokens} tokens but the merged embeddings have "
-                             f"{plan.vocab_rows} rows: ids past the last row would crash the model "
-                             "(was the adapter trained with this tokenizer and "
-                             "--modules_to_save embed_tokens,lm_head?)")
-        if tokens < plan.vocab_rows and plan.vocab_rows != base.config.get("vocab_size"):
-            logger.warning("the embeddings grew to %d rows but the tokenizer copied from %s has only %d tokens",
-                           plan.vocab_rows, tokenizer_dir, tokens)
+    check_tokenizer_fits(tokenizer_dir, tokens, plan, base)
     layout = shard_layout(plan, base, max_shard_size)
     total = sum(tensor.nbytes for _, tensors in layout for tensor in tensors)
-    parent = os.path.dirname(os.path.abspath(args.output_dir))
-    existing = parent
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    free = shutil.disk_usage(existing).free
-    if total > free:
-        raise InputError(f"{args.output_dir}: the merged model needs {total / 1e9:.2f} GB but only "
-                         f"{free / 1e9:.2f} GB are free there")
-    for note in plan.notes:
-        logger.info("%s", note)
-    base_sources = {id(entry) for entry in base.tensors.values()}
-    logger.info("merging %d adapter(s) into %s: %d LoRA updates, %d tensors saved whole by adapters, "
-                "%d output file(s), %.1f MB", len(adapters), args.base_model,
-                sum(len(tensor.deltas) for tensor in plan.tensors.values()),
-                sum(1 for tensor in plan.tensors.values() if id(tensor.source) not in base_sources),
-                len(layout), total / 1e6)
+    check_free_space(args.output_dir, total)
+    log_plan(plan, base, len(adapters), layout, total)
 
     with atomic_output_dir(args.output_dir) as tmp:
         write_model(plan, layout, tmp, int(args.chunk_mb * 2**20), workspace)
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as handle:
-            json.dump(plan.config, handle, indent=2, ensure_ascii=False)
-            handle.write("\n")
-        if os.path.isfile(os.path.join(args.base_model, "generation_config.json")):
-            copy_files(args.base_model, ["generation_config.json"], tmp)
-        copy_files(args.base_model, code_files(args.base_model), tmp)
-        copy_files(tokenizer_dir, tokenizer_names, tmp)
-        if tokenizer_names:
-            logger.info("tokenizer files from %s: %s", tokenizer_dir, ", ".join(tokenizer_names))
+        write_model_files(plan, args.base_model, tokenizer_dir, tokenizer_names, tmp)
         merge_seconds = time.perf_counter() - start_time
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if args.verify:
-            difference, as_trained = verify(args.base_model, adapter_paths, tmp, plan, args.trust_remote_code)
-            print(f"verify: max abs logit difference, peft base+adapters vs merged: {difference:.3g} "
-                  f"(tolerance {args.verify_tolerance:g}); against the unmerged float32 model as trained: "
-                  f"{as_trained:.3g}", flush=True)
-            if not difference <= args.verify_tolerance:
-                print(f"error: verification failed: logits differ by {difference:.3g} > {args.verify_tolerance:g}; "
-                      "nothing was written", file=sys.stderr, flush=True)
-                sys.exit(1)
+            verify_or_exit(args, adapter_paths, tmp, plan)
     print(f"merged {len(adapters)} adapter(s) into {args.output_dir}: {len(layout)} file(s), "
           f"{total / 1e6:.1f} MB, vocab {plan.vocab_rows}, {merge_seconds:.1f}s, peak RSS {peak_mb:.0f} MiB",
           flush=True)
 
 
+def check_arguments(args) -> tuple:
+    """(adapter directories, largest output file in bytes or None), or an InputError."""
+    adapter_paths = [path.strip() for path in args.lora_model.split(",") if path.strip()]
+    if not adapter_paths:
+        raise InputError("--lora_model names no adapter directory")
+    check_output_dir(args.output_dir, {"--base_model": args.base_model,
+                                       **{f"--lora_model {p}": p for p in adapter_paths}})
+    max_shard_size = parse_size(args.max_shard_size) if args.max_shard_size else None
+    if args.chunk_mb <= 0:
+        raise InputError(f"--chunk_mb must be positive, got {args.chunk_mb}")
+    return adapter_paths, max_shard_size
+
+
+def check_tokenizer_fits(tokenizer_dir: str, tokens: Optional[int], plan: MergePlan, base: BaseModel) -> None:
+    """Every id the copied tokenizer produces must have an embedding row."""
+    if tokens is None or plan.vocab_rows is None:
+        return
+    if tokens > plan.vocab_rows:
+        raise InputError(f"{tokenizer_dir}: the tokenizer has {tokens} tokens but the merged embeddings have "
+                         f"{plan.vocab_rows} rows: ids past the last row would crash the model "
+                         "(was the adapter trained with this tokenizer and "
+                         "--modules_to_save embed_tokens,lm_head?)")
+    if tokens < plan.vocab_rows and plan.vocab_rows != base.config.get("vocab_size"):
+        logger.warning("the embeddings grew to %d rows but the tokenizer copied from %s has only %d tokens",
+                       plan.vocab_rows, tokenizer_dir, tokens)
+
+
+def check_free_space(output_dir: str, total: int) -> None:
+    """Refuse before writing when the disk under output_dir cannot hold total bytes."""
+    existing = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if total > free:
+        raise InputError(f"{output_dir}: the merged model needs {total / 1e9:.2f} GB but only "
+                         f"{free / 1e9:.2f} GB are free there")
+
+
+def log_plan(plan: MergePlan, base: BaseModel, adapter_count: int, layout: list, total: int) -> None:
+    for note in plan.notes:
+        logger.info("%s", note)
+    base_sources = {id(entry) for entry in base.tensors.values()}
+    logger.info("merging %d adapter(s) into %s: %d LoRA updates, %d tensors saved whole by adapters, "
+                "%d output file(s), %.1f MB", adapter_count, base.path,
+                sum(len(tensor.deltas) for tensor in plan.tensors.values()),
+                sum(1 for tensor in plan.tensors.values() if id(tensor.source) not in base_sources),
+                len(layout), total / 1e6)
+
+
+def write_model_files(plan: MergePlan, base_dir: str, tokenizer_dir: str, tokenizer_names: list,
+                      out_dir: str) -> None:
+    """Everything beside the weights: config.json, the base's generation config and code, the tokenizer."""
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(plan.config, handle, indent=2, ensure_ascii=False)
+        handle.write("\n")
+    if os.path.isfile(os.path.join(base_dir, "generation_config.json")):
+        copy_files(base_dir, ["generation_config.json"], out_dir)
+    copy_files(base_dir, code_files(base_dir), out_dir)
+    copy_files(tokenizer_dir, tokenizer_names, out_dir)
+    if tokenizer_names:
+        logger.info("tokenizer files from %s: %s", tokenizer_dir, ", ".join(tokenizer_names))
+
+
+def verify_or_exit(args, adapter_paths: list, merged_dir: str, plan: MergePlan) -> None:
+    """--verify: print the logit differences; exit 1 (the output is never renamed into place)
+    when the merged model is further from peft's merge than --verify_tolerance."""
+    difference, as_trained = verify(args.base_model, adapter_paths, merged_dir, plan, args.trust_remote_code)
+    print(f"verify: max abs logit difference, peft base+adapters vs merged: {difference:.3g} "
+          f"(tolerance {args.verify_tolerance:g}); against the unmerged float32 model as trained: "
+          f"{as_trained:.3g}", flush=True)
+    if not difference <= args.verify_tolerance:
+        print(f"error: verification failed: logits differ by {difference:.3g} > {args.verify_tolerance:g}; "
+              "nothing was written", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    setup_logging()
+    setup_tool_logging()
     run_cli(main)

@@ -60,8 +60,9 @@ from merge_utils import (  # noqa: E402
     check_output_dir,
     code_files,
     copy_files,
+    read_json,
     run_cli,
-    setup_logging,
+    setup_tool_logging,
     tokenizer_files,
 )
 
@@ -223,11 +224,7 @@ def inspect_base(path: str) -> BaseTokenizer:
     json_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(json_path):
         raise InputError(f"{path}: --base_tokenizer has neither tokenizer.model nor tokenizer.json")
-    try:
-        with open(json_path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{json_path}: not valid JSON ({err})") from None
+    data = read_json(json_path, "tokenizer.json")
     model = data.get("model") or {}
     if model.get("type") != "BPE":
         raise InputError(f"{json_path}: model type {model.get('type')}: only BPE tokenizer.json bases "
@@ -242,7 +239,8 @@ def inspect_base(path: str) -> BaseTokenizer:
                      "(no ByteLevel pre-tokenizer, no byte fallback): its unknown characters could not round-trip")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def read_tokenizer_dir(path: str, trust_remote_code: bool = False):
+    """The transformers tokenizer saved in directory path (LLaMA's class for a bare tokenizer.model)."""
     from transformers import AutoTokenizer, LlamaTokenizer
 
     try:
@@ -356,7 +354,7 @@ def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto, out_dir: st
         copy_files(base.path, names + code_files(base.path), work)
         with open(os.path.join(work, "tokenizer.model"), "wb") as handle:
             handle.write(merged_proto.SerializeToString())
-        tokenizer = load_tokenizer(work, trust_remote_code)
+        tokenizer = read_tokenizer_dir(work, trust_remote_code)
         tokenizer.save_pretrained(out_dir)
         copy_files(work, ["tokenizer.model"], out_dir)
 
@@ -396,6 +394,65 @@ def piece_to_token(base: BaseTokenizer, piece: str, normalizer, pre_tokenizer) -
     return parts[0][0] if len(parts) == 1 else None
 
 
+class BpeGrowth:
+    """A BPE model's vocab and merge list as extra pieces are added: each new token takes the
+    next free id, and is reached by merge rules appended after the base's (lowest priority)."""
+
+    def __init__(self, model: dict):
+        self.vocab = model["vocab"]  # grown in place
+        self.pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+        self.ranks = {pair: rank for rank, pair in enumerate(self.pairs)}
+        self.next_id = max(self.vocab.values()) + 1
+        self.stats = {"new_tokens": 0, "intermediate_tokens": 0, "already_present": 0,
+                      "across_pre_tokenizer_boundary": 0, "unreachable": 0}
+        self.new_tokens = []
+
+    def add_entry(self, token: str) -> None:
+        self.vocab[token] = self.next_id
+        self.next_id += 1
+
+    def add_piece(self, token: Optional[str], metaspace: bool) -> None:
+        """Add one extra piece, as the base's BPE alphabet spells it (None: the base's
+        pre-tokenizer would split it)."""
+        if token is None:
+            self.stats["across_pre_tokenizer_boundary"] += 1
+            return
+        if token in self.vocab:
+            self.stats["already_present"] += 1
+            return
+        if metaspace:
+            for char in token:  # characters are the alphabet: one missing becomes a token itself
+                if char not in self.vocab:
+                    self.add_entry(char)
+                    if char == token:
+                        self.stats["new_tokens"] += 1
+                        self.new_tokens.append(token)
+                    else:
+                        self.stats["intermediate_tokens"] += 1
+            if token in self.vocab:
+                return
+        elif any(char not in self.vocab for char in token):
+            self.stats["unreachable"] += 1
+            return
+        self.add_merge_chain(token)
+        self.new_tokens.append(token)
+
+    def add_merge_chain(self, token: str) -> None:
+        """Merge rules joining token from what the base's merges make of its characters, left
+        to right; every prefix on the way becomes a token (an intermediate one)."""
+        segments = bpe_segment(list(token), self.ranks)
+        current = segments[0]
+        for segment in segments[1:]:
+            joined = current + segment
+            if joined not in self.vocab:
+                self.add_entry(joined)
+                self.stats["intermediate_tokens" if joined != token else "new_tokens"] += 1
+            if (current, segment) not in self.ranks:
+                self.ranks[(current, segment)] = len(self.pairs)
+                self.pairs.append((current, segment))
+            current = joined
+
+
 def merge_bpe_json(base: BaseTokenizer, extra) -> tuple:
     """Append vocab entries and merge rules for the extra pieces; (tokenizer.json dict, stats, new tokens)."""
     from tokenizers import Tokenizer
@@ -403,66 +460,22 @@ def merge_bpe_json(base: BaseTokenizer, extra) -> tuple:
     data = json.loads(json.dumps(base.data))  # a deep copy
     backend = Tokenizer.from_str(json.dumps(base.data))
     model = data["model"]
-    vocab = model["vocab"]
     string_merges = bool(model["merges"]) and isinstance(model["merges"][0], str)
-    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    ranks = {pair: rank for rank, pair in enumerate(pairs)}
     # tokenizers numbers added tokens that are missing from the model's vocab right after it when
     # it loads a file, whatever ids the file gives them: LLaMA-3's specials (128000+) would move up
     # to make room for the new pieces. Listed in the vocab (as SmolLM2's specials already are),
     # they keep their ids; the model never produces them (no merge builds them).
     for added in data.get("added_tokens") or []:
-        if added["content"] not in vocab:
-            vocab[added["content"]] = added["id"]
-    next_id = max(vocab.values()) + 1
-    stats = {"new_tokens": 0, "intermediate_tokens": 0, "already_present": 0, "across_pre_tokenizer_boundary": 0,
-             "unreachable": 0}
-    new_tokens = []
-
-    def add_entry(token: str) -> None:
-        nonlocal next_id
-        vocab[token] = next_id
-        next_id += 1
-
+        if added["content"] not in model["vocab"]:
+            model["vocab"][added["content"]] = added["id"]
+    growth = BpeGrowth(model)
     pieces = [text for text, _ in extra_pieces(extra)]
     # Characters first: then a longer piece is (nearly always) one merge of two reachable pieces.
-    ordered = [p for p in pieces if len(p) == 1] + [p for p in pieces if len(p) > 1]
-    for piece in ordered:
-        token = piece_to_token(base, piece, backend.normalizer, backend.pre_tokenizer)
-        if token is None:
-            stats["across_pre_tokenizer_boundary"] += 1
-            continue
-        if token in vocab:
-            stats["already_present"] += 1
-            continue
-        if base.kind == "metaspace":
-            for char in token:  # characters are the alphabet: one missing becomes a token itself
-                if char not in vocab:
-                    add_entry(char)
-                    if char == token:
-                        stats["new_tokens"] += 1
-                        new_tokens.append(token)
-                    else:
-                        stats["intermediate_tokens"] += 1
-            if token in vocab:
-                continue
-        elif any(char not in vocab for char in token):
-            stats["unreachable"] += 1
-            continue
-        segments = bpe_segment(list(token), ranks)
-        current = segments[0]
-        for segment in segments[1:]:
-            joined = current + segment
-            if joined not in vocab:
-                add_entry(joined)
-                stats["intermediate_tokens" if joined != token else "new_tokens"] += 1
-            if (current, segment) not in ranks:
-                ranks[(current, segment)] = len(pairs)
-                pairs.append((current, segment))
-            current = joined
-        new_tokens.append(token)
-    model["merges"] = [" ".join(pair) if string_merges else list(pair) for pair in pairs]
-    return data, stats, new_tokens
+    for piece in [p for p in pieces if len(p) == 1] + [p for p in pieces if len(p) > 1]:
+        growth.add_piece(piece_to_token(base, piece, backend.normalizer, backend.pre_tokenizer),
+                         metaspace=base.kind == "metaspace")
+    model["merges"] = [" ".join(pair) if string_merges else list(pair) for pair in growth.pairs]
+    return data, growth.stats, growth.new_tokens
 
 
 def write_bpe_tokenizer(base: BaseTokenizer, data: dict, out_dir: str) -> None:
@@ -633,7 +646,7 @@ def main(argv=None) -> None:
     # Loaded before the extra pieces are trained, so a base that cannot load is refused at once.
     if args.trust_remote_code:
         logger.warning("--trust_remote_code: running the tokenizer's own code from %s", args.base_tokenizer)
-    base_tokenizer = load_tokenizer(args.base_tokenizer, args.trust_remote_code)
+    base_tokenizer = read_tokenizer_dir(args.base_tokenizer, args.trust_remote_code)
 
     with tempfile.TemporaryDirectory(prefix="merge_tokenizers-") as work:
         train_path = os.path.join(work, "train.txt") if args.train_corpus else None
@@ -656,7 +669,7 @@ def main(argv=None) -> None:
                 write_bpe_tokenizer(base, data, out)
                 unreachable = unreachable_tokens(out, new_tokens)
             copy_files(base.path, code_files(base.path), out)  # the merged tokenizer loads with the same code
-            merged = load_tokenizer(out, args.trust_remote_code)
+            merged = read_tokenizer_dir(out, args.trust_remote_code)
             try:
                 merged_model = os.path.join(out, "tokenizer.model") if base.kind == "sentencepiece" else None
                 report = build_report(args, base, base_tokenizer, merged, stats, eval_lines, unreachable, merged_model)
@@ -673,5 +686,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    setup_logging()
+    setup_tool_logging()
     run_cli(main)

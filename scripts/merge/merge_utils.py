@@ -1,8 +1,8 @@
 """What the two merge tools share: the bad-input contract (one line, exit 2, nothing written),
 output-directory rules (refuse what would overwrite, build in a temporary sibling and rename it
-into place when complete), and which files make up a tokenizer.
+into place when complete); which files make up a tokenizer comes from model_files.py.
 
-InputError and run_cli come from scripts/training/cli_errors.py, which imports nothing heavy:
+InputError, read_json and run_cli come from scripts/training/cli.py, which imports nothing heavy:
 the LoRA merge must start with torch alone (training_utils would pull in transformers' 6 s and
 500 MB of imports)."""
 
@@ -16,25 +16,14 @@ from typing import Iterator
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training"))
 
-from cli_errors import InputError, run_cli  # noqa: E402,F401  (re-exported to the merge tools)
+from cli import InputError, read_json, run_cli  # noqa: E402,F401  (re-exported to the merge tools)
+from model_files import tokenizer_files  # noqa: E402,F401  (re-exported to the merge tools)
 
 logger = logging.getLogger(__name__)
 
-# Every file a Hugging Face tokenizer directory may hold (fast, SentencePiece and GPT-2 styles).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-)
 
-
-def setup_logging() -> None:
+def setup_tool_logging() -> None:
+    """Progress lines with a timestamp on stdout: a merge tool runs as one process, no ranks."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO, stream=sys.stdout, force=True)
 
@@ -72,15 +61,6 @@ def atomic_output_dir(output_dir: str) -> Iterator[str]:
         os.rename(tmp, output_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only still there after a failure
-
-
-def tokenizer_files(directory: str) -> list:
-    """The tokenizer files present in directory (empty if it holds no tokenizer)."""
-    if not os.path.isfile(os.path.join(directory, "tokenizer.json")) and \
-            not os.path.isfile(os.path.join(directory, "tokenizer.model")) and \
-            not os.path.isfile(os.path.join(directory, "vocab.json")):
-        return []
-    return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
 
 
 def code_files(directory: str) -> list:

@@ -8,15 +8,17 @@ stop; the conversation's tokens are the template's rendering, nothing inserted a
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
-from training_utils import InputError
+from cli import InputError, read_json
 
 logger = logging.getLogger(__name__)
 
 # Chinese-LLaMA-Alpaca-2's default system prompt.
 LLAMA2_SYSTEM_PROMPT = "You are a helpful assistant. 你是一个乐于助人的助手。"
-ALPACA_SYSTEM_PROMPT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+ALPACA_SYSTEM_PROMPT = ("Below is an instruction that describes a task. "
+                        "Write a response that appropriately completes the request.")
 
 # {bos} is replaced by "{{ bos_token }}" for tokenizers that put BOS before every text, and by
 # nothing for those that do not (the template then renders what the tokenizer would encode).
@@ -80,15 +82,24 @@ def resolve_template(requested: Optional[str], tokenizer, log) -> tuple:
     return "llama2", named_template("llama2", tokenizer)
 
 
-def use_template(requested: Optional[str], tokenizer, template_kwargs: Optional[dict] = None) -> str:
-    """Resolve the template and set it as the tokenizer's chat_template, with the keyword
-    arguments it is rendered with: both are saved with every adapter (save_template_kwargs), so
-    inference renders prompts exactly as training did."""
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The chat template a run renders with, and the keyword arguments it renders with."""
+
+    text: str
+    kwargs: dict
+
+
+def use_template(requested: Optional[str], tokenizer, template_kwargs: Optional[dict] = None) -> ChatTemplate:
+    """Resolve the template; every consumer takes it from what this returns. The tokenizer gets a
+    copy only to save it: save_pretrained writes its chat_template and save_template_kwargs the
+    keyword arguments, with every adapter, so inference renders prompts exactly as training did."""
     name, template = resolve_template(requested, tokenizer, logger)
     logger.info("chat template: %s%s", name, f" with {template_kwargs}" if template_kwargs else "")
-    tokenizer.chat_template = template
-    tokenizer.chat_template_kwargs = dict(template_kwargs or {})
-    return template
+    chat_template = ChatTemplate(template, dict(template_kwargs or {}))
+    tokenizer.chat_template = chat_template.text
+    tokenizer.chat_template_kwargs = chat_template.kwargs
+    return chat_template
 
 
 TEMPLATE_KWARGS_FILE = "chat_template_kwargs.json"
@@ -106,14 +117,7 @@ def saved_template_kwargs(directory: Optional[str]) -> dict:
     path = os.path.join(directory, TEMPLATE_KWARGS_FILE) if directory else ""
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as handle:
-            kwargs = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(kwargs, dict):
-        raise InputError(f"{path}: must hold a JSON object")
-    return kwargs
+    return read_json(path, TEMPLATE_KWARGS_FILE)
 
 
 def special_token_texts(tokenizer) -> list:

@@ -1,12 +1,15 @@
-"""Model loading and LoRA setup shared by every run_* script: dtype, bitsandbytes k-bit
-quantization (QLoRA), attention implementation, vocabulary resize with mean-initialised rows,
-a new or continued peft LoRA adapter, and DeepSpeed's communication set-up for ZeRO-3."""
+"""The one model loader (load_model) of every stage, every PPO role, the merged reward save,
+inference and the demo: dtype, bitsandbytes k-bit quantization (QLoRA), attention
+implementation, vocabulary resize with mean-initialised rows, a new, continued or folded-in peft
+LoRA adapter, and DeepSpeed's communication set-up for ZeRO-3; the argument checks made before
+any weight is loaded, the pad-token rule, and the reward model's pooled forward."""
 
+import copy
 import functools
 import json
 import logging
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -18,10 +21,15 @@ from transformers import (
     AutoTokenizer,
     BitsAndBytesConfig,
 )
-from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
-from training_utils import InputError, parse_args, resolve_resume_checkpoint, setup_logging
+from chat_templates import special_token_texts
+from cli import InputError
+from conversation_tokenizer import ConversationTokenizer
+from pair_segments import PAIR_CHOSEN, PAIR_REJECTED
+from ppo_utils import last_position, positions_from_mask
+from zero3 import gathered
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +62,8 @@ class ModelArguments:
         metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)},
     )
     load_in_kbits: int = field(
-        default=16, metadata={"help": "4 or 8: quantize the base with bitsandbytes (QLoRA); 16: no.", "choices": [4, 8, 16]}
+        default=16,
+        metadata={"help": "4 or 8: quantize the base with bitsandbytes (QLoRA); 16: no.", "choices": [4, 8, 16]},
     )
     quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["nf4", "fp4"]})
     double_quant: bool = field(default=True, metadata={"help": "Quantize the 4-bit quantization constants too."})
@@ -72,7 +81,8 @@ class ModelArguments:
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
     modules_to_save: Optional[str] = field(
         default=None,
-        metadata={"help": "Modules trained in full and saved with the adapter, comma list (e.g. embed_tokens,lm_head)."},
+        metadata={"help": "Modules trained in full and saved with the adapter, "
+                          "comma list (e.g. embed_tokens,lm_head)."},
     )
     new_embeddings_init: str = field(
         default="mean",
@@ -161,18 +171,28 @@ def check_model_inputs(model_args: ModelArguments, config, tokenizer) -> None:
             )
 
 
-def start_run(data_arguments_class, training_arguments_class):
-    """The common start of every run_* script: parse the arguments, set up logging, and check
-    everything that can be refused (resume point, tokenizer, model config, adapter, vocabulary)
-    before anything is written. Returns (model_args, data_args, training_args, resume
-    checkpoint, tokenizer, model config)."""
-    model_args, data_args, training_args = parse_args((ModelArguments, data_arguments_class, training_arguments_class))
-    setup_logging(training_args)
-    resume_checkpoint = resolve_resume_checkpoint(training_args)
-    tokenizer = load_tokenizer(model_args)
-    config = load_model_config(model_args)
-    check_model_inputs(model_args, config, tokenizer)
-    return model_args, data_args, training_args, resume_checkpoint, tokenizer, config
+def choose_pad_token(tokenizer, chat_template=None) -> int:
+    """The one pad-token rule of every stage that pads (SFT, reward, PPO); returns the pad id. Our
+    masks never compare ids with it, but saved models carry it, and transformers' own sequence
+    classifiers score the last id that is not the pad id: padding with the token a row ends with
+    (Llama-3 has no pad token, and its rows end with EOS = <|eot_id|>) would make such a model read
+    one token early. The tokenizer's own pad token is kept unless a row may end with it (EOS, the
+    template's turn end, BOS); otherwise unk, a special token named for padding, or another special
+    token, in that order."""
+    row_end_ids = []
+    if chat_template is not None:  # a chat_templates.ChatTemplate
+        rows = ConversationTokenizer(tokenizer, chat_template.text, 1 << 30, template_kwargs=chat_template.kwargs)
+        row_end_ids = [rows.answer_end_id()] + rows.after_turn_end_ids()
+    avoid = {*row_end_ids, tokenizer.eos_token_id, tokenizer.bos_token_id}
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id not in avoid:
+        return tokenizer.pad_token_id
+    specials = special_token_texts(tokenizer)
+    candidates = [tokenizer.unk_token] + [t for t in specials if "pad" in t.lower()] + specials
+    pad = next((t for t in candidates if t and tokenizer.convert_tokens_to_ids(t) not in avoid), tokenizer.eos_token)
+    logger.info("pad token: %r (rows end with %r)", pad,
+                tokenizer.convert_ids_to_tokens(row_end_ids or [tokenizer.eos_token_id]))
+    tokenizer.pad_token = pad
+    return tokenizer.pad_token_id
 
 
 def init_deepspeed_distributed(training_args) -> None:
@@ -182,24 +202,12 @@ def init_deepspeed_distributed(training_args) -> None:
     world size from DeepSpeed's comm layer. On GPU accelerate initialises it; on CPU nothing
     does, so zero.Init sees one process and the batch-size check fails. Initialising it here,
     over the process group torchrun set up, fixes that on every device."""
-    if not training_args.deepspeed:
+    if training_args is None or not training_args.deepspeed:
         return
     import deepspeed
 
     use_gpu = torch.cuda.is_available() and not training_args.use_cpu
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
-
-
-@contextmanager
-def gathered_for_update(params):
-    """Gather ZeRO-3 partitioned parameters so rank 0 can modify them (no-op otherwise)."""
-    if is_deepspeed_zero3_enabled():
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(params), modifier_rank=0):
-            yield
-    else:
-        yield
 
 
 def embedding_rows(model) -> int:
@@ -219,7 +227,7 @@ def resize_embeddings_with_mean(model, new_size: int, sources: Optional[dict] = 
     if output is not None and output.weight is not embeddings[0].weight:
         embeddings.append(output)
     for module in embeddings:
-        with gathered_for_update([module.weight]), torch.no_grad():
+        with gathered([module.weight], modifier_rank=0), torch.no_grad():
             weight = module.weight
             weight[old_size:] = weight[:old_size].mean(dim=0, keepdim=True).to(weight.dtype)
             for new_id, old_ids in (sources or {}).items():
@@ -244,6 +252,17 @@ def subword_sources(model_args: ModelArguments, tokenizer, old_size: int) -> dic
     return sources
 
 
+def grow_embeddings(model, model_args: ModelArguments, tokenizer) -> None:
+    """Rows for the tokens the base lacks, as --new_embeddings_init says; the one rule of every
+    load (an adapter that saved its embed_tokens/lm_head then overwrites them with its own)."""
+    if len(tokenizer) <= embedding_rows(model):
+        return
+    sources = None
+    if model_args.new_embeddings_init == "subword_mean":
+        sources = subword_sources(model_args, tokenizer, embedding_rows(model))
+    resize_embeddings_with_mean(model, len(tokenizer), sources)
+
+
 def quantization_config(model_args: ModelArguments, compute_dtype):
     if model_args.load_in_kbits == 4:
         return BitsAndBytesConfig(
@@ -257,76 +276,126 @@ def quantization_config(model_args: ModelArguments, compute_dtype):
     return None
 
 
-def compute_dtype_for(model_args: ModelArguments, training_args):
+def uses_gpu(training_args) -> bool:
+    return torch.cuda.is_available() and (training_args is None or not training_args.use_cpu)
+
+
+def compute_dtype(model_args: ModelArguments, training_args=None):
+    """The dtype a quantized model computes in, one rule for every load: --torch_dtype when it
+    names one; else the precision the run computes in: the Trainer's --bf16 / --fp16 when
+    training, bfloat16 on a GPU when generating (training_args None); float32 otherwise."""
     dtype = DTYPES[model_args.torch_dtype]
     if dtype != "auto":
         return dtype
+    if training_args is None:
+        return torch.bfloat16 if uses_gpu(None) else torch.float32
     if training_args.bf16:
         return torch.bfloat16
-    if training_args.fp16:
-        return torch.float16
-    return torch.float32
+    return torch.float16 if training_args.fp16 else torch.float32
 
 
-def load_model(model_args: ModelArguments, training_args, tokenizer, task: str = "causal_lm"):
-    """Load the model and make it trainable: LoRA via peft (new or --peft_path), QLoRA via
-    bitsandbytes, or --full_finetuning. task "causal_lm": a causal LM; "reward": the same
-    checkpoint as a sequence classifier with one output, the score head trained in full."""
-    config = load_model_config(model_args)
-    check_model_inputs(model_args, config, tokenizer)
-    init_deepspeed_distributed(training_args)
-    if model_args.load_in_kbits in (4, 8) and is_deepspeed_zero3_enabled():
-        raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
+def load_model(model_args: ModelArguments, training_args, tokenizer, task: str = "causal_lm", config=None,
+               trainable: bool = True, adapter_flag: str = "--peft_path"):
+    """THE model loader of every stage, PPO role, the merged reward save, inference and the demo:
+    the base (task "causal_lm", or "reward": the checkpoint's sequence classifier with one output
+    pooled at each row's last attended token), in --torch_dtype, quantized with --load_in_kbits,
+    its embeddings grown to the tokenizer, then either made trainable (a new LoRA adapter, the
+    --peft_path one continued, or --full_finetuning; QLoRA on a quantized base) or, trainable
+    False, frozen with the --peft_path adapter folded in (kept as LoRA layers on a quantized base),
+    built whole outside DeepSpeed's zero.Init since it never enters the engine.
 
-    dtype = DTYPES[model_args.torch_dtype]
-    quant = quantization_config(model_args, compute_dtype_for(model_args, training_args))
-    load_kwargs = {"config": config, "dtype": dtype, "trust_remote_code": model_args.trust_remote_code}
-    if model_args.attn_implementation:
-        load_kwargs["attn_implementation"] = model_args.attn_implementation
-    if quant is not None:
-        load_kwargs["quantization_config"] = quant
-        if torch.cuda.is_available() and not training_args.use_cpu:
-            # Quantized weights must land on this rank's own GPU, not all on GPU 0.
-            load_kwargs["device_map"] = {"": training_args.local_process_index}
-    if task == "reward":
-        config.num_labels = 1
-        model = reward_model_class(config).from_pretrained(model_args.model_name_or_path, **load_kwargs)
-        model.config.architectures = [type(model).__mro__[1].__name__]  # what a merged save should name
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **load_kwargs)
-    # Padding and generation need a pad id; EOS doubles as it (masks come from the tokenizer).
-    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-
-    if len(tokenizer) > embedding_rows(model):
-        sources = None
-        if model_args.new_embeddings_init == "subword_mean":
-            sources = subword_sources(model_args, tokenizer, embedding_rows(model))
-        resize_embeddings_with_mean(model, len(tokenizer), sources)
-
-    checkpointing = bool(training_args.activation_checkpointing)
-    if quant is not None:
+    config: the model config the run read and checked (start_run, run_ppo.check_models); read and
+    checked here when None. training_args: the Trainer's (precision, device, DeepSpeed, activation
+    checkpointing); None when generating."""
+    if config is None:
+        config = load_model_config(model_args)
+        if tokenizer is not None:
+            check_model_inputs(model_args, config, tokenizer)
+    if not trainable:
+        with outside_zero3_init():
+            model, quantized = load_base(model_args, training_args, tokenizer, task, config)
+            return frozen(model, model_args, quantized, adapter_flag)
+    model, quantized = load_base(model_args, training_args, tokenizer, task, config)
+    if quantized:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
-    if model_args.full_finetuning:
-        log_trainable(model)
-        return model
-
-    model = attach_lora(model, model_args, task)
-    if checkpointing:
-        # Frozen embeddings give checkpointed blocks inputs without grad; this keeps LoRA's grads flowing.
-        model.enable_input_require_grads()
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing(training_args))
+    if not model_args.full_finetuning:
+        model = attach_lora(model, model_args, task, adapter_flag)
+        if checkpointing(training_args):
+            # Frozen embeddings give checkpointed blocks inputs without grad; this keeps LoRA's grads flowing.
+            model.enable_input_require_grads()
     log_trainable(model)
     return model
 
 
-def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm"):
+def checkpointing(training_args) -> bool:
+    return training_args is not None and bool(training_args.activation_checkpointing)
+
+
+def load_base(model_args: ModelArguments, training_args, tokenizer, task: str, config) -> tuple:
+    """(the base model, whether it is quantized), its pad id the tokenizer's and its embeddings
+    grown to the tokenizer."""
+    init_deepspeed_distributed(training_args)
+    quant = quantization_config(model_args, compute_dtype(model_args, training_args))
+    if quant is not None and is_deepspeed_zero3_enabled():
+        raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
+    # A copy: a run hands one config to several roles, and each load sets its own task on it.
+    config = copy.deepcopy(config)
+    load_kwargs = {"config": config, "dtype": DTYPES[model_args.torch_dtype],
+                   "trust_remote_code": model_args.trust_remote_code}
+    if model_args.attn_implementation:
+        load_kwargs["attn_implementation"] = model_args.attn_implementation
+    if quant is not None:
+        load_kwargs["quantization_config"] = quant
+        if uses_gpu(training_args):
+            # Quantized weights must land on this rank's own GPU, not all on GPU 0.
+            load_kwargs["device_map"] = {"": training_args.local_process_index if training_args else 0}
+    if task == "reward":
+        config.num_labels = 1
+        model_class = reward_model_class(config)
+    else:
+        model_class = AutoModelForCausalLM
+    model = model_class.from_pretrained(model_args.model_name_or_path, **load_kwargs)
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer is not None:
+        grow_embeddings(model, model_args, tokenizer)
+    return model, quant is not None
+
+
+@contextmanager
+def outside_zero3_init():
+    """Build a model whole on every rank, outside DeepSpeed's zero.Init: a model that never enters
+    the engine (a frozen PPO role, the merged reward save) would find nothing to gather its
+    partitioned weights; a PPO critic is merged first and partitioned by the engine afterwards."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def frozen(model, model_args: ModelArguments, quantized: bool, adapter_flag: str):
+    """A model that is only run: the --peft_path adapter folded into the weights (one plain forward
+    per pass), or on a quantized base left as LoRA layers inside the model (folding would round
+    it into the quantized weights); no parameter trains, eval mode."""
+    if model_args.peft_path:
+        model = load_peft_adapter(model, model_args.peft_path, is_trainable=False, flag=adapter_flag)
+        model = model.get_base_model() if quantized else model.merge_and_unload()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adapter_flag: str = "--peft_path"):
     from peft import LoraConfig, TaskType, get_peft_model
 
     if model_args.peft_path:
         logger.info("continuing LoRA adapter %s", model_args.peft_path)
-        return load_peft_adapter(model, model_args.peft_path, is_trainable=True)
+        return load_peft_adapter(model, model_args.peft_path, is_trainable=True, flag=adapter_flag)
     modules_to_save = comma_list(model_args.modules_to_save)
     targets = lora_target_modules(model, model_args.trainable, modules_to_save)
     if not targets:
@@ -411,27 +480,6 @@ def trainable_parameters(model) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def is_zero3_partitioned(model) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
-@contextmanager
-def gathered_trainable(model):
-    """Full copies of the trainable (adapter) weights on every rank while saving under ZeRO-3;
-    the frozen base stays partitioned. Collective: every rank must enter."""
-    if is_zero3_partitioned(model):
-        import deepspeed
-
-        context = deepspeed.zero.GatheredParameters(trainable_parameters(model), modifier_rank=None)
-    else:
-        context = nullcontext()
-    with context:
-        yield
-
-
-
-# Segments of a shared-prefix pair row (build_dataset.DataCollatorForPreferencePairs).
-PAIR_PREFIX, PAIR_CHOSEN, PAIR_REJECTED, PAIR_PADDING = 0, 1, 2, 3
 # Attention implementations that take an arbitrary 4D mask (flash attention does not).
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
@@ -448,12 +496,6 @@ def pair_attention_mask(pair_segments, attn_implementation: str, dtype):
     if attn_implementation == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def last_position(mask):
-    """Per row, the index of the last nonzero entry of a [rows, width] mask (0 for none)."""
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    return (mask.long() * positions).argmax(dim=-1)
 
 
 def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
@@ -477,7 +519,7 @@ def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=
     if attention_mask is None:
         attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
     if position_ids is None:
-        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        position_ids = positions_from_mask(attention_mask)
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
     pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
@@ -493,7 +535,9 @@ def reward_model_class(config):
         raise InputError(f"{getattr(config, '_name_or_path', '')}: the reward model needs an architecture "
                          f"transformers has a sequence classifier for; {type(config).__name__} has none here")
     base = mapping[type(config)]
-    return type(f"MaskPooled{base.__name__}", (base,), {"forward": mask_pooled_forward})
+    # Named as its base: save_pretrained writes the class name into config.json's architectures,
+    # and a saved (merged) reward model must name a class transformers has.
+    return type(base.__name__, (base,), {"forward": mask_pooled_forward, "__doc__": mask_pooled_forward.__doc__})
 
 
 def score_sequences(model, input_ids, attention_mask):

@@ -6,33 +6,20 @@ import logging
 import math
 import os
 from contextlib import contextmanager, nullcontext
+from dataclasses import fields
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
-from model_utils import (
-    DTYPES,
-    ModelArguments,
-    last_position,
-    load_model,
-    load_model_config,
-    log_trainable,
-    reward_model_class,
-)
-from ppo_utils import length_chunks, logprobs_from_logits
-from training_utils import InputError
+from cli import InputError
+from model_utils import ModelArguments, load_model, log_trainable, outside_zero3_init
+from ppo_utils import last_position, length_chunks, logprobs_from_logits, positions_from_mask
 
 logger = logging.getLogger(__name__)
 
 SCORE_KEY_SUFFIX = "score.weight"
-
-
-def positions_from_mask(attention_mask):
-    """Position ids counted over attended tokens: left padding does not shift them (as generate does)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def backbone_of(causal_or_classifier):
@@ -179,7 +166,8 @@ class SharedBasePolicy(PPOPolicy):
         self.value_head = value_head
         self.reference_adapter = reference_adapter
         self.reward_adapter_dir = reward_adapter_dir
-        self._tuner_layers = [m for m in peft_model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+        self._tuner_layers = [m for m in peft_model.modules()
+                              if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
 
     @property
     def causal_lm(self):
@@ -331,14 +319,23 @@ class SeparatePolicy(PPOPolicy):
         self.critic.save_pretrained(path)
 
 
+def role_model_args(model_args, model_dir: str, adapter_dir: Optional[str]) -> ModelArguments:
+    """The shared loader's arguments for one role: PPO's own (dtype, quantization, LoRA shape, new
+    embedding rows, ...; PPOModelArguments extends ModelArguments) with that role's model and adapter."""
+    shared = {item.name: getattr(model_args, item.name) for item in fields(ModelArguments)}
+    return ModelArguments(**{**shared, "model_name_or_path": model_dir, "peft_path": adapter_dir})
+
+
 def actor_model_args(model_args) -> ModelArguments:
-    return ModelArguments(
-        model_name_or_path=model_args.actor_model_name_or_path, tokenizer_name_or_path=model_args.tokenizer_name_or_path,
-        torch_dtype=model_args.torch_dtype, attn_implementation=model_args.attn_implementation,
-        trust_remote_code=model_args.trust_remote_code,
-        trainable=model_args.trainable, lora_rank=model_args.lora_rank, lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout, peft_path=model_args.actor_lora_model,
-    )
+    return role_model_args(model_args, model_args.actor_model_name_or_path, model_args.actor_lora_model)
+
+
+def critic_model_args(model_args) -> ModelArguments:
+    """The critic starts as the reward model: the reward adapter and score head trained on (the
+    same parameterisation as --shared_base), or a full critic model with a new LoRA."""
+    if model_args.critic_model_name_or_path:
+        return role_model_args(model_args, model_args.critic_model_name_or_path, None)
+    return role_model_args(model_args, model_args.reward_model_name_or_path, model_args.reward_lora_model)
 
 
 def reward_adapter_parts(adapter_dir: str) -> tuple:
@@ -361,12 +358,14 @@ def new_score_head(hidden_size: int, score_weights: dict, dtype, trainable: bool
     return head
 
 
-def load_shared_policy(model_args, training_args, tokenizer) -> SharedBasePolicy:
-    """The actor via the shared loader (SFT adapter continued, or a new LoRA), then the other
-    roles as adapters on the same base."""
+def load_shared_policy(model_args, training_args, tokenizer, configs: dict) -> SharedBasePolicy:
+    """The actor via the shared loader (SFT adapter continued, or a new LoRA; on a quantized base
+    with --load_in_kbits), then the other roles as adapters on the same base. configs: {role:
+    model config} as run_ppo.check_models read them."""
     from peft import LoraConfig, TaskType, set_peft_model_state_dict
 
-    policy = load_model(actor_model_args(model_args), training_args, tokenizer)
+    policy = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
+                        adapter_flag="--actor_lora_model")
     reference = None
     if model_args.actor_lora_model:
         policy.load_adapter(model_args.actor_lora_model, adapter_name="reference", is_trainable=False)
@@ -398,59 +397,28 @@ def load_shared_policy(model_args, training_args, tokenizer) -> SharedBasePolicy
     return model
 
 
-@contextmanager
-def outside_zero3_init():
-    """Build a model whole on every rank, outside DeepSpeed's zero.Init: the frozen reference and
-    reward models never enter the engine, so nothing would gather partitioned weights for them;
-    a critic is merged first and partitioned by the engine afterwards."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+def load_frozen(model_dir: str, adapter_dir: Optional[str], task: str, model_args, training_args=None, tokenizer=None,
+                config=None):
+    """A frozen role (the reference, the reward model): the shared loader's frozen model, its
+    adapter folded in (one plain forward per pass)."""
+    flag = "--actor_lora_model" if task == "causal_lm" else "--reward_lora_model"
+    return load_model(role_model_args(model_args, model_dir, adapter_dir), training_args, tokenizer, task,
+                      config=config, trainable=False, adapter_flag=flag)
 
 
-def load_frozen(model_dir: str, adapter_dir: Optional[str], task: str, model_args):
-    """A frozen role: the model, with its adapter merged in (one plain forward per pass)."""
-    from peft import PeftModel
-
-    trust_remote_code = model_args.trust_remote_code
-    config = load_model_config(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
-    kwargs = {"config": config, "dtype": DTYPES[model_args.torch_dtype], "trust_remote_code": trust_remote_code}
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
-    with outside_zero3_init():
-        if task == "reward":
-            config.num_labels = 1
-            model = reward_model_class(config).from_pretrained(model_dir, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-        if adapter_dir:
-            model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def load_separate_policy(model_args, training_args, tokenizer) -> SeparatePolicy:
-    actor = load_model(actor_model_args(model_args), training_args, tokenizer)
+def load_separate_policy(model_args, training_args, tokenizer, configs: dict) -> SeparatePolicy:
+    """Each role its own model through the shared loader. configs: {role: model config} as
+    run_ppo.check_models read them."""
+    actor = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
+                       adapter_flag="--actor_lora_model")
     actor.get_base_model().config.use_cache = False
-    reference = load_frozen(model_args.actor_model_name_or_path, model_args.actor_lora_model, "causal_lm", model_args)
-    reward = load_frozen(model_args.reward_model_name_or_path, model_args.reward_lora_model, "reward", model_args)
-    # The critic starts as the reward model: the reward adapter and score head trained on (the
-    # same parameterisation as --shared_base), or a full critic model with a new LoRA.
-    critic_source = ModelArguments(
-        model_name_or_path=model_args.critic_model_name_or_path or model_args.reward_model_name_or_path,
-        torch_dtype=model_args.torch_dtype, attn_implementation=model_args.attn_implementation,
-        trust_remote_code=model_args.trust_remote_code,
-        trainable=model_args.trainable, lora_rank=model_args.lora_rank, lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout,
-        peft_path=None if model_args.critic_model_name_or_path else model_args.reward_lora_model,
-    )
+    reference = load_frozen(model_args.actor_model_name_or_path, model_args.actor_lora_model, "causal_lm", model_args,
+                            training_args, tokenizer, configs["actor"])
+    reward = load_frozen(model_args.reward_model_name_or_path, model_args.reward_lora_model, "reward", model_args,
+                         training_args, tokenizer, configs["reward"])
     with outside_zero3_init():
-        critic = load_model(critic_source, training_args, tokenizer, task="reward")
+        critic = load_model(critic_model_args(model_args), training_args, tokenizer, task="reward",
+                            config=configs.get("critic", configs["reward"]), adapter_flag="--reward_lora_model")
     device = training_args.device
     for model in (reference, reward):
         model.to("cpu" if model_args.offload_reference_model else device)

@@ -75,10 +75,17 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack(entropies)
 
 
-def last_real_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of each row's last 1 in mask ([B, T] -> [B]); 0 for a row with no 1 at all."""
+def last_position(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last nonzero entry of a [B, T] mask -> [B]; 0 for a row with none.
+    The one reading of "the last real token": reward pooling, PPO's score credit, turn-end append."""
     positions = torch.arange(mask.shape[-1], device=mask.device)
-    return (positions * (mask > 0)).argmax(-1)
+    return (positions * (mask != 0)).argmax(-1)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, T] from a [B, T] attention mask, left or right padded: each row counts its
+    attended tokens from 0, so left padding does not shift them (padding gets position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def kl_penalty_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
@@ -98,7 +105,7 @@ def kl_penalty_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, score
     clipped_scores = torch.clamp(scores.to(rewards.dtype), -clip_reward_value, clip_reward_value)
     has_response = (mask.sum(-1) > 0).to(rewards.dtype)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
-    rewards[rows, last_real_index(mask)] += clipped_scores * has_response
+    rewards[rows, last_position(mask)] += clipped_scores * has_response
     return rewards, kl
 
 
@@ -126,6 +133,26 @@ def gae_advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor, mask
         advantages_reversed.append(next_advantage)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def penalised_scores(scores: torch.Tensor, has_eos: torch.Tensor, missing_eos_penalty: Optional[float]) -> torch.Tensor:
+    """The reward model's [B] scores less missing_eos_penalty for each answer that stopped at the
+    length limit instead of ending ([B] bool has_eos); unchanged when the penalty is None. Applied
+    before kl_penalty_rewards clips the score, as TRL applies it."""
+    if missing_eos_penalty is None:
+        return scores
+    return scores - missing_eos_penalty * (~has_eos.bool()).to(scores.dtype)
+
+
+def advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor,
+                           gamma: float, lam: float) -> tuple:
+    """PPO's training targets of one batch of experience: GAE advantages whitened over the whole
+    batch's real tokens (when it has at least 2, the fewest a variance needs), and the critic's
+    returns from the advantages before whitening. All [B, T], 0 on padding."""
+    advantages, returns = gae_advantages_and_returns(values, rewards, mask, gamma, lam)
+    if mask.sum() >= 2:
+        advantages = masked_whiten(advantages, mask)
     return advantages, returns
 
 

@@ -23,16 +23,16 @@ from build_dataset import (  # noqa: E402
     DataCollatorForPretraining,
     SavePeftModelCallback,
     build_pretraining_blocks,
-    data_cache_dir,
-    first_samples,
-    split_validation,
 )
-from model_utils import load_model, start_run  # noqa: E402
+from cli import run_cli  # noqa: E402
+from data_cache import data_cache_dir  # noqa: E402
+from data_splits import first_samples, split_validation  # noqa: E402
+from model_utils import load_model  # noqa: E402
 from training_utils import (  # noqa: E402
     ToolkitTrainingArguments,
     build_trainer,
     resolve_sequence_length,
-    run_cli,
+    start_run,
     train_and_finish,
 )
 
@@ -75,9 +75,10 @@ def main():
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train blocks: %d, eval blocks: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
 
-    model = load_model(model_args, training_args, tokenizer)
+    model = load_model(model_args, training_args, tokenizer, config=config)
     callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("pt_lora_model")]
-    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForPretraining(), callbacks)
+    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForPretraining(),
+                            callbacks)
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
 
 

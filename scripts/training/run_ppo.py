@@ -31,7 +31,6 @@ This script holds the arguments, the prompt reading and the checks on the inputs
 in ppo_policy.py, the Trainer in ppo_trainer.py and the PPO math in ppo_utils.py.
 """
 
-import json
 import logging
 import math
 import os
@@ -41,45 +40,28 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from transformers import set_seed  # noqa: E402
 
-from build_dataset import (  # noqa: E402
-    MESSAGE_ROLES,
-    SHAREGPT_ROLES,
-    ConversationDataArguments,
-    ConversationTokenizer,
-    SavePeftModelCallback,
-    alpaca_messages,
-    build_pretraining_blocks,
-    data_cache_dir,
-    find_sft_files,
-    phase_indices,
-    read_records,
-    string_field,
-    tokenizer_fingerprint,
-    turn_list,
-    validate_conversation,
-)
+from build_dataset import ConversationDataArguments, SavePeftModelCallback, build_pretraining_blocks  # noqa: E402
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
+from cli import InputError, parse_args, run_cli  # noqa: E402
+from conversation_tokenizer import ConversationTokenizer  # noqa: E402
+from data_cache import data_cache_dir, tokenizer_fingerprint  # noqa: E402
+from model_files import checkpoint_weight_names, has_tokenizer, safetensors_names  # noqa: E402
 from model_utils import (  # noqa: E402
-    DEFAULT_LORA_TARGETS,
-    DTYPES,
     ModelArguments,
+    check_model_inputs,
+    choose_pad_token,
     load_model_config,
     load_tokenizer,
     read_adapter_config,
-    trust_remote_code_field,
 )
-from ppo_policy import SCORE_KEY_SUFFIX, load_separate_policy, load_shared_policy  # noqa: E402
+from ppo_policy import SCORE_KEY_SUFFIX, actor_model_args, load_separate_policy, load_shared_policy  # noqa: E402
 from ppo_trainer import PPOTrainer  # noqa: E402
+from prompt_data import build_prompt_sets  # noqa: E402
 from training_utils import (  # noqa: E402
-    InputError,
     ToolkitTrainingArguments,
-    parse_args,
     resolve_resume_checkpoint,
-    run_cli,
     setup_logging,
     train_and_finish,
 )
@@ -87,20 +69,36 @@ from training_utils import (  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-
 # ----------------------------------------------------------------------------- arguments
 
 
 @dataclass
-class PPOModelArguments:
-    """The four roles' models. Names follow DeepSpeed-Chat's step 3 and our other stages."""
+class PPOModelArguments(ModelArguments):
+    """The shared model arguments (dtype, --load_in_kbits for QLoRA, LoRA shape, --modules_to_save,
+    --new_embeddings_init, ...) plus the four roles' models, named as in DeepSpeed-Chat's step 3.
+    --model_name_or_path and --peft_path, the other stages' names for what PPO trains, are the
+    actor's: given, they are mapped to --actor_model_name_or_path / --actor_lora_model (logged)."""
 
-    actor_model_name_or_path: str = field(metadata={"help": "Actor base model (or a merged SFT model)."})
-    reward_model_name_or_path: str = field(
-        metadata={"help": "Reward base model (with --reward_lora_model), or a merged reward model (rm_merged_model)."}
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Same as --actor_model_name_or_path."})
+    peft_path: Optional[str] = field(default=None, metadata={"help": "Same as --actor_lora_model."})
+    tokenizer_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer directory (default: the SFT adapter's, else the actor base's)."}
+    )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Dropout on the LoRA input. 0 (DeepSpeed-Chat's choice): experience is scored without "
+                          "dropout, so any dropout in the update adds noise to PPO's probability ratio."},
+    )
+    actor_model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Actor base model (or a merged SFT model). Required."}
+    )
+    reward_model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Reward base model (with --reward_lora_model), or a merged reward model "
+                                        "(rm_merged_model). Required."}
     )
     actor_lora_model: Optional[str] = field(
-        default=None, metadata={"help": "The SFT adapter on the actor base: the policy PPO starts from and the reference."}
+        default=None,
+        metadata={"help": "The SFT adapter on the actor base: the policy PPO starts from and the reference."},
     )
     reward_lora_model: Optional[str] = field(
         default=None, metadata={"help": "The reward adapter (rm_lora_model of run_reward.py: LoRA + score head)."}
@@ -118,22 +116,26 @@ class PPOModelArguments:
         default=False,
         metadata={"help": "Separate placement: keep the reference and reward models on the CPU between their passes."},
     )
-    tokenizer_name_or_path: Optional[str] = field(
-        default=None, metadata={"help": "Tokenizer directory (default: the SFT adapter's, else the actor base's)."}
-    )
-    torch_dtype: str = field(default="auto", metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)})
-    attn_implementation: Optional[str] = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2, ..."})
-    trust_remote_code: bool = trust_remote_code_field()
-    trainable: str = field(default=DEFAULT_LORA_TARGETS,
-                           metadata={"help": "LoRA target modules of a new actor (or critic) adapter, comma list; "
-                                             "all-linear: every linear layer of the decoder."})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r of a new adapter."})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha of a new adapter."})
-    lora_dropout: float = field(
-        default=0.0,
-        metadata={"help": "Dropout on the LoRA input. 0 (DeepSpeed-Chat's choice): experience is scored without "
-                          "dropout, so any dropout in the update adds noise to PPO's probability ratio."},
-    )
+
+    def __post_init__(self):
+        # Logging is not configured yet; main() hands these to setup_logging with the Trainer's own.
+        self.mapped_flags = []
+        for shared_flag, ppo_flag in (("model_name_or_path", "actor_model_name_or_path"),
+                                      ("peft_path", "actor_lora_model")):
+            given = getattr(self, shared_flag)
+            if given is None:
+                continue
+            if getattr(self, ppo_flag) not in (None, given):
+                raise InputError(f"--{shared_flag} {given} and --{ppo_flag} {getattr(self, ppo_flag)} both given: in "
+                                 f"PPO they are the same flag (the actor's); give only --{ppo_flag}")
+            setattr(self, ppo_flag, given)
+            setattr(self, shared_flag, None)
+            self.mapped_flags.append(f"--{shared_flag} {given} -> --{ppo_flag}")
+        for flag in ("actor_model_name_or_path", "reward_model_name_or_path"):
+            if getattr(self, flag) is None:
+                raise InputError(f"--{flag} is required")
+        if self.full_finetuning:
+            raise InputError("--full_finetuning: PPO trains LoRA adapters (actor, critic) on frozen bases")
 
 
 @dataclass
@@ -142,24 +144,36 @@ class PPODataArguments(ConversationDataArguments):
     max_prompt_seq_len: int = field(default=256, metadata={"help": "Prompt tokens; longer prompts lose their start."})
     max_answer_seq_len: int = field(default=256, metadata={"help": "Most tokens generated per answer."})
     unsupervised_dataset_dir: Optional[str] = field(
-        default=None, metadata={"help": "Pretraining text (*.txt / *.jsonl 'text') for the ptx loss mixed into the actor's."}
+        default=None,
+        metadata={"help": "Pretraining text (*.txt / *.jsonl 'text') for the ptx loss mixed into the actor's."},
     )
-    unsup_coef: float = field(default=27.8, metadata={"help": "Weight of the ptx language-model loss (InstructGPT's gamma)."})
+    unsup_coef: float = field(
+        default=27.8, metadata={"help": "Weight of the ptx language-model loss (InstructGPT's gamma)."})
 
 
 @dataclass
 class PPOArguments(ToolkitTrainingArguments):
     """TrainingArguments plus DeepSpeed-Chat's step-3 options. --per_device_training_batch_size
-    and --actor_learning_rate set the Trainer's own batch size and learning rate."""
+    and --actor_learning_rate set the Trainer's own batch size and learning rate; the Trainer's
+    names for them are accepted too (mapped, logged), giving both with different values is refused."""
 
-    per_device_generation_batch_size: int = field(default=8, metadata={"help": "Prompts per generation batch per process."})
-    per_device_training_batch_size: int = field(default=8, metadata={"help": "Sequences per PPO micro-batch per process."})
+    per_device_train_batch_size: Optional[int] = field(
+        default=None, metadata={"help": "The Trainer's name of --per_device_training_batch_size."})
+    learning_rate: Optional[float] = field(
+        default=None, metadata={"help": "The Trainer's name of --actor_learning_rate."})
+    per_device_generation_batch_size: int = field(
+        default=8, metadata={"help": "Prompts per generation batch per process."})
+    per_device_training_batch_size: Optional[int] = field(
+        default=None, metadata={"help": "Sequences per PPO micro-batch per process (default 8)."})
     generation_batches: int = field(default=1, metadata={"help": "Generation batches of experience per PPO iteration."})
     ppo_epochs: int = field(default=1, metadata={"help": "Passes over each iteration's experience."})
-    actor_learning_rate: float = field(default=1e-4, metadata={"help": "Learning rate of the actor's adapter."})
-    critic_learning_rate: float = field(default=5e-5, metadata={"help": "Learning rate of the critic's adapter and value head."})
+    actor_learning_rate: Optional[float] = field(
+        default=None, metadata={"help": "Learning rate of the actor's adapter (default 1e-4)."})
+    critic_learning_rate: float = field(
+        default=5e-5, metadata={"help": "Learning rate of the critic's adapter and value head."})
     kl_ctl: float = field(default=0.1, metadata={"help": "KL penalty coefficient (initial value when adaptive)."})
-    target_kl: Optional[float] = field(default=None, metadata={"help": "Adaptive KL control towards this KL per answer."})
+    target_kl: Optional[float] = field(
+        default=None, metadata={"help": "Adaptive KL control towards this KL per answer."})
     kl_horizon: int = field(default=10000, metadata={"help": "Adaptive KL controller horizon, in answers."})
     clip_reward_value: float = field(default=5.0, metadata={"help": "Reward scores are clamped to +-this."})
     cliprange: float = field(default=0.2, metadata={"help": "PPO policy ratio clip range."})
@@ -170,115 +184,41 @@ class PPOArguments(ToolkitTrainingArguments):
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 = off."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 = off."})
     missing_eos_penalty: Optional[float] = field(
-        default=None, metadata={"help": "Subtracted from the score of an answer that hit --max_answer_seq_len without EOS."}
+        default=None,
+        metadata={"help": "Subtracted from the score of an answer that hit --max_answer_seq_len without EOS."},
     )
-    enable_ema: bool = field(default=False, metadata={"help": "Keep an exponential moving average of the actor (actor_ema)."})
+    enable_ema: bool = field(
+        default=False, metadata={"help": "Keep an exponential moving average of the actor (actor_ema)."})
     ema_beta: float = field(default=0.992, metadata={"help": "EMA decay per optimizer step."})
     print_answers: bool = field(default=False, metadata={"help": "Log a sample prompt, answer and score."})
     print_answers_interval: int = field(default=1, metadata={"help": "... every this many iterations."})
 
     def __post_init__(self):
-        # Before TrainingArguments fills DeepSpeed's "auto" batch size and learning rate from them.
-        self.per_device_train_batch_size = self.per_device_training_batch_size
-        self.learning_rate = self.actor_learning_rate
+        # The Trainer's names for what PPO calls --per_device_training_batch_size and
+        # --actor_learning_rate: either name is accepted, both with different values are refused. Set before
+        # TrainingArguments fills DeepSpeed's "auto" batch size and learning rate from them.
+        notes = []
+        for trainer_flag, ppo_flag, default in (("per_device_train_batch_size", "per_device_training_batch_size", 8),
+                                                ("learning_rate", "actor_learning_rate", 1e-4)):
+            trainer_value, ppo_value = getattr(self, trainer_flag), getattr(self, ppo_flag)
+            if trainer_value is not None and ppo_value is not None and trainer_value != ppo_value:
+                raise InputError(f"--{trainer_flag} {trainer_value} and --{ppo_flag} {ppo_value} both given: in PPO "
+                                 f"they are the same flag; give only --{ppo_flag}")
+            if trainer_value is not None and ppo_value is None:
+                notes.append(f"--{trainer_flag} {trainer_value} -> --{ppo_flag}")
+            value = next(v for v in (ppo_value, trainer_value, default) if v is not None)
+            setattr(self, trainer_flag, value)
+            setattr(self, ppo_flag, value)
         # Nothing to skip on resume: the experience stream restarts at the checkpoint's iteration.
         self.ignore_data_skip = True
         super().__post_init__()
+        self.mapped_flags += notes
 
 
 # ----------------------------------------------------------------------------- prompts
 
 
-def prompt_messages(where: str, record) -> list:
-    """The conversation of a record up to its last user turn: alpaca, sharegpt or messages
-    records (their final answer, if any, is dropped; none is needed) or a reward pair's
-    {"prompt", "system"?, "history"?}."""
-    if not isinstance(record, dict):
-        raise InputError(f"{where}: a record must be a JSON object")
-    if "conversations" in record or "messages" in record:
-        name, role_key, content_key, roles = (("conversations", "from", "value", SHAREGPT_ROLES) if "conversations" in record
-                                              else ("messages", "role", "content", MESSAGE_ROLES))
-        turns = turn_list(where, record, name, role_key, content_key, roles)
-        if turns[-1]["role"] == "assistant":
-            turns = turns[:-1]
-        # Validated as a conversation with a stand-in answer: alternation, system first, a user turn.
-        return validate_conversation(where, turns + [{"role": "assistant", "content": "-"}], name)[:-1]
-    if "instruction" in record or "prompt" in record:
-        name = "instruction" if "instruction" in record else "prompt"
-        alpaca = {"instruction": string_field(where, record, name), "input": record.get("input"),
-                  "system": record.get("system"), "history": record.get("history"),
-                  "output": string_field(where, record, "output", required=False)}
-        return alpaca_messages(where, alpaca)[:-1]
-    raise InputError(f"{where}: no 'instruction', 'prompt', 'conversations' or 'messages' field")
-
-
-def read_prompts(files: list, data_split: Optional[str], data_phase: int, seed: int) -> list:
-    """[(where, messages)] of every file (its --data_phase part with --data_split)."""
-    prompts = []
-    for path in files:
-        records = list(read_records(path))
-        if not records:
-            raise InputError(f"{path}: file holds no records (empty)")
-        indices = phase_indices(len(records), data_split, data_phase, seed) if data_split else range(len(records))
-        for index in indices:
-            line, record = records[index]
-            where = f"{path}:{line}"
-            prompts.append((where, prompt_messages(where, record)))
-    if not prompts:
-        raise InputError(f"no prompt in {', '.join(files)} for --data_phase {data_phase} of --data_split {data_split}")
-    return prompts
-
-
-def tokenize_prompts(prompts: list, tokenizer, template: str, max_prompt_len: int, desc: str) -> list:
-    """Token ids of each prompt rendered with the generation prompt; a prompt longer than
-    max_prompt_len keeps its end (the question nearest the answer), as DeepSpeed-Chat does."""
-    renderer = ConversationTokenizer(tokenizer, template, max_prompt_len,
-                                     template_kwargs=getattr(tokenizer, "chat_template_kwargs", None))
-    rows, truncated = [], 0
-    for _, messages in prompts:
-        ids = tokenizer(renderer.render(messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_prompt_len:
-            truncated += 1
-            ids = ids[-max_prompt_len:]
-        rows.append(ids)
-    logger.info("%s: %d prompts, %d truncated from the left to --max_prompt_seq_len %d", desc, len(rows), truncated,
-                max_prompt_len)
-    return rows
-
-
-def build_prompt_sets(data_args: PPODataArguments, tokenizer, template: str, seed: int) -> tuple:
-    files = find_sft_files(data_args.dataset_dir, data_args.data_path)
-    if not files:
-        raise InputError("no prompts: give --dataset_dir or --data_path")
-    prompts = read_prompts(files, data_args.data_split, data_args.data_phase, seed)
-    eval_prompts = None
-    if data_args.validation_file:
-        eval_prompts = read_prompts(find_sft_files(None, [data_args.validation_file]), None, data_args.data_phase, seed)
-    elif data_args.validation_split_percentage > 0:
-        share = data_args.validation_split_percentage
-        share = share / 100 if share >= 1 else share
-        order = np.random.default_rng(seed).permutation(len(prompts))
-        held_out = max(1, int(round(len(prompts) * share)))
-        if held_out >= len(prompts):
-            raise InputError(f"--validation_split_percentage {data_args.validation_split_percentage} of "
-                             f"{len(prompts)} prompts leaves none to train on")
-        eval_prompts = [prompts[i] for i in sorted(order[:held_out])]
-        prompts = [prompts[i] for i in sorted(order[held_out:])]
-    if data_args.max_train_samples is not None:
-        prompts = prompts[: data_args.max_train_samples]
-    if eval_prompts is not None and data_args.max_eval_samples is not None:
-        eval_prompts = eval_prompts[: data_args.max_eval_samples]
-    train = tokenize_prompts(prompts, tokenizer, template, data_args.max_prompt_seq_len, "train prompts")
-    held = None if eval_prompts is None else tokenize_prompts(eval_prompts, tokenizer, template,
-                                                               data_args.max_prompt_seq_len, "eval prompts")
-    return train, held
-
-
 # ----------------------------------------------------------------------------- model checks
-
-
-def has_tokenizer(path: Optional[str]) -> bool:
-    return bool(path) and any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer.model"))
 
 
 def tokenizer_of(model_dir: str, adapter_dir: Optional[str], trust_remote_code: bool):
@@ -299,34 +239,18 @@ def check_same_tokenizer(actor_tokenizer, other, role: str, where: str) -> None:
                          "PPO scores the actor's token ids, so every role needs the actor's tokenizer")
 
 
-def checkpoint_keys(model_dir: str) -> list:
-    """Weight names of a model directory (single file or sharded), read from headers only."""
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            return list(json.load(handle).get("weight_map", {}))
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as handle:
-            return list(handle.keys())
-    return []
-
-
 def check_reward_source(model_dir: str, adapter_dir: Optional[str], flag: str) -> None:
     """A reward/critic source must carry a trained score head: a base model alone would get a
     random one, and PPO would optimise noise."""
     if adapter_dir:
         adapter_config = read_adapter_config(adapter_dir)
         weights = os.path.join(adapter_dir, "adapter_model.safetensors")
-        keys = []
-        if os.path.isfile(weights):
-            with safe_open(weights, framework="pt") as handle:
-                keys = list(handle.keys())
+        keys = safetensors_names(weights) if os.path.isfile(weights) else []
         if adapter_config.get("task_type") != "SEQ_CLS" or not any(k.endswith(SCORE_KEY_SUFFIX) for k in keys):
             raise InputError(f"{adapter_dir}: not a reward adapter (no score head in adapter_model.safetensors); "
                              "give rm_lora_model of run_reward.py")
         return
-    if not any(k.endswith(SCORE_KEY_SUFFIX) for k in checkpoint_keys(model_dir)):
+    if not any(k.endswith(SCORE_KEY_SUFFIX) for k in checkpoint_weight_names(model_dir)):
         raise InputError(f"{model_dir}: {flag} is not a reward model (no score head in its weights); give the reward "
                          "adapter with --reward_lora_model, or run_reward.py's rm_merged_model")
 
@@ -337,41 +261,50 @@ def same_directory(first: Optional[str], second: Optional[str]) -> bool:
 
 def check_models(model_args: PPOModelArguments, data_args: PPODataArguments):
     """Refuse, before any weight is loaded, role combinations that would train silently wrong.
-    Returns (actor tokenizer, actor config, shared_base)."""
+    Returns (actor tokenizer, {role: model config}, shared_base); the configs go on to the
+    loaders, so a run reads each once."""
     trust_remote_code = model_args.trust_remote_code
-    actor_config = config_of(model_args.actor_model_name_or_path, trust_remote_code)
-    if model_args.actor_lora_model:
-        read_adapter_config(model_args.actor_lora_model)
-    reward_config = config_of(model_args.reward_model_name_or_path, trust_remote_code)
+    configs = {"actor": config_of(model_args.actor_model_name_or_path, trust_remote_code),
+               "reward": config_of(model_args.reward_model_name_or_path, trust_remote_code)}
     if model_args.tokenizer_name_or_path:
         tokenizer = load_tokenizer(ModelArguments(model_name_or_path=model_args.actor_model_name_or_path,
                                                   tokenizer_name_or_path=model_args.tokenizer_name_or_path,
                                                   trust_remote_code=trust_remote_code))
     else:
         tokenizer = tokenizer_of(model_args.actor_model_name_or_path, model_args.actor_lora_model, trust_remote_code)
-    reward_dir = model_args.reward_lora_model if has_tokenizer(model_args.reward_lora_model) else model_args.reward_model_name_or_path
+    check_model_inputs(actor_model_args(model_args), configs["actor"], tokenizer)
+    reward_dir = (model_args.reward_lora_model if has_tokenizer(model_args.reward_lora_model)
+                  else model_args.reward_model_name_or_path)
     reward_tokenizer = tokenizer_of(model_args.reward_model_name_or_path, model_args.reward_lora_model,
                                     trust_remote_code)
     check_same_tokenizer(tokenizer, reward_tokenizer, "reward", reward_dir)
-    check_reward_source(model_args.reward_model_name_or_path, model_args.reward_lora_model, "--reward_model_name_or_path")
-    configs = [("actor", actor_config), ("reward", reward_config)]
+    check_reward_source(model_args.reward_model_name_or_path, model_args.reward_lora_model,
+                        "--reward_model_name_or_path")
     if model_args.critic_model_name_or_path:
-        configs.append(("critic", config_of(model_args.critic_model_name_or_path, trust_remote_code)))
+        configs["critic"] = config_of(model_args.critic_model_name_or_path, trust_remote_code)
         check_same_tokenizer(tokenizer, tokenizer_of(model_args.critic_model_name_or_path, None, trust_remote_code),
                              "critic", model_args.critic_model_name_or_path)
         check_reward_source(model_args.critic_model_name_or_path, None, "--critic_model_name_or_path")
+    check_lengths(data_args, configs)
+    return tokenizer, configs, shared_placement(model_args)
+
+
+def check_lengths(data_args: PPODataArguments, configs: dict) -> None:
     total = data_args.max_prompt_seq_len + data_args.max_answer_seq_len
     for flag, value in (("--max_prompt_seq_len", data_args.max_prompt_seq_len),
                         ("--max_answer_seq_len", data_args.max_answer_seq_len)):
         if value < 1:
             raise InputError(f"{flag} must be at least 1, got {value}")
-    for role, config in configs:
+    for role, config in configs.items():
         positions = getattr(config, "max_position_embeddings", None)
         if positions is not None and total > positions:
             raise InputError(f"--max_prompt_seq_len {data_args.max_prompt_seq_len} + --max_answer_seq_len "
                              f"{data_args.max_answer_seq_len} = {total} exceeds the {role} model's "
                              f"max_position_embeddings {positions} (config.json)")
 
+
+def shared_placement(model_args: PPOModelArguments) -> bool:
+    """--shared_base as given, else whether every role can sit on the actor's base."""
     shareable = (same_directory(model_args.actor_model_name_or_path, model_args.reward_model_name_or_path)
                  and model_args.reward_lora_model is not None
                  and (model_args.critic_model_name_or_path is None
@@ -380,7 +313,7 @@ def check_models(model_args: PPOModelArguments, data_args: PPODataArguments):
     if shared and not shareable:
         raise InputError("--shared_base true needs the reward model as an adapter (--reward_lora_model) on the actor's "
                          "base (--reward_model_name_or_path = --actor_model_name_or_path) and no other critic model")
-    return tokenizer, actor_config, shared
+    return shared
 
 
 def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
@@ -388,12 +321,14 @@ def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
     checkpoints that would fall inside an iteration (its experience could not be restored)."""
     experience = training_args.generation_batches * training_args.per_device_generation_batch_size
     micro = training_args.per_device_training_batch_size
-    for flag in ("generation_batches", "per_device_generation_batch_size", "per_device_training_batch_size", "ppo_epochs"):
+    for flag in ("generation_batches", "per_device_generation_batch_size", "per_device_training_batch_size",
+                 "ppo_epochs"):
         if getattr(training_args, flag) < 1:
             raise InputError(f"--{flag} must be at least 1")
     if experience % micro:
-        raise InputError(f"--generation_batches {training_args.generation_batches} x --per_device_generation_batch_size "
-                         f"{training_args.per_device_generation_batch_size} = {experience} sequences per iteration is not "
+        raise InputError(f"--generation_batches {training_args.generation_batches} x "
+                         f"--per_device_generation_batch_size {training_args.per_device_generation_batch_size} = "
+                         f"{experience} sequences per iteration is not "
                          f"a multiple of --per_device_training_batch_size {micro}")
     micro_batches = training_args.ppo_epochs * experience // micro
     accumulation = training_args.gradient_accumulation_steps
@@ -408,9 +343,9 @@ def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
         training_args.max_steps = max(1, iterations) * steps_per_iteration
     if training_args.save_strategy == "steps" and training_args.save_steps >= 1:
         if int(training_args.save_steps) % steps_per_iteration:
-            raise InputError(f"--save_steps {int(training_args.save_steps)} must be a multiple of the {steps_per_iteration} "
-                             "optimizer steps of one PPO iteration: a checkpoint inside an iteration could not restore "
-                             "its experience")
+            raise InputError(f"--save_steps {int(training_args.save_steps)} must be a multiple of the "
+                             f"{steps_per_iteration} optimizer steps of one PPO iteration: a checkpoint inside an "
+                             "iteration could not restore its experience")
     return steps_per_iteration
 
 
@@ -419,34 +354,37 @@ def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
 
 def main():
     model_args, data_args, training_args = parse_args((PPOModelArguments, PPODataArguments, PPOArguments))
+    training_args.mapped_flags += model_args.mapped_flags
     setup_logging(training_args)
     resume_checkpoint = resolve_resume_checkpoint(training_args)
-    tokenizer, _, shared = check_models(model_args, data_args)
-    template = use_template(data_args.template, tokenizer,
-                            parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
-    prompts, eval_prompts = build_prompt_sets(data_args, tokenizer, template, training_args.seed)
+    tokenizer, configs, shared = check_models(model_args, data_args)
+    chat_template = use_template(data_args.template, tokenizer,
+                                 parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
+    choose_pad_token(tokenizer, chat_template)
+    prompts, eval_prompts = build_prompt_sets(data_args, tokenizer, chat_template, training_args.seed)
     # The reward model reads its score at the end of an answer's turn (run_reward.py trains it so).
-    answers = ConversationTokenizer(tokenizer, template, data_args.max_answer_seq_len,
-                                    template_kwargs=tokenizer.chat_template_kwargs)
-    turn_end_ids, answer_end_id = answers.turn_end_ids(), answers.answer_end_id()
+    answers = ConversationTokenizer(tokenizer, chat_template.text, data_args.max_answer_seq_len,
+                                    template_kwargs=chat_template.kwargs)
+    after_turn_end_ids, answer_end_id = answers.after_turn_end_ids(), answers.answer_end_id()
     logger.info("answers end with %r and are scored after the template's turn end %r",
-                tokenizer.convert_ids_to_tokens(answer_end_id), tokenizer.decode(turn_end_ids))
+                tokenizer.convert_ids_to_tokens(answer_end_id), tokenizer.decode(after_turn_end_ids))
     steps_per_iteration = check_schedule(training_args, len(prompts))
     ptx_blocks = None
     if data_args.unsupervised_dataset_dir:
         with training_args.main_process_first(desc="tokenize the ptx data"):
             ptx_blocks = build_pretraining_blocks(
-                data_args.unsupervised_dataset_dir, tokenizer, data_args.max_prompt_seq_len + data_args.max_answer_seq_len,
-                data_cache_dir(data_args.data_cache_dir))
+                data_args.unsupervised_dataset_dir, tokenizer,
+                data_args.max_prompt_seq_len + data_args.max_answer_seq_len, data_cache_dir(data_args.data_cache_dir))
     if eval_prompts is None and training_args.eval_strategy != "no":
         raise InputError("--eval_strategy needs held-out prompts: --validation_file or --validation_split_percentage")
     set_seed(training_args.seed)
 
     logger.info("placement: %s", "shared base (one frozen base, one adapter per role)" if shared else "separate models")
     if shared and model_args.offload_reference_model:
-        logger.info("--offload_reference_model has nothing to move with --shared_base: the reference is the shared base")
+        logger.info("--offload_reference_model has nothing to move with --shared_base: "
+                    "the reference is the shared base")
     load = load_shared_policy if shared else load_separate_policy
-    model = load(model_args, training_args, tokenizer)
+    model = load(model_args, training_args, tokenizer, configs)
     trainer = PPOTrainer(
         model=model,
         args=training_args,
@@ -459,7 +397,7 @@ def main():
         data_args=data_args,
         tokenizer=tokenizer,
         steps_per_iteration=steps_per_iteration,
-        turn_end_ids=turn_end_ids,
+        after_turn_end_ids=after_turn_end_ids,
         answer_end_id=answer_end_id,
     )
     train_and_finish(trainer, resume_checkpoint, False, eval_prompts, len(prompts))

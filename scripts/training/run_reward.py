@@ -11,6 +11,7 @@ Writes checkpoint-N/ (resumable), OUT/rm_lora_model/ (adapter + score head + tok
 with --merge_on_save, OUT/rm_merged_model/ (a plain model the PPO stage loads as reward/critic).
 """
 
+import dataclasses
 import logging
 import os
 import sys
@@ -25,24 +26,22 @@ from transformers import set_seed  # noqa: E402
 
 from build_dataset import (  # noqa: E402
     ConversationDataArguments,
-    ConversationTokenizer,
     DataCollatorForPreferencePairs,
     SavePeftModelCallback,
     build_preference_dataset,
-    data_cache_dir,
-    find_sft_files,
-    first_samples,
-    split_validation,
 )
-from chat_templates import parse_template_kwargs, special_token_texts, use_template  # noqa: E402
-from model_utils import MASKABLE_ATTENTION, load_model, reward_model_class, score_pairs, start_run  # noqa: E402
+from chat_templates import parse_template_kwargs, use_template  # noqa: E402
+from cli import InputError, run_cli  # noqa: E402
+from data_cache import data_cache_dir  # noqa: E402
+from data_splits import first_samples, split_validation  # noqa: E402
+from model_utils import MASKABLE_ATTENTION, choose_pad_token, load_model, score_pairs  # noqa: E402
+from records import find_record_files  # noqa: E402
 from training_utils import (  # noqa: E402
-    InputError,
     ResumableTrainer,
     ToolkitTrainingArguments,
     padding_multiple,
     resolve_sequence_length,
-    run_cli,
+    start_run,
     train_and_finish,
 )
 
@@ -102,50 +101,25 @@ def preference_metrics(eval_prediction) -> dict:
     }
 
 
-def build_datasets(data_args: RewardDataArguments, tokenizer, template: str, max_length: int, seed: int) -> tuple:
-    files = find_sft_files(data_args.dataset_dir, data_args.data_path)
+def build_datasets(data_args: RewardDataArguments, tokenizer, chat_template, max_length: int, seed: int) -> tuple:
+    files = find_record_files(data_args.dataset_dir, data_args.data_path)
     if not files:
         raise InputError("no training data: give --dataset_dir or --data_path")
-    common = {"tokenizer": tokenizer, "template": template, "max_length": max_length,
-              "cache_dir": data_cache_dir(data_args.data_cache_dir), "template_kwargs": tokenizer.chat_template_kwargs}
+    common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
+              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir)}
     train = build_preference_dataset(files, data_split=data_args.data_split, data_phase=data_args.data_phase,
                                      seed=seed, **common)
     if data_args.validation_file:
-        return train, build_preference_dataset(find_sft_files(None, [data_args.validation_file]), **common)
-    return split_validation(train, data_args.validation_split_percentage, seed)
+        return train, build_preference_dataset(find_record_files(None, [data_args.validation_file]), **common)
+    return split_validation(train, data_args.validation_split_percentage, seed, "pairs")
 
 
-def choose_pad_token(tokenizer, template: str) -> None:
-    """Saved models need a pad id (our masks never compare ids with it), and it must not be the
-    token a reward row ends with: transformers' own sequence classifiers score the last id that is
-    not the pad id, so a merged model loaded by them would read one token early (Llama-3 has no pad
-    token, and its rows end with EOS = <|eot_id|>). Kept when it is not that token; otherwise unk,
-    a special token named for padding, or another special token, in that order."""
-    rows = ConversationTokenizer(tokenizer, template, 1 << 30, template_kwargs=tokenizer.chat_template_kwargs)
-    row_end = (rows.turn_end_ids() or [rows.answer_end_id()])[-1]
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != row_end:
-        return
-    avoid = {row_end, tokenizer.eos_token_id, tokenizer.bos_token_id}
-    specials = special_token_texts(tokenizer)
-    candidates = [tokenizer.unk_token] + [t for t in specials if "pad" in t.lower()] + specials
-    pad = next((t for t in candidates if t and tokenizer.convert_tokens_to_ids(t) not in avoid), tokenizer.eos_token)
-    logger.info("pad token: %r (the reward rows end with %r)", pad, tokenizer.convert_ids_to_tokens(row_end))
-    tokenizer.pad_token = pad
-
-
-def save_merged(model_args, training_args, tokenizer) -> None:
-    """Base + trained adapter merged into a plain sequence classifier (main process, CPU)."""
-    from peft import PeftModel
-
-    from model_utils import load_model_config
-
-    config = load_model_config(model_args)
-    config.num_labels = 1
-    base = reward_model_class(config).from_pretrained(model_args.model_name_or_path, config=config, dtype=torch.float32,
-                                                      trust_remote_code=model_args.trust_remote_code)
-    merged = PeftModel.from_pretrained(base, os.path.join(training_args.output_dir, "rm_lora_model")).merge_and_unload()
-    merged.config.architectures = [type(merged).__mro__[1].__name__]
-    merged.config.pad_token_id = tokenizer.pad_token_id
+def save_merged(model_args, training_args, tokenizer, config) -> None:
+    """Base + trained adapter merged into a plain sequence classifier (main process, CPU, float32),
+    saved with the tokenizer and its pad token."""
+    trained = dataclasses.replace(model_args, peft_path=os.path.join(training_args.output_dir, "rm_lora_model"),
+                                  torch_dtype="float32", load_in_kbits=16)
+    merged = load_model(trained, None, tokenizer, task="reward", config=config, trainable=False)
     target = os.path.join(training_args.output_dir, "rm_merged_model")
     merged.save_pretrained(target)
     tokenizer.save_pretrained(target)
@@ -157,20 +131,19 @@ def main():
         RewardDataArguments, RewardArguments
     )
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
-    template = use_template(data_args.template, tokenizer,
-                            parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
-    choose_pad_token(tokenizer, template)
+    chat_template = use_template(data_args.template, tokenizer,
+                                 parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
+    choose_pad_token(tokenizer, chat_template)
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="tokenize the preference pairs"):
-        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, template, max_length, training_args.seed)
+        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, chat_template, max_length,
+                                                     training_args.seed)
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train pairs: %d, eval pairs: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
-    # The pairs hold chosen/rejected ids, margin and length; the collator picks what it needs.
-    training_args.remove_unused_columns = False
 
-    model = load_model(model_args, training_args, tokenizer, task="reward")
+    model = load_model(model_args, training_args, tokenizer, task="reward", config=config)
     attention = model.config._attn_implementation
     share_prefix = training_args.share_pair_prefix and attention in MASKABLE_ATTENTION
     if training_args.share_pair_prefix and not share_prefix:
@@ -188,7 +161,7 @@ def main():
     )
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
     if training_args.merge_on_save and not model_args.full_finetuning and training_args.should_save:
-        save_merged(model_args, training_args, tokenizer)
+        save_merged(model_args, training_args, tokenizer, config)
 
 
 if __name__ == "__main__":

@@ -25,21 +25,20 @@ from build_dataset import (  # noqa: E402
     DataCollatorForSupervisedDataset,
     SavePeftModelCallback,
     build_sft_dataset,
-    data_cache_dir,
-    find_sft_files,
-    first_samples,
     pack_samples,
-    split_validation,
 )
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
-from model_utils import load_model, start_run  # noqa: E402
+from cli import InputError, run_cli  # noqa: E402
+from data_cache import data_cache_dir  # noqa: E402
+from data_splits import first_samples, split_validation  # noqa: E402
+from model_utils import choose_pad_token, load_model  # noqa: E402
+from records import find_record_files  # noqa: E402
 from training_utils import (  # noqa: E402
-    InputError,
     ToolkitTrainingArguments,
     build_trainer,
     padding_multiple,
     resolve_sequence_length,
-    run_cli,
+    start_run,
     train_and_finish,
 )
 
@@ -51,58 +50,68 @@ class SFTDataArguments(ConversationDataArguments):
     sft_only_data_path: Optional[list[str]] = field(
         default=None, metadata={"help": "Data files used whole for SFT, never split.", "nargs": "+"}
     )
-    train_on_last_turn_only: bool = field(default=False, metadata={"help": "Train only the last answer of each conversation."})
+    train_on_last_turn_only: bool = field(
+        default=False, metadata={"help": "Train only the last answer of each conversation."}
+    )
+
+
+@dataclass
+class SFTArguments(ToolkitTrainingArguments):
     packing: bool = field(default=False, metadata={"help": "Pack samples into padding-free rows of max_seq_length."})
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.packing and self.train_sampling_strategy == "random":
+            # Packed rows differ by the few tokens no sample fitted into; batching rows of similar
+            # length keeps what padding is left under 2% instead of ~5% with random batches.
+            self.train_sampling_strategy = "group_by_length"
+            self.mapped_flags.append("--packing -> --train_sampling_strategy group_by_length")
 
-def build_datasets(data_args: SFTDataArguments, tokenizer, template: str, max_length: int, seed: int) -> tuple:
-    train_files = find_sft_files(data_args.dataset_dir, data_args.data_path)
-    unsplit = find_sft_files(None, data_args.sft_only_data_path)
+
+def build_datasets(data_args: SFTDataArguments, tokenizer, chat_template, max_length: int, seed: int) -> tuple:
+    train_files = find_record_files(data_args.dataset_dir, data_args.data_path)
+    unsplit = find_record_files(None, data_args.sft_only_data_path)
     if not train_files and not unsplit:
         raise InputError("no training data: give --dataset_dir, --data_path or --sft_only_data_path")
-    common = {"tokenizer": tokenizer, "template": template, "max_length": max_length,
-              "cache_dir": data_cache_dir(data_args.data_cache_dir), "template_kwargs": tokenizer.chat_template_kwargs}
+    common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
+              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir)}
     train = build_sft_dataset(
         train_files + unsplit, train_on_last_turn_only=data_args.train_on_last_turn_only,
         data_split=data_args.data_split, data_phase=data_args.data_phase, seed=seed, unsplit_files=tuple(unsplit),
         **common,
     )
     if data_args.validation_file:
-        evaluation = build_sft_dataset(find_sft_files(None, [data_args.validation_file]), **common)
+        evaluation = build_sft_dataset(find_record_files(None, [data_args.validation_file]), **common)
     else:
-        train, evaluation = split_validation(train, data_args.validation_split_percentage, seed)
+        train, evaluation = split_validation(train, data_args.validation_split_percentage, seed, "samples")
     return train, evaluation
 
 
 def main():
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
-        SFTDataArguments, ToolkitTrainingArguments
+        SFTDataArguments, SFTArguments
     )
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
-    template = use_template(data_args.template, tokenizer,
-                            parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
+    chat_template = use_template(data_args.template, tokenizer,
+                                 parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="tokenize the supervised data"):
-        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, template, max_length, training_args.seed)
+        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, chat_template, max_length,
+                                                     training_args.seed)
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
-    if data_args.packing:
+    if training_args.packing:
         train_dataset = pack_samples(train_dataset, max_length)
-        # Packed rows differ by the few tokens no sample fitted into; batching rows of similar
-        # length keeps what padding is left under 2% instead of ~5% with random batches.
-        training_args.train_sampling_strategy = "group_by_length"
-    # Our datasets hold only model inputs and 'length', which the length-grouped sampler reads;
-    # the collators pick their fields themselves.
-    training_args.remove_unused_columns = False
     logger.info("train rows: %d, eval samples: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
 
-    model = load_model(model_args, training_args, tokenizer)
+    model = load_model(model_args, training_args, tokenizer, config=config)
     # A KV cache in a training forward would also stop position_ids from separating packed samples.
     model.config.use_cache = False
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = choose_pad_token(tokenizer, chat_template)
     callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
-    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args)), callbacks)
+    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset,
+                            DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args)), callbacks)
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
 
 

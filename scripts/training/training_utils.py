@@ -13,10 +13,11 @@ from typing import Optional
 import numpy as np
 import torch
 import transformers
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from cli_errors import InputError, run_cli  # noqa: F401  (re-exported: every script imports them from here)
+from cli import InputError, parse_args
+from model_utils import ModelArguments, check_model_inputs, load_model_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -43,38 +44,29 @@ class ToolkitTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "Old form of --train_sampling_strategy group_by_length (transformers 4)."},
     )
+    # Our datasets hold only what the collators read (model inputs, 'length' for the length-grouped
+    # sampler, a pair's margin): nothing is for the Trainer to drop by the model's signature.
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Kept False: every column of our datasets is read by a collator."}
+    )
 
     def __post_init__(self):
         # Logging is not configured yet; setup_logging() reports these notes on rank 0.
-        self.legacy_notes = []
+        self.mapped_flags = []
         if self.evaluation_strategy is not None:
             self.eval_strategy = self.evaluation_strategy
-            self.legacy_notes.append(f"--evaluation_strategy {self.evaluation_strategy} -> --eval_strategy")
+            self.mapped_flags.append(f"--evaluation_strategy {self.evaluation_strategy} -> --eval_strategy")
         if self.warmup_ratio is not None:
             if not 0 <= self.warmup_ratio < 1:
                 raise InputError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
             self.warmup_steps = self.warmup_ratio
-            self.legacy_notes.append(f"--warmup_ratio {self.warmup_ratio} -> --warmup_steps {self.warmup_ratio}")
+            self.mapped_flags.append(f"--warmup_ratio {self.warmup_ratio} -> --warmup_steps {self.warmup_ratio}")
         if self.save_safetensors is not None:
-            self.legacy_notes.append("--save_safetensors ignored: weights are always written as safetensors")
+            self.mapped_flags.append("--save_safetensors ignored: weights are always written as safetensors")
         if self.group_by_length:
             self.train_sampling_strategy = "group_by_length"
-            self.legacy_notes.append("--group_by_length -> --train_sampling_strategy group_by_length")
+            self.mapped_flags.append("--group_by_length -> --train_sampling_strategy group_by_length")
         super().__post_init__()
-
-
-def parse_args(dataclass_types, argv=None):
-    """Parse the dataclasses from the command line, or from a single .json/.yaml file."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = HfArgumentParser(dataclass_types)
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        path = os.path.abspath(argv[0])
-        if not os.path.isfile(path):
-            raise InputError(f"{argv[0]}: argument file does not exist")
-        if path.endswith(".json"):
-            return parser.parse_json_file(path, allow_extra_keys=False)
-        return parser.parse_yaml_file(path, allow_extra_keys=False)
-    return parser.parse_args_into_dataclasses(args=argv)
 
 
 def setup_logging(training_args: TrainingArguments) -> None:
@@ -94,8 +86,8 @@ def setup_logging(training_args: TrainingArguments) -> None:
     datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
     if not is_main:
         datasets.disable_progress_bars()
-    for note in getattr(training_args, "legacy_notes", []):
-        logger.info("old flag mapped: %s", note)
+    for note in getattr(training_args, "mapped_flags", []):
+        logger.info("flag mapped: %s", note)
     logger.info(
         "process %d of %d, device %s, distributed: %s",
         training_args.process_index,
@@ -130,7 +122,8 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Option
     requested = training_args.resume_from_checkpoint
     if requested and requested.lower() not in ("true", "false"):
         if not os.path.isfile(os.path.join(requested, "trainer_state.json")):
-            raise InputError(f"{requested}: --resume_from_checkpoint is not a complete checkpoint (no trainer_state.json)")
+            raise InputError(f"{requested}: --resume_from_checkpoint is not a complete checkpoint "
+                             "(no trainer_state.json)")
         return requested
     if not os.path.isdir(output_dir) or not os.listdir(output_dir):
         if requested and requested.lower() == "true":
@@ -156,6 +149,20 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Option
     )
 
 
+def start_run(data_arguments_class, training_arguments_class):
+    """The common start of every run_* script but PPO's: parse the arguments, set up logging, and
+    check everything that can be refused (resume point, tokenizer, model config, adapter,
+    vocabulary) before anything is written. Returns (model_args, data_args, training_args, resume
+    checkpoint, tokenizer, model config); the config goes on to load_model, so a run reads it once."""
+    model_args, data_args, training_args = parse_args((ModelArguments, data_arguments_class, training_arguments_class))
+    setup_logging(training_args)
+    resume_checkpoint = resolve_resume_checkpoint(training_args)
+    tokenizer = load_tokenizer(model_args)
+    config = load_model_config(model_args)
+    check_model_inputs(model_args, config, tokenizer)
+    return model_args, data_args, training_args, resume_checkpoint, tokenizer, config
+
+
 def resolve_sequence_length(flag: str, requested: Optional[int], config) -> int:
     """A sequence length within the model's positions (default: min(1024, max positions))."""
     max_positions = getattr(config, "max_position_embeddings", None) or 1024
@@ -164,7 +171,8 @@ def resolve_sequence_length(flag: str, requested: Optional[int], config) -> int:
     if requested < 2:
         raise InputError(f"{flag} must be at least 2, got {requested}")
     if requested > max_positions:
-        raise InputError(f"{flag} {requested} exceeds the model's max_position_embeddings {max_positions} (config.json)")
+        raise InputError(f"{flag} {requested} exceeds the model's max_position_embeddings {max_positions} "
+                         "(config.json)")
     return requested
 
 

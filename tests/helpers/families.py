@@ -10,9 +10,9 @@ the Makefile). transformers builds a fast tokenizer from a GGUF; we set each fam
 real tokenizer_config does, attach the template byte for byte, and pair it with a tiny, randomly initialised
 model of the family's own architecture.
 
-Converting a GGUF vocabulary takes seconds to tens of seconds, so each tokenizer is converted once and kept
-under .cache/fixtures/tokenizers/, keyed by a hash of everything it is built from; the models are tiny and
-built fresh.
+Converting a GGUF vocabulary and checking the saved result takes 1-13 s (about 35 s for all eight on a fresh
+clone), so each tokenizer is converted once and kept under .cache/fixtures/tokenizers/, keyed by a hash of
+everything it is built from; the models are tiny and built fresh.
 
     FAMILIES                         name -> FamilySpec
     family_tokenizer_dir(name)       the cached tokenizer directory (built on first use)
@@ -55,9 +55,12 @@ class FamilySpec:
     eos: str
     pad: str | None
     add_bos: bool  # whether encoding text prepends BOS, as the real tokenizer does
+    # The transformers class that reads the GGUF: the one AutoTokenizer picks for the family, named here because
+    # AutoTokenizer first reads the model config through the gguf package, 3-30 s per file (Llama-3's 128k-token
+    # vocabulary: 35 s), while the class itself reads only the tokenizer's arrays.
+    tokenizer_class: str
     special_tokens: tuple = ()  # tokens the template uses that the GGUF lacks, added as special tokens
     added_tokens: tuple = ()  # the same, added as plain (non-special) tokens, as the real tokenizer has them
-    tokenizer_class: str = "AutoTokenizer"  # the transformers class that reads the GGUF
 
 
 _DEEPSEEK_TOKENS = tuple(f"<｜{name}｜>" for name in (
@@ -69,35 +72,37 @@ _SPECS = [
     # Llama 3.2 1B/3B tie their embeddings; the real tokenizer prepends <|begin_of_text|> and has no pad.
     FamilySpec("llama3", "ggml-vocab-llama-bpe.gguf", "meta-llama-Llama-3.1-8B-Instruct.jinja", "LlamaConfig",
                {**_TINY, "tie_word_embeddings": True}, bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
-               add_bos=True),
+               add_bos=True, tokenizer_class="TokenizersBackend"),
     # Qwen2Config's default q/k/v biases are Qwen2's; small Qwen2.5 models tie embeddings; no BOS at all.
     FamilySpec("qwen2.5", "ggml-vocab-qwen2.gguf", "Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen2Config",
                {**_TINY, "tie_word_embeddings": True}, bos=None, eos="<|im_end|>", pad="<|endoftext|>",
-               add_bos=False, added_tokens=("<tool_call>", "</tool_call>")),
+               add_bos=False, added_tokens=("<tool_call>", "</tool_call>"), tokenizer_class="Qwen2Tokenizer"),
     # Qwen3: q/k norms, and a head_dim that is not hidden_size / heads (as Qwen3-0.6B: 128 vs 1024 / 16).
     FamilySpec("qwen3", "ggml-vocab-qwen2.gguf", "Qwen-Qwen3-0.6B.jinja", "Qwen3Config",
                {**_TINY, "head_dim": 16, "tie_word_embeddings": True}, bos=None, eos="<|im_end|>",
                pad="<|endoftext|>", add_bos=False,
                added_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
-                             "</think>")),
+                             "</think>"), tokenizer_class="Qwen2Tokenizer"),
     # Llama-2 SentencePiece vocabulary (Mistral 7B's is the same kind); [INST] is plain text in it.
     FamilySpec("mistral", "ggml-vocab-llama-spm.gguf", "mistralai-Mistral-Nemo-Instruct-2407.jinja", "MistralConfig",
-               {**_TINY, "tie_word_embeddings": False}, bos="<s>", eos="</s>", pad=None, add_bos=True),
+               {**_TINY, "tie_word_embeddings": False}, bos="<s>", eos="</s>", pad=None, add_bos=True,
+               tokenizer_class="TokenizersBackend"),
     # Phi-3's fused qkv_proj / gate_up_proj come with Phi3Config; eos and pad as the GGUF and the real
     # Phi-3.5-mini-instruct tokenizer_config have them; that tokenizer_config does not add BOS.
     FamilySpec("phi3.5", "ggml-vocab-phi-3.gguf", "microsoft-Phi-3.5-mini-instruct.jinja", "Phi3Config",
                {**_TINY, "tie_word_embeddings": False}, bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>",
-               add_bos=False),
+               add_bos=False, tokenizer_class="TokenizersBackend"),
     # A base model with no chat template; Conv1D layers; no pad token.
     FamilySpec("gpt2", "ggml-vocab-gpt-2.gguf", None, "GPT2Config",
                {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_inner": 64, "n_positions": 512,
-                "tie_word_embeddings": True}, bos="<|endoftext|>", eos="<|endoftext|>", pad=None, add_bos=False),
+                "tie_word_embeddings": True}, bos="<|endoftext|>", eos="<|endoftext|>", pad=None, add_bos=False,
+               tokenizer_class="GPT2Tokenizer"),
     # The real distill renames Qwen's special tokens; here they are added after the Qwen2 vocabulary instead.
     # R1-Distill-Qwen-1.5B does not tie embeddings; its tokenizer prepends BOS and pads with EOS.
     FamilySpec("deepseek-r1-qwen", "ggml-vocab-qwen2.gguf", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
                "Qwen2Config", {**_TINY, "tie_word_embeddings": False}, bos="<｜begin▁of▁sentence｜>",
                eos="<｜end▁of▁sentence｜>", pad="<｜end▁of▁sentence｜>", add_bos=True,
-               special_tokens=_DEEPSEEK_TOKENS, added_tokens=("<think>", "</think>")),
+               tokenizer_class="Qwen2Tokenizer", special_tokens=_DEEPSEEK_TOKENS, added_tokens=("<think>", "</think>")),
     # Gemma's SentencePiece-style vocabulary comes from the Gemma-4 GGUF (the only Gemma one vendored): it has
     # <|turn> / <turn|> where Gemma 2 has <start_of_turn> / <end_of_turn>, so those two are added. AutoTokenizer
     # cannot read that file (it parses the Gemma-4 model config and fails on a per-layer num_key_value_heads
@@ -162,7 +167,7 @@ def _without_stray_tokens(tokenizer):
 @functools.lru_cache(maxsize=None)
 def _gguf_tokenizer(vocab: str, tokenizer_class: str):
     """The GGUF's vocabulary as a fast tokenizer, read once per process: Qwen2.5, Qwen3 and the R1
-    distill share one vocabulary, and reading a 152k-token GGUF takes about 20 s (a copy, under a second)."""
+    distill share one vocabulary, and reading a 152k-token GGUF takes about 3 s (a copy, under a second)."""
     import transformers
 
     loader = getattr(transformers, tokenizer_class)

@@ -21,8 +21,9 @@ parser.add_argument("script")
 options, script_args = parser.parse_known_args()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
-import build_dataset  # noqa: E402  (the module the script will import: patch it first)
 import transformers  # noqa: E402
+
+import build_dataset  # noqa: E402  (the module the script will import: patch it first)
 
 if options.kill_after_save is not None:
     original_on_save = build_dataset.SavePeftModelCallback.on_save
