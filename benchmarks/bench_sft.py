@@ -59,22 +59,36 @@ printed and written to outputs/bench/sft.json.
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import os
-import platform
 import random
 import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
+import types
 from collections import deque
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from measure import (
+    REPO,
+    Ratios,
+    TrainingClock,
+    add_child_arguments,
+    after_trainer_init,
+    best_of,
+    environment,
+    loadavg,
+    prepared_model,
+    print_table,
+    quiet_offline_env,
+    report_stream,
+    run_child_benchmark,
+    scratch_dir,
+    set_torch_threads,
+    use_project_scripts,
+    write_json,
+    write_jsonl,
+)
+
 OUR_SCRIPT = REPO / "scripts" / "training" / "run_sft_with_peft.py"
 TARGET_VS_TRL = 1.3
 TARGET_VS_TRL_PACKED = 1.0
@@ -111,18 +125,17 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_length", type=int, default=256)
-    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=ALL_RUNS, help="runs, in this order")
-    parser.add_argument("--prototype", action="store_true", help="also run proto and proto_packed (the proposed fix)")
+    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=ALL_RUNS,
+                        help="runs, in this order")
+    parser.add_argument("--prototype", action="store_true",
+                        help="also run proto and proto_packed (the proposed fix)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each; the best tokens/s is reported")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads in every child (default: torch's)")
-    parser.add_argument("--output", default="outputs/bench/sft.json", help="JSON results (relative to the repo root)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads in every child (default: torch's)")
+    parser.add_argument("--output", default="outputs/bench/sft.json",
+                        help="JSON results (relative to the repo root)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, outputs)")
-    # Internal: one run in this process.
-    parser.add_argument("--child", choices=ALL_RUNS, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--metrics", help=argparse.SUPPRESS)
+    add_child_arguments(parser, ALL_RUNS)  # internal: one run in this process
     return parser.parse_args(argv)
 
 
@@ -140,7 +153,7 @@ def first_clause(review: str) -> str:
 
 
 def make_records(count: int, seed: int) -> list:
-    sys.path.insert(0, str(REPO / "scripts" / "demo"))
+    use_project_scripts("demo")
     from prepare_default import sentiment_reviews
     from sft_tasks import arithmetic_records
 
@@ -162,49 +175,47 @@ def make_records(count: int, seed: int) -> list:
                 user = "Classify the sentiment of this product review as positive or negative.\n\n" + review
                 answer = "Positive." if positive else "Negative."
             elif kind == "summarize":
-                user, answer = "Summarize this product review in one short sentence.\n\n" + review, first_clause(review)
+                user = "Summarize this product review in one short sentence.\n\n" + review
+                answer = first_clause(review)
             else:
                 user, answer = "Repeat this product review word for word.\n\n" + review, review
         records.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
     return records
 
 
+
+def write_training_data(model_dir: str, path, samples: int, max_length: int) -> dict:
+    """The seeded chat records into the jsonl both sides read; facts about their lengths."""
+    from transformers import AutoTokenizer
+
+    records = make_records(samples, SEED)
+    write_jsonl(path, records)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lengths = [min(max_length, len(tokenizer.apply_chat_template(r["messages"], tokenize=True,
+                                                                 return_dict=True)["input_ids"]))
+               for r in records]
+    return {"samples": len(records), "mean_tokens": sum(lengths) / len(lengths),
+            "median_tokens": statistics.median(lengths), "max_tokens": max(lengths),
+            "at_max_length": sum(n >= max_length for n in lengths),
+            "task_weights": TASK_WEIGHTS, "review_max_chars": REVIEW_MAX_CHARS}
+
+
 # ----------------------------------------------------------------------------- measuring (children)
 
 
-class Probe:
+class Probe(TrainingClock):
     """Counts the real tokens of every batch the collator builds (a FIFO: the dataloader may
     collate one batch ahead) and times the steps; writes the figures at the end of training."""
 
     def __init__(self, metrics_path: str, run: str):
-        from transformers import TrainerCallback
-
-        probe = self
-
-        class Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                probe.t_begin = probe.t_last = time.perf_counter()
-                probe.cpu_begin = probe.cpu_last = time.process_time()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                now = time.perf_counter()
-                probe.step_s.append(now - probe.t_last)
-                probe.t_last = now
-                probe.cpu_last = time.process_time()
-                probe.steps.append(probe.pending.popleft())
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    probe.losses.append(logs["loss"])
-
-            def on_train_end(self, args, state, control, **kwargs):
-                probe.write(args)
-
-        self.callback = Callback()
+        super().__init__()
         self.metrics_path, self.run = metrics_path, run
-        self.pending, self.steps, self.step_s, self.losses = deque(), [], [], []
-        self.t_begin = self.t_last = self.cpu_begin = self.cpu_last = None
+        self.pending, self.steps, self.step_s = deque(), [], []
         self.extra = {}
+
+    def step_done(self, wall_s: float, cpu_s: float) -> None:
+        self.step_s.append(wall_s)
+        self.steps.append(self.pending.popleft())
 
     def wrap(self, collator):
         def collate(features):
@@ -224,10 +235,10 @@ class Probe:
         self.extra[what] = {"rows": len(lengths), "tokens": sum(lengths), "labelled": labelled,
                             "max_row": max(lengths)}
 
-    def write(self, args) -> None:
+    def finish(self, args) -> None:
         import torch
 
-        train_s = self.t_last - self.t_begin
+        train_s, train_cpu_s = self.train_wall_s(), self.train_cpu_s()
         real = sum(s["real"] for s in self.steps)
         fed = sum(s["fed"] for s in self.steps)
         result = {
@@ -239,20 +250,20 @@ class Probe:
             "fed_tokens": fed,
             "padding_pct": 100.0 * (1 - real / fed) if fed else 0.0,
             "tokens_per_s": real / train_s,
-            "train_cpu_s": self.cpu_last - self.cpu_begin,
-            "tokens_per_cpu_s": real / (self.cpu_last - self.cpu_begin),
+            "train_cpu_s": train_cpu_s,
+            "tokens_per_cpu_s": real / train_cpu_s,
             "median_step_s": statistics.median(self.step_s),
             "first_step_s": self.step_s[0],
             "step_s": self.step_s,
             "batch_shapes": [s["shape"] for s in self.steps],
-            "losses": self.losses,
+            "losses": [logs["loss"] for logs in self.logs if "loss" in logs],
             "torch_threads": torch.get_num_threads(),
             "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)
                                              or getattr(args, "gradient_checkpointing", False)),
             "bf16": bool(args.bf16),
             **self.extra,
         }
-        Path(self.metrics_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(self.metrics_path, result)
 
 
 def labelled_logits_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -286,23 +297,17 @@ def labelled_logits_compute_loss(self, model, inputs, return_outputs=False, num_
 def instrument_trainer(probe: Probe, prototype: bool = False) -> None:
     """Every Trainer built from now on (ours or TRL's, whatever subclass) gets the probe's
     callback and counting collator; with prototype, the labelled-positions compute_loss."""
-    import types
 
-    from transformers import Trainer
-
-    original_init = Trainer.__init__
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.data_collator = probe.wrap(self.data_collator)
-        self.add_callback(probe.callback)
-        if self.train_dataset is not None:
-            probe.dataset_stats(self.train_dataset, "train_dataset")
+    def instrument(trainer) -> None:
+        trainer.data_collator = probe.wrap(trainer.data_collator)
+        trainer.add_callback(probe.callback)
+        if trainer.train_dataset is not None:
+            probe.dataset_stats(trainer.train_dataset, "train_dataset")
         if prototype:
-            self._bench_original_compute_loss = self.compute_loss
-            self.compute_loss = types.MethodType(labelled_logits_compute_loss, self)
+            trainer._bench_original_compute_loss = trainer.compute_loss
+            trainer.compute_loss = types.MethodType(labelled_logits_compute_loss, trainer)
 
-    Trainer.__init__ = init
+    after_trainer_init(instrument)
 
 
 def child_ours(args) -> None:
@@ -357,10 +362,7 @@ def child_trl(args) -> None:
 
 
 def run_child(args) -> None:
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args.threads)
     if args.child.startswith("trl"):
         child_trl(args)
     else:
@@ -370,47 +372,19 @@ def run_child(args) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def loadavg() -> list:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def spawn(run: str, args, model_dir: str, data_path: Path, work: Path, repeat: int) -> dict:
+def spawn(run: str, args, model_dir: str, data_path, work, repeat: int) -> dict:
     """One run in a child process; its figures plus the child's wall time and peak RSS."""
-    run_dir = work / f"{run}-r{repeat}"
-    run_dir.mkdir()
-    metrics = run_dir / "metrics.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", run, "--model", model_dir,
-               "--data", str(data_path), "--workdir", str(run_dir), "--metrics", str(metrics),
-               "--steps", str(args.steps), "--batch_size", str(args.batch_size), "--max_length", str(args.max_length)]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    log = run_dir / "log.txt"
-    load_before = loadavg()
-    start = time.perf_counter()
-    with open(log, "wb") as handle:
-        child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
-        _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0 or not metrics.is_file():
-        tail = log.read_text(encoding="utf-8", errors="replace")[-4000:]
-        raise SystemExit(f"run {run} failed (exit {code}); last lines of {log}:\n{tail}")
-    result = json.loads(metrics.read_text(encoding="utf-8"))
-    result.update({"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "load_before": load_before,
-                   "load_after": loadavg()})
+    flags = ["--model", model_dir, "--data", data_path, "--steps", args.steps, "--batch_size", args.batch_size,
+             "--max_length", args.max_length] + (["--threads", args.threads] if args.threads else [])
+    result, usage, load_before, load_after = run_child_benchmark(
+        sys.executable, str(Path(__file__).resolve()), run, work / f"{run}-r{repeat}", flags)
+    result.update({"wall_s": usage.wall_s, "peak_rss_mb": usage.peak_rss_mb, "load_before": load_before,
+                   "load_after": load_after})
+    print(f"  {run:<12} repeat {repeat + 1}: {result['tokens_per_s']:7.1f} tokens/s, "
+          f"{result['median_step_s']:5.2f} s/step, padding {result['padding_pct']:4.1f}%, "
+          f"peak RSS {result['peak_rss_mb']:6.0f} MB, wall {result['wall_s']:5.1f}s, "
+          f"load {result['load_before']} -> {result['load_after']}", flush=True)
     return result
-
-
-def best_of(results: list) -> dict:
-    best = dict(max(results, key=lambda r: r["tokens_per_s"]))
-    best["tokens_per_s_all"] = [r["tokens_per_s"] for r in results]
-    best["tokens_per_s_worst"] = min(best["tokens_per_s_all"])
-    best["peak_rss_mb_all"] = [r["peak_rss_mb"] for r in results]
-    best["peak_rss_mb"] = max(best["peak_rss_mb_all"])  # the worst peak: a memory bound must hold every time
-    return best
 
 
 def main(argv=None) -> dict:
@@ -419,118 +393,67 @@ def main(argv=None) -> dict:
         return run_child(args)
     os.chdir(REPO)
     runs = list(dict.fromkeys(list(args.runs) + (["proto", "proto_packed"] if args.prototype else [])))
-    work = Path(tempfile.mkdtemp(prefix="bench_sft-"))
-    # Inherited by the children: nothing from a hub, no progress bars, datasets' cache in work.
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_CACHE"] = str(work / "hf_datasets")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["DISABLE_MLFLOW_INTEGRATION"] = "TRUE"
-    os.environ["WANDB_DISABLED"] = "true"
-    sys.path.insert(0, str(REPO / "scripts" / "demo"))
+    with scratch_dir("bench_sft-", keep=args.keep) as work:
+        # Inherited by the children: datasets' cache in work.
+        quiet_offline_env(HF_DATASETS_CACHE=str(work / "hf_datasets"))
+        import trl  # noqa: F401  (fail now, not after the first runs, without requirements-bench.txt)
 
-    import trl  # noqa: F401  (fail now, not after the first runs, without requirements-bench.txt)
-
-    from prepare_default import prepare_model
-
-    try:
-        start = time.perf_counter()
-        model_dir = prepare_model(args.cache_dir)
-        print(f"model: {model_dir} (prepared in {time.perf_counter() - start:.1f}s)", flush=True)
+        model_dir = prepared_model(args.cache_dir)
         data_path = work / "sft.jsonl"
-        records = make_records(args.samples, SEED)
-        with open(data_path, "w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        lengths = [min(args.max_length, len(tokenizer.apply_chat_template(r["messages"], tokenize=True,
-                                                                          return_dict=True)["input_ids"]))
-                   for r in records]
-        data_info = {"samples": len(records), "mean_tokens": sum(lengths) / len(lengths),
-                     "median_tokens": statistics.median(lengths), "max_tokens": max(lengths),
-                     "at_max_length": sum(n >= args.max_length for n in lengths),
-                     "task_weights": TASK_WEIGHTS, "review_max_chars": REVIEW_MAX_CHARS}
-        print(f"data: {len(records)} chat records, {data_info['mean_tokens']:.1f} tokens a sample on average "
-              f"(median {data_info['median_tokens']}, {data_info['at_max_length']} cut at {args.max_length}); "
-              f"batch {args.batch_size}, {args.steps} steps, {os.cpu_count()} CPUs, load average {loadavg()}",
-              flush=True)
-
+        data_info = write_training_data(model_dir, data_path, args.samples, args.max_length)
+        print(f"data: {data_info['samples']} chat records, {data_info['mean_tokens']:.1f} tokens a sample on "
+              f"average (median {data_info['median_tokens']}, {data_info['at_max_length']} cut at "
+              f"{args.max_length}); batch {args.batch_size}, {args.steps} steps, {os.cpu_count()} CPUs, "
+              f"load average {loadavg()}", flush=True)
         raw = {run: [] for run in runs}
         for repeat in range(args.repeats):
             for run in runs:
-                result = spawn(run, args, model_dir, data_path, work, repeat)
-                raw[run].append(result)
-                print(f"  {run:<12} repeat {repeat + 1}: {result['tokens_per_s']:7.1f} tokens/s, "
-                      f"{result['median_step_s']:5.2f} s/step, padding {result['padding_pct']:4.1f}%, "
-                      f"peak RSS {result['peak_rss_mb']:6.0f} MB, wall {result['wall_s']:5.1f}s, "
-                      f"load {result['load_before']} -> {result['load_after']}", flush=True)
+                raw[run].append(spawn(run, args, model_dir, data_path, work, repeat))
                 # A partial report after every run: a long benchmark cut short still leaves its figures.
                 write_report(args, raw, model_dir, data_info, complete=False)
-    finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-
     report = write_report(args, raw, model_dir, data_info, complete=True)
     print(f"\nwrote {args.output}")
     return report
 
 
-def write_report(args, raw: dict, model_dir: str, data_info: dict, complete: bool) -> dict:
-    """Best of each run, the ratios and the verdicts; printed when complete, always written to --output."""
-    import peft
-    import torch
-    import transformers
-    import trl
-
-    runs = [run for run, results in raw.items() if results]
-    out = sys.stdout if complete else io.StringIO()
-    results = {run: best_of(raw[run]) for run in runs}
+def print_results(results: dict, ratios: Ratios, out) -> None:
     print(file=out)
     header = (f"{'run':<13} {'tokens/s':>9} {'worst':>7} {'tok/CPU-s':>9} {'s/step':>7} {'1st step':>8} "
               f"{'padding':>8} {'tokens':>7} {'labelled':>8} {'train s':>8} {'peak RSS MB':>11}")
-    print(header, file=out)
-    print("-" * len(header), file=out)
-    for run, r in results.items():
-        print(f"{run:<13} {r['tokens_per_s']:>9.1f} {r['tokens_per_s_worst']:>7.1f} {r['tokens_per_cpu_s']:>9.1f} "
-              f"{r['median_step_s']:>7.2f} "
-              f"{r['first_step_s']:>8.2f} {r['padding_pct']:>7.1f}% {r['non_padding_tokens']:>7} "
-              f"{r['labelled_tokens']:>8} {r['train_s']:>8.1f} {r['peak_rss_mb']:>11.0f}", file=out)
+    print_table(header, (
+        f"{run:<13} {r['tokens_per_s']:>9.1f} {r['tokens_per_s_worst']:>7.1f} {r['tokens_per_cpu_s']:>9.1f} "
+        f"{r['median_step_s']:>7.2f} {r['first_step_s']:>8.2f} {r['padding_pct']:>7.1f}% "
+        f"{r['non_padding_tokens']:>7} {r['labelled_tokens']:>8} {r['train_s']:>8.1f} {r['peak_rss_mb']:>11.0f}"
+        for run, r in results.items()), file=out)
+    ratios.print(38, file=out)
 
-    ratios, verdicts = {}, []
 
-    def ratio(name, ours, theirs, target=None, rss=False):
-        if ours not in results or theirs not in results:
-            return
-        a, b = results[ours], results[theirs]
-        value = a["peak_rss_mb"] / b["peak_rss_mb"] if rss else a["tokens_per_s"] / b["tokens_per_s"]
-        ratios[name] = value
-        if not rss:  # the same ratio in CPU time, less sensitive to other jobs on a shared machine
-            ratios[name.replace("tokens/s", "tokens/CPU-s")] = a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"]
-        if target is not None:
-            ok = value <= target if rss else value >= target
-            verdicts.append((name, value, target, ok, rss))
+def compare(results: dict) -> Ratios:
+    """ours (and proto) against TRL: tokens/s (and tokens per CPU second) and peak RSS."""
+    ratios = Ratios(results)
+
+    def speed(name, run, other, target=None):
+        ratios.add(name, run, other, "tokens_per_s", target, at_most=False)
+        # The same ratio in CPU time, less sensitive to other jobs on a shared machine.
+        ratios.add(name.replace("tokens/s", "tokens/CPU-s"), run, other, "tokens_per_cpu_s")
 
     for prefix in ("ours", "proto"):
-        ratio(f"{prefix}_packed/trl tokens/s", f"{prefix}_packed", "trl", TARGET_VS_TRL)
-        ratio(f"{prefix}_packed/trl_packed tokens/s", f"{prefix}_packed", "trl_packed", TARGET_VS_TRL_PACKED)
-        ratio(f"{prefix}/trl tokens/s", prefix, "trl")
-        ratio(f"{prefix}_packed/trl_packed peak RSS", f"{prefix}_packed", "trl_packed", RSS_TARGET, rss=True)
-        ratio(f"{prefix}/trl peak RSS", prefix, "trl", RSS_TARGET, rss=True)
-        ratio(f"{prefix}_packed/trl peak RSS", f"{prefix}_packed", "trl", rss=True)
-    print(file=out)
-    for name, value in ratios.items():
-        print(f"{name:<38} {value:5.2f}", file=out)
-    print(file=out)
-    for name, value, target, ok, rss in verdicts:
-        bound = "<=" if rss else ">="
-        print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})", file=out)
+        speed(f"{prefix}_packed/trl tokens/s", f"{prefix}_packed", "trl", TARGET_VS_TRL)
+        speed(f"{prefix}_packed/trl_packed tokens/s", f"{prefix}_packed", "trl_packed", TARGET_VS_TRL_PACKED)
+        speed(f"{prefix}/trl tokens/s", prefix, "trl")
+        ratios.add(f"{prefix}_packed/trl_packed peak RSS", f"{prefix}_packed", "trl_packed", "peak_rss_mb",
+                   RSS_TARGET)
+        ratios.add(f"{prefix}/trl peak RSS", prefix, "trl", "peak_rss_mb", RSS_TARGET)
+        ratios.add(f"{prefix}_packed/trl peak RSS", f"{prefix}_packed", "trl", "peak_rss_mb")
+    return ratios
 
+
+def write_report(args, raw: dict, model_dir: str, data_info: dict, complete: bool) -> dict:
+    """Best of each run, the ratios and the verdicts; printed when complete, always written to --output."""
+    results = {run: best_of(rows, "tokens_per_s", higher_is_better=True, with_worst=True)
+               for run, rows in raw.items() if rows}
+    ratios = compare(results)
+    print_results(results, ratios, report_stream(complete))
     report = {
         "benchmark": "sft",
         "complete": complete,
@@ -541,17 +464,13 @@ def write_report(args, raw: dict, model_dir: str, data_info: dict, complete: boo
                      "repeats": args.repeats, "threads": args.threads},
         "targets": {"ours_packed_vs_trl_min": TARGET_VS_TRL, "ours_packed_vs_trl_packed_min": TARGET_VS_TRL_PACKED,
                     "peak_rss_ratio_max": RSS_TARGET},
-        "environment": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                        "torch": torch.__version__, "transformers": transformers.__version__,
-                        "peft": peft.__version__, "trl": trl.__version__},
+        "environment": environment("torch", "transformers", "peft", "trl"),
         "results": results,
         "runs": raw,
-        "ratios": ratios,
-        "verdicts": [{"ratio": n, "value": v, "target": t, "meets": ok} for n, v, t, ok, _ in verdicts],
+        "ratios": ratios.values,
+        "verdicts": ratios.verdict_records(),
     }
-    out_path = Path(args.output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(args.output, report)
     return report
 
 

@@ -1,0 +1,288 @@
+"""What the benchmarks in benchmarks/ share: running a child process and reading its wall time,
+peak RSS and CPU time; timing a transformers Trainer's steps from inside a child; best-of-repeats
+summaries, ratios against targets, printed tables and the JSON reports under outputs/bench/.
+
+Not a benchmark itself (`make bench` runs benchmarks/bench_*.py): the scripts import it as
+`measure`, their own directory being first on sys.path when run as scripts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Inherited by every child: nothing from a model hub, no progress bars, no experiment trackers.
+QUIET_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                     "TQDM_DISABLE": "1", "DISABLE_MLFLOW_INTEGRATION": "TRUE", "WANDB_DISABLED": "true"}
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def quiet_offline_env(**extra: str) -> None:
+    """QUIET_OFFLINE_ENV and `extra` into os.environ (before transformers/datasets read them)."""
+    os.environ.update(QUIET_OFFLINE_ENV)
+    os.environ.update(extra)
+
+
+def use_project_scripts(*subdirs: str) -> None:
+    """Makes scripts/<subdir> importable (the project's scripts are not a package)."""
+    for subdir in subdirs:
+        sys.path.insert(0, str(REPO / "scripts" / subdir))
+
+
+def prepared_model(cache_dir: str, label: str = "model") -> str:
+    """scripts/demo/prepare_default.py's SmolLM2-135M-Instruct directory (built once under cache_dir);
+    prints how long preparing it took."""
+    use_project_scripts("demo")
+    from prepare_default import prepare_model
+
+    model_dir, seconds = timed(prepare_model, cache_dir)
+    print(f"{label}: {model_dir} (prepared in {seconds:.1f}s)", flush=True)
+    return model_dir
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, keep: bool = False, copy_to: str | None = None):
+    """A temporary work directory, removed on exit unless keep (then its path is printed); with
+    copy_to, first copied there (replacing what was there)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    finally:
+        if copy_to:
+            shutil.rmtree(copy_to, ignore_errors=True)
+            shutil.copytree(work, copy_to)
+        if keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- timing and child processes
+
+
+def timed(function, *args):
+    """(function(*args), its wall seconds)."""
+    start = time.perf_counter()
+    result = function(*args)
+    return result, time.perf_counter() - start
+
+
+def loadavg() -> list:
+    """The machine's 1, 5 and 15-minute load averages, rounded; [] where the OS has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+@dataclass
+class ChildUsage:
+    """One child process's own figures: os.wait4's rusage for that child alone."""
+
+    wall_s: float
+    peak_rss_mb: float  # ru_maxrss (KiB on Linux) / 1024
+    cpu_s: float  # user + system
+
+
+def run_child(command: list, log_path: Path, what: str, env: dict | None = None,
+              expect: Path | None = None) -> ChildUsage:
+    """Runs command (from the repo root) to completion, its stdout and stderr into log_path.
+    Raises SystemExit with the log's tail when it fails, or leaves no `expect` file."""
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen([str(part) for part in command], cwd=REPO, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 or (expect is not None and not expect.is_file()):
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+        raise SystemExit(f"{what} failed (exit {code}); last lines of {log_path}:\n{tail}")
+    return ChildUsage(wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime)
+
+
+def run_child_benchmark(python: str, script: str, run: str, run_dir: Path, flags: list) -> tuple:
+    """`python script --child run --workdir run_dir --metrics run_dir/metrics.json *flags`, measured:
+    (the metrics the child wrote, its ChildUsage, load average before, load average after)."""
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.json"
+    command = [python, script, "--child", run, "--workdir", run_dir, "--metrics", metrics, *flags]
+    load_before = loadavg()
+    usage = run_child(command, run_dir / "log.txt", f"run {run}", expect=metrics)
+    return read_results(metrics), usage, load_before, loadavg()
+
+
+def add_child_arguments(parser, runs) -> None:
+    """The hidden flags by which a benchmark runs one of its runs in a child process of itself."""
+    import argparse
+
+    parser.add_argument("--child", choices=runs, help=argparse.SUPPRESS)
+    for name in ("--model", "--data", "--workdir", "--metrics"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+
+
+def set_torch_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- inside a training child
+
+
+def after_trainer_init(hook) -> None:
+    """Every transformers Trainer built from now on (whatever the subclass) calls hook(trainer)
+    at the end of its __init__."""
+    from transformers import Trainer
+
+    original_init = Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        hook(self)
+
+    Trainer.__init__ = init
+
+
+class TrainingClock:
+    """Times a Trainer's optimizer steps through `self.callback`: the wall and CPU seconds of each,
+    from on_train_begin (step 1) or the previous on_step_end to its on_step_end, passed to
+    step_done(); keeps every log the trainer emits; calls finish(args) at on_train_end."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                clock.began = clock.last = (time.perf_counter(), time.process_time())
+
+            def on_step_end(self, args, state, control, **kwargs):
+                previous, clock.last = clock.last, (time.perf_counter(), time.process_time())
+                clock.step_done(clock.last[0] - previous[0], clock.last[1] - previous[1])
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs:
+                    clock.logs.append(dict(logs))
+
+            def on_train_end(self, args, state, control, **kwargs):
+                clock.finish(args)
+
+        self.callback = Callback()
+        self.began = self.last = None  # (perf_counter, process_time)
+        self.logs = []
+
+    def train_wall_s(self) -> float:
+        return self.last[0] - self.began[0]
+
+    def train_cpu_s(self) -> float:
+        return self.last[1] - self.began[1]
+
+    def step_done(self, wall_s: float, cpu_s: float) -> None:
+        raise NotImplementedError
+
+    def finish(self, args) -> None:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- results and reports
+
+
+def best_of(results: list, key: str, higher_is_better: bool, with_worst: bool = False) -> dict:
+    """The repeat with the best `key`, with every repeat's `key` (and the worst) beside it; its
+    peak_rss_mb is the worst peak of all repeats: a memory bound must hold every time."""
+    pick = max if higher_is_better else min
+    best = dict(pick(results, key=lambda r: r[key]))
+    best[f"{key}_all"] = [r[key] for r in results]
+    if with_worst:
+        best[f"{key}_worst"] = (min if higher_is_better else max)(best[f"{key}_all"])
+    best["peak_rss_mb_all"] = [r["peak_rss_mb"] for r in results]
+    best["peak_rss_mb"] = max(best["peak_rss_mb_all"])
+    return best
+
+
+class Ratios:
+    """Ratios of one run's figure to another's, in the order added, and the verdicts of those
+    that have a target."""
+
+    def __init__(self, results: dict):
+        self.results, self.values, self.verdicts = results, {}, []
+
+    def add(self, name: str, run: str, other: str, key: str, target: float | None = None,
+            at_most: bool = True) -> None:
+        """results[run][key] / results[other][key] (skipped unless both ran); a verdict when target
+        is given: the ratio must be <= target (at_most) or >= it."""
+        if run not in self.results or other not in self.results:
+            return
+        value = self.results[run][key] / self.results[other][key]
+        self.values[name] = value
+        if target is not None:
+            self.verdicts.append((name, value, target, value <= target if at_most else value >= target, at_most))
+
+    def print(self, name_width: int, file=None) -> None:
+        print(file=file)
+        for name, value in self.values.items():
+            print(f"{name:<{name_width}} {value:5.2f}", file=file)
+        print(file=file)
+        for name, value, target, ok, at_most in self.verdicts:
+            bound = "<=" if at_most else ">="
+            print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})", file=file)
+
+    def verdict_records(self) -> list:
+        return [{"ratio": n, "value": v, "target": t, "meets": ok} for n, v, t, ok, _ in self.verdicts]
+
+
+def report_stream(complete: bool):
+    """Where a report prints: stdout for the final one, nowhere for the partial ones."""
+    return sys.stdout if complete else io.StringIO()
+
+
+def print_table(header: str, lines, file=None, rule: bool = True) -> None:
+    """header, a rule of dashes as wide (unless rule is False), then the lines."""
+    print(header, file=file)
+    if rule:
+        print("-" * len(header), file=file)
+    for line in lines:
+        print(line, file=file)
+
+
+def environment(*packages: str, **settings) -> dict:
+    """The machine and versions a report was measured with: CPU count, `settings`, Python, and
+    the __version__ of each package named."""
+    return {"cpu_count": os.cpu_count(), **settings, "python": platform.python_version(),
+            **{name: importlib.import_module(name).__version__ for name in packages}}
+
+
+def read_results(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def write_json(path, data, ensure_ascii: bool = True) -> Path:
+    """data as indented JSON at path (its folder made if missing); the path written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=ensure_ascii) + "\n", encoding="utf-8")
+    return path
+
+
+def write_jsonl(path: Path, records) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
