@@ -10,18 +10,19 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
+# torchrun on the GPUs visible; NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT DRY_RUN: see launch.sh
+source "$here/launch.sh"
 
 ACTOR=${ACTOR:?set ACTOR to the actor base model directory (or a merged SFT model)}
 REWARD=${REWARD:-$ACTOR}
 DATA=${DATA:?set DATA to a directory of .json/.jsonl prompt files}
 OUTPUT=${OUTPUT:-outputs/ppo}
-NPROC=${NPROC:-8}
 DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 adapters=()
 if [ -n "${SFT_ADAPTER:-}" ]; then adapters+=(--actor_lora_model "$SFT_ADAPTER"); fi
 if [ -n "${RM_ADAPTER:-}" ]; then adapters+=(--reward_lora_model "$RM_ADAPTER"); fi
 
-torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_ppo.py" \
+launch "$here/run_ppo.py" \
     --deepspeed "$DS_CONFIG" \
     --actor_model_name_or_path "$ACTOR" \
     --reward_model_name_or_path "$REWARD" \

@@ -6,13 +6,14 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
+# torchrun on the GPUs visible; NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT DRY_RUN: see launch.sh
+source "$here/launch.sh"
 
 MODEL=${MODEL:?set MODEL to the base model directory}
 TOKENIZER=${TOKENIZER:-$MODEL}
 DATA=${DATA:?set DATA to a directory of .txt/.jsonl files}
 OUTPUT=${OUTPUT:-outputs/pt}
 DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
-NPROC=${NPROC:-8}
 DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 
 lr=2e-4
@@ -24,7 +25,7 @@ lora_dropout=0.05
 # New vocabulary rows only learn if the embeddings train in full; drop this line for a base vocabulary.
 modules_to_save="embed_tokens,lm_head"
 
-torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_clm_pt_with_peft.py" \
+launch "$here/run_clm_pt_with_peft.py" \
     --deepspeed "$DS_CONFIG" \
     --model_name_or_path "$MODEL" \
     --tokenizer_name_or_path "$TOKENIZER" \

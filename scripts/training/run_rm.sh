@@ -6,17 +6,18 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
+# torchrun on the GPUs visible; NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT DRY_RUN: see launch.sh
+source "$here/launch.sh"
 
 MODEL=${MODEL:?set MODEL to the SFT-merged (or base) model directory}
 DATA=${DATA:?set DATA to a directory of .json/.jsonl preference-pair files}
 OUTPUT=${OUTPUT:-outputs/rm}
 DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
-NPROC=${NPROC:-8}
 DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 validation=()
 if [ -n "${VALID:-}" ]; then validation=(--validation_file "$VALID" --eval_strategy steps --eval_steps 100); fi
 
-torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_reward.py" \
+launch "$here/run_reward.py" \
     --deepspeed "$DS_CONFIG" \
     --model_name_or_path "$MODEL" \
     --dataset_dir "$DATA" \

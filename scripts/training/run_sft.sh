@@ -6,13 +6,14 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
+# torchrun on the GPUs visible; NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT DRY_RUN: see launch.sh
+source "$here/launch.sh"
 
 MODEL=${MODEL:?set MODEL to the base (or pretraining-merged) model directory}
 TOKENIZER=${TOKENIZER:-$MODEL}
 DATA=${DATA:?set DATA to a directory of .json/.jsonl conversation files}
 OUTPUT=${OUTPUT:-outputs/sft}
 DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
-NPROC=${NPROC:-8}
 DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 validation=()
 if [ -n "${VALID:-}" ]; then validation=(--validation_file "$VALID" --eval_strategy steps --eval_steps 100); fi
@@ -24,7 +25,7 @@ lora_alpha=128
 lora_trainable="all-linear"
 lora_dropout=0.05
 
-torchrun --nnodes 1 --nproc_per_node "$NPROC" "$here/run_sft_with_peft.py" \
+launch "$here/run_sft_with_peft.py" \
     --deepspeed "$DS_CONFIG" \
     --model_name_or_path "$MODEL" \
     --tokenizer_name_or_path "$TOKENIZER" \

@@ -1,0 +1,68 @@
+"""The run_*.sh wrappers: torchrun on the GPUs visible (not a fixed 8), the multi-node variables
+passed through, and bad input still one line with exit status 2 through the wrapper."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from helpers.commands import REPO
+
+WRAPPERS = {"run_pt.sh": "run_clm_pt_with_peft.py", "run_sft.sh": "run_sft_with_peft.py",
+            "run_rm.sh": "run_reward.py", "run_ppo.sh": "run_ppo.py"}
+REQUIRED = {"MODEL": "m", "DATA": "d", "ACTOR": "a", "REWARD": "r", "CRITIC": "c", "SFT_MODEL": "s"}
+
+
+def wrapper_command(name: str, env: dict, *args: str) -> list:
+    """The torchrun command a wrapper would run (DRY_RUN=1), as a list of arguments."""
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC", "NNODES")}
+    result = subprocess.run(["bash", os.path.join(REPO, "scripts", "training", name), *args],
+                            env={**base, **REQUIRED, "DRY_RUN": "1", **env}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return shlex.split(result.stdout)
+
+
+def option(command: list, name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_process_count_follows_the_visible_gpus(name):
+    command = wrapper_command(name, {"CUDA_VISIBLE_DEVICES": "0,1,2"}, "--max_steps", "5")
+    assert os.path.basename(command[1]) == "launch.py" and option(command, "--nproc_per_node") == "3"
+    script = next(arg for arg in command[2:] if arg.endswith(".py"))
+    assert os.path.basename(script) == WRAPPERS[name]
+    assert command[-2:] == ["--max_steps", "5"]  # the user's arguments come last and win
+    assert option(wrapper_command(name, {"CUDA_VISIBLE_DEVICES": ""}), "--nproc_per_node") == "1"
+    assert option(wrapper_command(name, {"CUDA_VISIBLE_DEVICES": "0,1", "NPROC": "4"}), "--nproc_per_node") == "4"
+
+
+def test_multi_node_variables_pass_through():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "NNODES": "2", "NODE_RANK": "1",
+           "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29611"}
+    command = wrapper_command("run_sft.sh", env)
+    assert [option(command, f) for f in ("--nnodes", "--node_rank", "--master_addr", "--master_port")] == \
+        ["2", "1", "10.0.0.7", "29611"]
+    assert option(command, "--nproc_per_node") == "8"
+
+
+def test_bad_input_through_a_wrapper(tmp_path, tiny_model_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = json.dumps({"instruction": "q", "output": "a"})
+    (data / "sft.jsonl").write_text(good + "\n{broken\n")
+    output = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "MODEL": str(tiny_model_dir),
+           "DATA": str(data), "OUTPUT": str(output), "MASTER_PORT": "29617"}
+    result = subprocess.run(["bash", os.path.join(REPO, "scripts", "training", "run_sft.sh"),
+                             "--bf16", "False", "--torch_dtype", "float32", "--use_cpu", "--max_seq_length", "128"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {data / 'sft.jsonl'}:2: not valid JSON (Expecting property name enclosed in double "
+                      "quotes at column 2)"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not (output / "sft_lora_model").exists()
