@@ -26,20 +26,71 @@ def run_cli(main: Callable[[], None]) -> None:
         sys.exit(2)
 
 
+ARGUMENT_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
 def parse_args(dataclass_types, argv=None):
-    """Parse the dataclasses from the command line, or from a single .json/.yaml file."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Parse the dataclasses from the command line, optionally led by a .json/.yaml file of
+    arguments: `script.py my.yaml --learning_rate 1e-4` takes the file first and lets the command
+    line win. The file may also follow the `--local_rank=N` the DeepSpeed launcher puts first."""
     from transformers import HfArgumentParser  # here, not at the top: records and merge import this module torch-free
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = HfArgumentParser(dataclass_types)
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        path = os.path.abspath(argv[0])
-        if not os.path.isfile(path):
-            raise InputError(f"{argv[0]}: argument file does not exist")
-        if path.endswith(".json"):
-            return parser.parse_json_file(path, allow_extra_keys=False)
-        return parser.parse_yaml_file(path, allow_extra_keys=False)
-    return parser.parse_args_into_dataclasses(args=argv)
+    path, command_line = split_argument_file(argv)
+    file_tokens = argument_file_tokens(path, parser) if path else []
+    return parser.parse_args_into_dataclasses(args=file_tokens + command_line)
+
+
+def split_argument_file(argv: list) -> tuple:
+    """(argument file or None, the other arguments)."""
+    launcher = []
+    rest = list(argv)
+    while rest and rest[0].startswith("--local_rank"):
+        taken = 1 if "=" in rest[0] else 2
+        launcher, rest = launcher + rest[:taken], rest[taken:]
+    if rest and not rest[0].startswith("-") and rest[0].endswith(ARGUMENT_FILE_SUFFIXES):
+        return rest[0], launcher + rest[1:]
+    return None, list(argv)
+
+
+def argument_file_tokens(path: str, parser) -> list:
+    """The file's arguments as command-line tokens, so they go through the same parsing (types,
+    choices, the old flags' mapping) as typed ones; an unknown name is refused, naming the file."""
+    if path.endswith(".json"):
+        values = read_json(path, "argument file")
+    else:
+        values = read_yaml(path, "argument file")
+    known = {action.dest for action in parser._actions}
+    tokens = []
+    for name, value in values.items():
+        if name not in known:
+            raise InputError(f"{path}: field '{name}' is not an argument of this script")
+        if value is None or value == []:
+            continue  # the script's default
+        if isinstance(value, dict):
+            value = json.dumps(value)
+        tokens += [f"--{name}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return tokens
+
+
+def read_yaml(path: str, what: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise InputError(f"{path}: {what} does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: cannot read {what} ({err})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise InputError(f"{path}{line}: {what} is not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: {what} must hold a mapping of argument names to values")
+    return value
 
 
 def read_json(path: str, what: str) -> dict:
