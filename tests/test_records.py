@@ -1,10 +1,21 @@
 """records.py: every record shape -> one validated list of messages, with an explicit end
 (ANSWER for training, PROMPT where the model answers next) and no stand-in answers."""
 
+import json
+
 import pytest
 
 from cli import InputError
-from records import ANSWER, PROMPT, conversation_of, preference_of, prompt_of, request_of
+from records import (
+    ANSWER,
+    PROMPT,
+    conversation_of,
+    preference_of,
+    prompt_of,
+    read_conversations,
+    read_records,
+    request_of,
+)
 
 SYSTEM = {"role": "system", "content": "be brief"}
 HISTORY = [["1+1?", "2"]]
@@ -72,3 +83,27 @@ def test_chat_requests():
         request_of("q:3", {"question": "hi"})
     with pytest.raises(InputError, match=r"^q:4: field 'messages\[1\]': two consecutive user turns$"):
         request_of("q:4", {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+
+
+def test_unicode_line_separators_inside_strings_are_data(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw inside strings: they
+    belong to the record, not a line break (str.splitlines() would cut the record there)."""
+    answer = "one\u2028two\u2029three\x85four"
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in [
+        {"instruction": "q1", "output": answer}, {"instruction": "q2", "output": "plain"}]) + "\n", encoding="utf-8")
+    assert [(where, messages[-1]["content"]) for where, messages, _ in read_conversations(str(path))] == [
+        (f"{path}:1", answer), (f"{path}:2", "plain")]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(tmp_path, suffix, constant):
+    good = '{"prompt": "p", "chosen": "c", "rejected": "r", "margin": 1}'
+    bad = good.replace('"margin": 1', f'"margin": {constant}')
+    path = tmp_path / f"d{suffix}"
+    path.write_text(f"{good}\n{bad}\n" if suffix == ".jsonl" else f"[\n{good},\n{bad}\n]\n")
+    line = 2 if suffix == ".jsonl" else 3
+    expected = f"^{path}:{line}: not valid JSON \\({constant} is not a number JSON allows\\)$"
+    with pytest.raises(InputError, match=expected):
+        list(read_records(str(path)))

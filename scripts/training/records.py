@@ -52,8 +52,19 @@ def find_record_files(dataset_dir: Optional[str], data_paths: Optional[list]) ->
     return files
 
 
+class NonFiniteNumber(ValueError):
+    """NaN or Infinity in a data file: Python's json accepts them, JSON does not, and one NaN
+    (a pair's margin, say) turns every loss after it into NaN."""
+
+
+def refuse_non_finite(constant: str):
+    raise NonFiniteNumber(f"{constant} is not a number JSON allows")
+
+
 def read_records(path: str) -> Iterator[tuple]:
-    """(line number, record) for each record of a .jsonl file or of a .json list."""
+    """(line number, record) for each record of a .jsonl file or of a .json list. Lines end at
+    "\n" only: str.splitlines() would also split at U+2028, U+2029 and U+0085, which
+    json.dumps(ensure_ascii=False) leaves raw inside strings."""
     try:
         with open(path, "rb") as handle:
             raw = handle.read()
@@ -62,20 +73,22 @@ def read_records(path: str) -> Iterator[tuple]:
         line = raw.count(b"\n", 0, err.start) + 1
         raise InputError(f"{path}:{line}: not valid UTF-8") from None
     if path.endswith(".jsonl"):
-        for line_number, line in enumerate(text.splitlines(), start=1):
+        for line_number, line in enumerate(text.split("\n"), start=1):
             if line.strip():
                 try:
-                    yield line_number, json.loads(line)
+                    yield line_number, json.loads(line, parse_constant=refuse_non_finite)
                 except json.JSONDecodeError as err:
                     raise InputError(f"{path}:{line_number}: not valid JSON "
                                      f"({err.msg} at column {err.colno})") from None
+                except NonFiniteNumber as err:
+                    raise InputError(f"{path}:{line_number}: not valid JSON ({err})") from None
         return
     yield from read_json_list(path, text)
 
 
 def read_json_list(path: str, text: str) -> Iterator[tuple]:
     """Decode a JSON list element by element, so each record's error names its own line."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_constant=refuse_non_finite)
     position = len(text) - len(text.lstrip())
     if not text.startswith("[", position):
         raise InputError(f"{path}:1: a .json data file must hold a list of records")
@@ -92,6 +105,8 @@ def read_json_list(path: str, text: str) -> Iterator[tuple]:
             record, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as err:
             raise InputError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+        except NonFiniteNumber as err:
+            raise InputError(f"{path}:{line_number}: not valid JSON ({err})") from None
         yield line_number, record
 
 
