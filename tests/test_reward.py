@@ -224,3 +224,27 @@ def test_identical_pairs_are_dropped_and_counted(tiny_tokenizer_dir, tmp_path, c
                                          str(tmp_path / "cache"))
     assert len(pairs) == 2
     assert "dropped 2 pairs whose chosen and rejected answers are identical" in caplog.text
+
+
+def test_parallel_pair_tokenization_matches_one_process_and_reports_errors(tiny_tokenizer_dir, tmp_path):
+    """Pairs are read and tokenized in two forked processes (shards of 256): the same rows in the
+    same order; a bad record in the second process's shard is refused as from one process."""
+    from build_dataset import build_preference_dataset
+    from chat_templates import named_template
+    from cli import InputError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    template = named_template("chatml", tokenizer)
+    rng = random.Random(3)
+    pairs = [{"prompt": f"问题 {i}", "chosen": " ".join(rng.sample(CHINESE, 3)),
+              "rejected": " ".join(rng.sample(ENGLISH, 3)), "margin": i % 3} for i in range(600)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in pairs), encoding="utf-8")
+    built = [build_preference_dataset([str(data)], tokenizer, template, 256, str(tmp_path / f"c{n}"), num_proc=n)
+             for n in (1, 2)]
+    assert len(built[0]) == 600 and built[0].to_dict() == built[1].to_dict()
+    pairs[500] = {"prompt": "p", "rejected": "r"}
+    data.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in pairs), encoding="utf-8")
+    for num_proc in (1, 2):
+        with pytest.raises(InputError, match=f"^{data}:501: field 'chosen' is missing$"):
+            build_preference_dataset([str(data)], tokenizer, template, 256, str(tmp_path / "c"), num_proc=num_proc)

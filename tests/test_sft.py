@@ -228,6 +228,20 @@ def test_data_split_applies_per_dataset_and_spares_sft_only(tokenizer, tmp_path)
     assert not any(tuple(ids) in sft_rows for ids in reward_part["input_ids"])
 
 
+def test_parallel_tokenization_gives_the_same_samples(tokenizer, tmp_path):
+    """--preprocessing_num_workers 2 forks two tokenizing processes over shards of 256
+    conversations; the samples, their order and the drop count are those of one process."""
+    path = tmp_path / "a.jsonl"
+    records = arithmetic_records(700, 5)
+    records[650]["instruction"] = "很长的问题 " * 200  # dropped: no answer token fits after this prompt
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records), encoding="utf-8")
+    template = named_template("alpaca", tokenizer)
+    built = {num_proc: build_sft_dataset([str(path)], tokenizer, template, 256, str(tmp_path / f"cache{num_proc}"),
+                                         num_proc=num_proc)
+             for num_proc in (1, 2)}
+    assert len(built[1]) == 700 - 1 and built[1].to_dict() == built[2].to_dict()
+
+
 @pytest.fixture(scope="module")
 def arithmetic_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_data")

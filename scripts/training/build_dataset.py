@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from chat_templates import save_template_kwargs
 from cli import InputError
-from conversation_tokenizer import ConversationTokenizer, tokenize_conversations
+from conversation_tokenizer import ConversationTokenizer
 from data_cache import build_or_load_cached, cache_key, file_fingerprint, tokenizer_fingerprint
 from data_splits import phase_part
 from pair_segments import PAIR_CHOSEN, PAIR_PADDING, PAIR_PREFIX, PAIR_REJECTED
@@ -64,34 +64,55 @@ def tokenize_documents(tokenizer, documents: list, prefix: list, suffix: list) -
     return np.fromiter(chain.from_iterable(parts), dtype=np.int32, count=sum(map(len, parts)))
 
 
-_WORKER_TOKENIZER = None
+# What forked workers run with, set in the parent just before the fork: inherited, never pickled.
+_FORKED_STATE = None
 
 
-def _worker_tokenize(task):
-    documents, prefix, suffix = task
-    return tokenize_documents(_WORKER_TOKENIZER, documents, prefix, suffix)
+def _with_forked_state(task):
+    function, shard = task
+    return function(_FORKED_STATE, shard)
+
+
+def map_shards(function, state, shards: list, num_proc: int, progress) -> list:
+    """[function(state, shard) for shard in shards], in order, over num_proc forked processes when
+    there is more than one shard (the state, a tokenizer, is inherited by the workers); progress
+    advances by each shard's length. An InputError in a worker is raised here."""
+    global _FORKED_STATE
+    results = []
+    if num_proc <= 1 or len(shards) <= 1:
+        for shard in shards:
+            results.append(function(state, shard))
+            progress.update(len(shard))
+        return results
+    _FORKED_STATE = state
+    try:
+        with get_context("fork").Pool(min(num_proc, len(shards))) as pool:
+            for shard, result in zip(shards, pool.imap(_with_forked_state, [(function, s) for s in shards])):
+                results.append(result)
+                progress.update(len(shard))
+    finally:
+        _FORKED_STATE = None
+    return results
+
+
+def shards_of(items: list, num_proc: int, smallest: int) -> list:
+    """items cut into about 4 shards per process (so a slow shard does not idle the others), each
+    at least `smallest` long."""
+    size = max(smallest, -(-len(items) // max(num_proc, 1) // 4))
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def tokenize_all(tokenizer, documents: list, num_proc: int) -> np.ndarray:
     prefix, suffix = document_affixes(tokenizer)
-    shard_size = max(TOKENIZE_BATCH_LINES, -(-len(documents) // max(num_proc, 1) // 4))
-    shards = [documents[i : i + shard_size] for i in range(0, len(documents), shard_size)]
-    progress = tqdm(total=len(documents), desc="Tokenizing", unit="doc", unit_scale=True)
-    arrays = []
-    if num_proc > 1 and len(shards) > 1:
-        global _WORKER_TOKENIZER
-        _WORKER_TOKENIZER = tokenizer  # inherited by the forked workers, never pickled
-        with get_context("fork").Pool(num_proc) as pool:
-            for shard, array in zip(shards, pool.imap(_worker_tokenize, [(s, prefix, suffix) for s in shards])):
-                arrays.append(array)
-                progress.update(len(shard))
-        _WORKER_TOKENIZER = None
-    else:
-        for shard in shards:
-            arrays.append(tokenize_documents(tokenizer, shard, prefix, suffix))
-            progress.update(len(shard))
-    progress.close()
+    with tqdm(total=len(documents), desc="Tokenizing", unit="doc", unit_scale=True) as progress:
+        arrays = map_shards(tokenize_document_shard, (tokenizer, prefix, suffix),
+                            shards_of(documents, num_proc, TOKENIZE_BATCH_LINES), num_proc, progress)
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
+
+
+def tokenize_document_shard(state: tuple, documents: list) -> np.ndarray:
+    tokenizer, prefix, suffix = state
+    return tokenize_documents(tokenizer, documents, prefix, suffix)
 
 
 def group_into_blocks(flat_ids: np.ndarray, block_size: int, fingerprint: Optional[str] = None) -> Dataset:
@@ -221,9 +242,40 @@ class ConversationDataArguments:
         default=None, metadata={"help": "Passed to templates that take it (Qwen3): false renders the empty "
                                 "<think></think> of non-thinking mode in the prompt."})
     max_seq_length: Optional[int] = field(default=None, metadata={"help": "Tokens per sequence (prompt + answer)."})
+    preprocessing_num_workers: int = field(
+        default=1, metadata={"help": "Processes that tokenize (the result does not depend on it)."}
+    )
     data_cache_dir: Optional[str] = field(default=None, metadata={"help": "Where tokenized data is cached."})
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train samples."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval samples."})
+
+
+# Conversations or pairs per shard of parallel tokenization: enough to amortise the hand-off.
+ROWS_PER_SHARD = 256
+
+
+def tokenize_conversation_shard(conversation_tokenizer, sources: list) -> tuple:
+    """[(where, messages, tools)] -> (rows, samples dropped: no answer token fits)."""
+    rows, dropped = {"input_ids": [], "labels": [], "length": []}, 0
+    for where, messages, tools in sources:
+        sample = conversation_tokenizer(where, messages, tools)
+        if sample is None:
+            dropped += 1
+            continue
+        rows["input_ids"].append(sample["input_ids"])
+        rows["labels"].append(sample["labels"])
+        rows["length"].append(len(sample["input_ids"]))
+    return rows, dropped
+
+
+def joined(parts: list) -> tuple:
+    """The (rows, dropped) of each shard, in order -> one (rows, dropped)."""
+    rows, dropped = {name: [] for name in parts[0][0]} if parts else {}, 0
+    for part_rows, part_dropped in parts:
+        for name, values in part_rows.items():
+            rows[name] += values
+        dropped += part_dropped
+    return rows, dropped
 
 
 def build_sft_dataset(
@@ -238,9 +290,11 @@ def build_sft_dataset(
     seed: int = 42,
     unsplit_files: tuple = (),
     template_kwargs: Optional[dict] = None,
+    num_proc: int = 1,
 ) -> Dataset:
     """Conversations of every file -> tokenized, masked samples, cached. With data_split, each
-    file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part."""
+    file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part.
+    num_proc processes tokenize (--preprocessing_num_workers); the result does not depend on it."""
     key = cache_key(
         {
             "version": SFT_CACHE_VERSION,
@@ -261,11 +315,13 @@ def build_sft_dataset(
         for path in files:
             split = None if path in unsplit_files else data_split
             sources += phase_part(read_conversations(path), split, data_phase, seed)
-        rows, dropped = tokenize_conversations(conversation_tokenizer, sources, "Tokenizing conversations")
+        with tqdm(total=len(sources), desc="Tokenizing conversations", unit="sample") as progress:
+            rows, dropped = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
+                                              shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc, progress))
         if dropped:
             logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d",
                            dropped, len(sources), max_length)
-        if not rows["input_ids"]:
+        if not rows.get("input_ids"):
             raise InputError(f"no trainable sample left in {', '.join(files)} "
                              f"(all dropped by --max_seq_length {max_length})")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
@@ -348,10 +404,11 @@ def build_preference_dataset(
     data_phase: int = 2,
     seed: int = 42,
     template_kwargs: Optional[dict] = None,
+    num_proc: int = 1,
 ) -> Dataset:
     """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to the
     end of its answer's turn: the score is read there), cached. A pair whose prompt alone fills
-    max_length is refused: it cannot be scored on its answers."""
+    max_length is refused: it cannot be scored on its answers. num_proc processes tokenize."""
     key = cache_key(
         {
             "version": PREFERENCE_CACHE_VERSION,
@@ -367,23 +424,13 @@ def build_preference_dataset(
                                                    template_kwargs=template_kwargs)
 
     def build(tmp_dir):
-        rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": [], "length": []}, 0
-        for path in files:
-            records = phase_part(records_of(path), data_split, data_phase, seed)
-            for where, record in tqdm(records, desc=f"Tokenizing pairs of {os.path.basename(path)}", unit="pair"):
-                context, chosen, rejected, margin = preference_of(where, record)
-                if chosen.strip() == rejected.strip():
-                    identical += 1
-                    continue
-                pair = [pair_side(conversation_tokenizer, where, context, answer, max_length)
-                        for answer in (chosen, rejected)]
-                rows["chosen_input_ids"].append(pair[0])
-                rows["rejected_input_ids"].append(pair[1])
-                rows["margin"].append(margin)
-                rows["length"].append(max(len(pair[0]), len(pair[1])))
+        records = [item for path in files for item in phase_part(records_of(path), data_split, data_phase, seed)]
+        with tqdm(total=len(records), desc="Tokenizing pairs", unit="pair") as progress:
+            rows, identical = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
+                                                shards_of(records, num_proc, ROWS_PER_SHARD), num_proc, progress))
         if identical:
             logger.warning("dropped %d pairs whose chosen and rejected answers are identical", identical)
-        if not rows["margin"]:
+        if not rows.get("margin"):
             raise InputError(f"no preference pair left in {', '.join(files)}")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
 
@@ -392,11 +439,27 @@ def build_preference_dataset(
     return dataset
 
 
-def pair_side(conversation_tokenizer, where: str, context: list, answer: str, max_length: int) -> list:
+def tokenize_pair_shard(conversation_tokenizer, records: list) -> tuple:
+    """([(where, record)] of preference pairs) -> (rows, pairs dropped as identical)."""
+    rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": [], "length": []}, 0
+    for where, record in records:
+        context, chosen, rejected, margin = preference_of(where, record)
+        if chosen.strip() == rejected.strip():
+            identical += 1
+            continue
+        pair = [pair_side(conversation_tokenizer, where, context, answer) for answer in (chosen, rejected)]
+        rows["chosen_input_ids"].append(pair[0])
+        rows["rejected_input_ids"].append(pair[1])
+        rows["margin"].append(margin)
+        rows["length"].append(max(len(pair[0]), len(pair[1])))
+    return rows, identical
+
+
+def pair_side(conversation_tokenizer, where: str, context: list, answer: str) -> list:
     """Token ids of the context followed by one answer of a pair."""
     sample = conversation_tokenizer(where, context + [{"role": "assistant", "content": answer}])
     if sample is None:
-        raise InputError(f"{where}: the prompt alone fills --max_seq_length {max_length}; "
+        raise InputError(f"{where}: the prompt alone fills --max_seq_length {conversation_tokenizer.max_length}; "
                          "raise it or shorten the prompt")
     return sample["input_ids"]
 

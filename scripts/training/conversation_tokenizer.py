@@ -7,7 +7,6 @@ from bisect import bisect_right
 from typing import Optional
 
 from jinja2 import TemplateError
-from tqdm.auto import tqdm
 
 from chat_templates import first_special_token, special_token_texts, turn_end_text
 from cli import InputError
@@ -252,15 +251,3 @@ class ConversationTokenizer:
         return input_ids, labels
 
 
-def tokenize_conversations(conversation_tokenizer, sources: list, desc: str) -> tuple:
-    """sources: [(where, messages, tools)] -> (rows, dropped)."""
-    rows, dropped = {"input_ids": [], "labels": [], "length": []}, 0
-    for where, messages, tools in tqdm(sources, desc=desc, unit="sample"):
-        sample = conversation_tokenizer(where, messages, tools)
-        if sample is None:
-            dropped += 1
-            continue
-        rows["input_ids"].append(sample["input_ids"])
-        rows["labels"].append(sample["labels"])
-        rows["length"].append(len(sample["input_ids"]))
-    return rows, dropped

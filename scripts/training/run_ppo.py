@@ -374,7 +374,8 @@ def main():
         with training_args.main_process_first(desc="tokenize the ptx data"):
             ptx_blocks = build_pretraining_blocks(
                 data_args.unsupervised_dataset_dir, tokenizer,
-                data_args.max_prompt_seq_len + data_args.max_answer_seq_len, data_cache_dir(data_args.data_cache_dir))
+                data_args.max_prompt_seq_len + data_args.max_answer_seq_len, data_cache_dir(data_args.data_cache_dir),
+                data_args.preprocessing_num_workers)
     if eval_prompts is None and training_args.eval_strategy != "no":
         raise InputError("--eval_strategy needs held-out prompts: --validation_file or --validation_split_percentage")
     set_seed(training_args.seed)

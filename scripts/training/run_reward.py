@@ -106,7 +106,8 @@ def build_datasets(data_args: RewardDataArguments, tokenizer, chat_template, max
     if not files:
         raise InputError("no training data: give --dataset_dir or --data_path")
     common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
-              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir)}
+              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir),
+              "num_proc": data_args.preprocessing_num_workers}
     train = build_preference_dataset(files, data_split=data_args.data_split, data_phase=data_args.data_phase,
                                      seed=seed, **common)
     if data_args.validation_file:

@@ -74,7 +74,8 @@ def build_datasets(data_args: SFTDataArguments, tokenizer, chat_template, max_le
     if not train_files and not unsplit:
         raise InputError("no training data: give --dataset_dir, --data_path or --sft_only_data_path")
     common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
-              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir)}
+              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir),
+              "num_proc": data_args.preprocessing_num_workers}
     train = build_sft_dataset(
         train_files + unsplit, train_on_last_turn_only=data_args.train_on_last_turn_only,
         data_split=data_args.data_split, data_phase=data_args.data_phase, seed=seed, unsplit_files=tuple(unsplit),
