@@ -5,7 +5,7 @@ pulling in datasets or the Trainer.
 Shapes: alpaca ({"instruction", "input"?, "output", "system"?, "history"?}), sharegpt
 ({"conversations": [{"from", "value"}]}), messages ({"messages": [{"role", "content"}]}), preference
 pairs ({"prompt", "chosen", "rejected"} or two message lists) and prompts ({"prompt"} or any of the
-above without its answer).
+above without its answer); and pretraining documents (a .txt line, a .jsonl {"text"}).
 
 A conversation has an explicit end:
 - ANSWER: it ends with the assistant's answer (what SFT and reward train on);
@@ -367,6 +367,8 @@ def conversation_pair(where: str, record: dict) -> tuple:
         raise InputError(f"{where}: fields 'chosen' and 'rejected' must share every turn but the last answer")
     return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
 
+
+# ----------------------------------------------------------------------------- pretraining documents
 
 PRETRAINING_SUFFIXES = (".txt", ".jsonl")
 
