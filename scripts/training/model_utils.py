@@ -476,10 +476,6 @@ def log_trainable(model) -> None:
     logger.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100.0 * trainable / max(total, 1))
 
 
-def trainable_parameters(model) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 # Attention implementations that take an arbitrary 4D mask (flash attention does not).
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
