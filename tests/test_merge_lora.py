@@ -336,9 +336,10 @@ def peak_rss(arguments, tmp_path) -> tuple:
 
 
 def test_peak_memory_on_ten_shards(tmp_path):
-    """Peak RSS of the merge process on a 645 MB base of 10 shards stays below half of the
-    model's size plus the adapter's, torch runtime (~225 MB) included, and the merge's own share
-    (peak minus a bare `import torch`) below a tenth; the merged weights are exact."""
+    """The merge's own share of peak RSS on a 645 MB base of 10 shards (peak minus a bare
+    `import torch`, whose 225-280 MB depend on the machine) stays below a tenth of the model's
+    size plus the adapter's, and the whole process below the model's size: the model is never
+    held whole. The merged weights are exact."""
     base_dir, adapter_dir, out = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
     model_bytes = write_random_llama(base_dir)
     adapter_bytes = write_random_adapter(adapter_dir, base_dir)
@@ -348,7 +349,7 @@ def test_peak_memory_on_ten_shards(tmp_path):
     runtime, _ = peak_rss(["-c", "import torch"], tmp_path)  # what any torch process costs
     print(f"model {model_bytes / 2**20:.0f} MiB + adapter {adapter_bytes / 2**20:.0f} MiB: merge peak RSS "
           f"{peak / 2**20:.0f} MiB, of which torch runtime {runtime / 2**20:.0f} MiB")
-    assert peak < 0.5 * (model_bytes + adapter_bytes), result.stdout
+    assert peak < model_bytes, result.stdout
     assert peak - runtime < 0.1 * (model_bytes + adapter_bytes)  # the merge itself: a few row chunks
 
     # Spot-check merged weights against W + (alpha / r) * B @ A (embed_tokens: copied through).

@@ -95,6 +95,7 @@ def main():
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
+    pad_id = choose_pad_token(tokenizer, chat_template)  # before loading: the model config takes it
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="tokenize the supervised data"):
@@ -109,7 +110,6 @@ def main():
     model = load_model(model_args, training_args, tokenizer, config=config)
     # A KV cache in a training forward would also stop position_ids from separating packed samples.
     model.config.use_cache = False
-    pad_id = choose_pad_token(tokenizer, chat_template)
     callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
     trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset,
                             DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args)), callbacks)
