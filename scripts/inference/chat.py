@@ -36,10 +36,11 @@ from inference_utils import (  # noqa: E402
     context_limit,
     inference_tokenizer,
     load_for_inference,
+    log_mapped_flags,
     template_kwargs_of,
     trim_history,
 )
-from model_utils import trust_remote_code_field  # noqa: E402
+from model_utils import note_accepted_flags, trust_remote_code_field  # noqa: E402
 from records import read_records, request_of  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,28 @@ class ChatArguments:
     predictions_file: Optional[str] = field(default=None, metadata={"help": "Batch mode: where answers go (.jsonl)."})
     batch_size: int = field(default=8, metadata={"help": "Batch mode: prompts generated together."})
     trust_remote_code: bool = trust_remote_code_field()
+    with_prompt: bool = field(
+        default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's: accepted; the chat template is always applied."}
+    )
+    interactive: bool = field(
+        default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's: accepted; without --data_file the chat is "
+                                         "interactive."}
+    )
+
+    def __post_init__(self):
+        if self.interactive and self.data_file:
+            raise InputError("--interactive and --data_file both given: the chat is interactive without --data_file "
+                             "and answers the file with it; give only one")
+        # Logged by log_mapped_flags once main() has configured logging.
+        self.mapped_flags = []
+        note_accepted_flags(self, ACCEPTED_CHAT_FLAGS, self.mapped_flags)
+
+
+# Chinese-LLaMA-Alpaca-2's inference_hf.py switches that need nothing here, and why.
+ACCEPTED_CHAT_FLAGS = {
+    "with_prompt": "every prompt is rendered with the chat template saved with the tokenizer at training time",
+    "interactive": "without --data_file the chat is interactive (multi-turn; /clear forgets the history)",
+}
 
 
 def sampling_settings(args: ChatArguments) -> SamplingSettings:
@@ -173,11 +196,16 @@ def chat_loop(generator: ChatGenerator, settings: SamplingSettings, system_promp
         history = messages[len(system):] + [{"role": "assistant", "content": completion.text}]
 
 
+# main() parses them; the pipeline launcher reads their flag names.
+ARGUMENT_CLASSES = (InferenceModelArguments, ChatArguments)
+
+
 def main():
-    model_args, chat_args = parse_args((InferenceModelArguments, ChatArguments))
+    model_args, chat_args = parse_args(ARGUMENT_CLASSES)
     # Logs go to stderr: stdout carries the conversation (or nothing, in batch mode).
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO, stream=sys.stderr, force=True)
+    log_mapped_flags(model_args, chat_args)
     settings = sampling_settings(chat_args)
     batch_mode = chat_args.data_file or chat_args.predictions_file
     records = None
@@ -190,11 +218,13 @@ def main():
         records = read_prompt_records(chat_args.data_file, chat_args.system_prompt)
     # The data, the tokenizer and its template are checked before the weights are loaded.
     tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
-                                    trust_remote_code=chat_args.trust_remote_code)
+                                    trust_remote_code=chat_args.trust_remote_code,
+                                    tokenizer_path=model_args.tokenizer_path)
     template = chat_template_of(tokenizer, model_args.template)
     model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
                                           model_args.load_in_kbits, model_args.dtype, tokenizer,
-                                          trust_remote_code=chat_args.trust_remote_code)
+                                          trust_remote_code=chat_args.trust_remote_code,
+                                          tokenizer_path=model_args.tokenizer_path, device=model_args.device)
     generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
                               template_kwargs_of(model_args))
     logger.info("sampling: %s", asdict(settings))

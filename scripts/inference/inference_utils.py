@@ -24,7 +24,14 @@ from chat_templates import (  # noqa: E402
 )
 from cli import InputError  # noqa: E402
 from model_files import has_tokenizer  # noqa: E402
-from model_utils import DTYPES, ModelArguments, load_model, load_model_config, load_tokenizer  # noqa: E402
+from model_utils import (  # noqa: E402
+    DTYPES,
+    ModelArguments,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    map_flags,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,55 @@ class InferenceModelArguments:
     max_context_tokens: Optional[int] = field(
         default=None, metadata={"help": "Prompt + answer tokens; default: the model's max_position_embeddings."}
     )
+    tokenizer_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer directory; default: --lora_model's if it saved one, else --base_model's."},
+    )
+    device: Optional[str] = field(
+        default=None, metadata={"help": "cpu, cuda or cuda:N; default: the first GPU if there is one, else the CPU."}
+    )
+    load_in_8bit: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --load_in_kbits 8."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --load_in_kbits 4."})
+    only_cpu: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --device cpu."})
+    gpus: Optional[str] = field(
+        default=None, metadata={"help": "Chinese-LLaMA-Alpaca-2's GPU choice: one index N is --device cuda:N, "
+                                        "an empty string --device cpu."}
+    )
+
+    def __post_init__(self):
+        # Logged by log_mapped_flags once the script has configured logging.
+        self.mapped_flags = []
+        map_flags(self, ANCHOR_INFERENCE_FLAGS, self.mapped_flags)
+
+
+def device_of_gpus(gpus: str) -> tuple:
+    """Chinese-LLaMA-Alpaca-2's --gpus (it sets CUDA_VISIBLE_DEVICES and spreads the model over those
+    GPUs) as one device: the model runs on one device here; with no GPU, as there, on the CPU."""
+    indices = [index.strip() for index in gpus.split(",") if index.strip()]
+    if not indices:
+        return "device", "cpu"
+    if len(indices) > 1 or not indices[0].isdigit():
+        raise InputError(f"--gpus {gpus}: the model runs on one device here, not spread over several GPUs; "
+                         "choose it with --device cuda:N (or --device cpu)")
+    if not torch.cuda.is_available():
+        return "device", "cpu", "no GPU here"
+    return "device", f"cuda:{indices[0]}", "the GPU of that index among the visible ones"
+
+
+# Chinese-LLaMA-Alpaca-2's inference flags (inference_hf.py, openai_api_server.py) -> (our flag, value[, why]).
+ANCHOR_INFERENCE_FLAGS = {
+    "load_in_8bit": lambda on: ("load_in_kbits", 8),
+    "load_in_4bit": lambda on: ("load_in_kbits", 4),
+    "only_cpu": lambda on: ("device", "cpu"),
+    "gpus": device_of_gpus,
+}
+
+
+def log_mapped_flags(*argument_groups) -> None:
+    """The 'flag mapped' lines of the parsed argument dataclasses, once logging is configured."""
+    for arguments in argument_groups:
+        for note in getattr(arguments, "mapped_flags", []):
+            logger.info("flag mapped: %s", note)
 
 
 @dataclass
@@ -76,36 +132,69 @@ class Completion:
     completion_tokens: int
 
 
+def tokenizer_dir_of(base_model: str, lora_model: Optional[str], tokenizer_path: Optional[str] = None) -> str:
+    """--tokenizer_path, else the adapter directory when it has a tokenizer (training saved it there
+    with the chat template and any added tokens), else the base model's."""
+    if tokenizer_path:
+        return tokenizer_path
+    return lora_model if has_tokenizer(lora_model) else base_model
+
+
 def inference_model_arguments(base_model: str, lora_model: Optional[str], load_in_kbits: int = 16,
-                              dtype: str = "auto", trust_remote_code: bool = False) -> ModelArguments:
-    """The training scripts' ModelArguments for this model, its directories checked. The
-    tokenizer comes from the adapter directory when it has one: training saved it there with
-    the chat template and any added tokens."""
+                              dtype: str = "auto", trust_remote_code: bool = False,
+                              tokenizer_path: Optional[str] = None) -> ModelArguments:
+    """The training scripts' ModelArguments for this model, its directories checked."""
     if not os.path.isfile(os.path.join(base_model, "config.json")):
         raise InputError(f"{base_model}: --base_model is not a model directory (no config.json)")
     if lora_model and not os.path.isfile(os.path.join(lora_model, "adapter_config.json")):
         raise InputError(f"{lora_model}: --lora_model is not a LoRA adapter (no adapter_config.json)")
-    tokenizer_dir = lora_model if has_tokenizer(lora_model) else base_model
+    tokenizer_dir = tokenizer_dir_of(base_model, lora_model, tokenizer_path)
     return ModelArguments(model_name_or_path=base_model, tokenizer_name_or_path=tokenizer_dir, peft_path=lora_model,
                           torch_dtype=dtype, load_in_kbits=load_in_kbits, trust_remote_code=trust_remote_code)
 
 
-def inference_tokenizer(base_model: str, lora_model: Optional[str] = None, trust_remote_code: bool = False):
-    return load_tokenizer(inference_model_arguments(base_model, lora_model, trust_remote_code=trust_remote_code))
+def inference_tokenizer(base_model: str, lora_model: Optional[str] = None, trust_remote_code: bool = False,
+                        tokenizer_path: Optional[str] = None):
+    return load_tokenizer(inference_model_arguments(base_model, lora_model, trust_remote_code=trust_remote_code,
+                                                    tokenizer_path=tokenizer_path))
+
+
+def inference_device(requested: Optional[str], load_in_kbits: int = 16) -> torch.device:
+    """Where the model runs: --device, else the first GPU if there is one, else the CPU. A quantized
+    model is placed by its loader (on the first GPU if there is one), so it takes no other device."""
+    default = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if requested is None:
+        return default
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise InputError(f"--device {requested}: not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= visible:
+            raise InputError(f"--device {requested}: {visible} GPU(s) visible here; use --device cpu or cuda:N")
+        device = torch.device("cuda", device.index or 0)
+    if load_in_kbits != 16 and device != default:
+        raise InputError(f"--device {requested} with --load_in_kbits {load_in_kbits}: a quantized model loads on "
+                         f"{default} here; drop one of them")
+    return device
 
 
 def load_for_inference(base_model: str, lora_model: Optional[str] = None, load_in_kbits: int = 16,
-                       dtype: str = "auto", tokenizer=None, trust_remote_code: bool = False):
+                       dtype: str = "auto", tokenizer=None, trust_remote_code: bool = False,
+                       tokenizer_path: Optional[str] = None, device: Optional[str] = None):
     """(model in eval mode, tokenizer) from a merged model or base + LoRA adapter (merged into
-    the base unless the base is quantized)."""
-    model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype, trust_remote_code)
+    the base unless the base is quantized), on --device."""
+    model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype, trust_remote_code,
+                                           tokenizer_path)
+    place = inference_device(device, load_in_kbits)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_args)
     # The config passed in skips the training checks: rows the tokenizer adds beyond the base's
     # come from the adapter's saved embed_tokens/lm_head (vocabulary extension), or start at the mean.
     model = load_model(model_args, None, tokenizer, config=load_model_config(model_args), trainable=False,
                        adapter_flag="--lora_model")
-    if load_in_kbits == 16 and torch.cuda.is_available():
-        model = model.to("cuda")
+    if load_in_kbits == 16 and place.type != "cpu":
+        model = model.to(place)
     model.eval()
     logger.info("loaded %s%s (%s, %s)", base_model, f" + {lora_model}" if lora_model else "",
                 next(model.parameters()).dtype, model.device)
@@ -128,8 +217,8 @@ def chat_template_of(tokenizer, requested: Optional[str]) -> str:
 def template_kwargs_of(model_args: InferenceModelArguments) -> dict:
     """The template's keyword arguments: those training saved with the tokenizer in use (the
     adapter's if it has one), overridden by --template_kwargs / --enable_thinking."""
-    lora = model_args.lora_model
-    saved = saved_template_kwargs(lora if lora and has_tokenizer(lora) else model_args.base_model)
+    saved = saved_template_kwargs(tokenizer_dir_of(model_args.base_model, model_args.lora_model,
+                                                   model_args.tokenizer_path))
     return saved | parse_template_kwargs(model_args.template_kwargs, model_args.enable_thinking)
 
 

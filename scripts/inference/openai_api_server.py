@@ -45,6 +45,7 @@ from inference_utils import (  # noqa: E402
     context_limit,
     inference_tokenizer,
     load_for_inference,
+    log_mapped_flags,
     template_kwargs_of,
 )
 from model_utils import trust_remote_code_field  # noqa: E402
@@ -366,12 +367,15 @@ def main():
     model_args, server_args = parse_args((InferenceModelArguments, ServerArguments))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO, stream=sys.stderr, force=True)
+    log_mapped_flags(model_args)
     tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
-                                    trust_remote_code=server_args.trust_remote_code)
+                                    trust_remote_code=server_args.trust_remote_code,
+                                    tokenizer_path=model_args.tokenizer_path)
     template = chat_template_of(tokenizer, model_args.template)
     model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
                                           model_args.load_in_kbits, model_args.dtype, tokenizer,
-                                          trust_remote_code=server_args.trust_remote_code)
+                                          trust_remote_code=server_args.trust_remote_code,
+                                          tokenizer_path=model_args.tokenizer_path, device=model_args.device)
     generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
                               template_kwargs_of(model_args))
     name = server_args.model_name or os.path.basename(os.path.normpath(model_args.lora_model or model_args.base_model))

@@ -88,7 +88,7 @@ VERIFY_PROMPTS = (
 )
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     # argparse, not HfArgumentParser: transformers must stay out of the merge's imports.
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,7 +96,8 @@ def parse_args(argv=None):
     parser.add_argument("--lora_model", required=True,
                         help="Adapter directory, or several separated by commas, applied in that order.")
     parser.add_argument("--output_dir", required=True, help="New directory for the merged model.")
-    parser.add_argument("--output_type", default="huggingface", choices=["huggingface"],
+    # No argparse choices: Chinese-LLaMA-Alpaca-2's "pth" gets our one-line refusal (parse_args), not a usage dump.
+    parser.add_argument("--output_type", default="huggingface",
                         help="Only huggingface (safetensors); llama.cpp and vLLM read it directly.")
     parser.add_argument("--max_shard_size", default=None,
                         help="Largest output file, e.g. 2GB or 500MiB (default: one output file per base file).")
@@ -109,7 +110,16 @@ def parse_args(argv=None):
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="--verify: run the Python code the model directories ship (config.json auto_map) to "
                              "load them. The merge itself only copies that code; trust the directories first.")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.output_type != "huggingface":
+        raise InputError(f"--output_type {args.output_type}: the merge writes the huggingface layout only "
+                         "(config.json + *.safetensors + tokenizer, no consolidated.*.pth), which llama.cpp's "
+                         "converter and vLLM read; drop --output_type or give huggingface")
+    return args
 
 
 # ----------------------------------------------------------------------------- safetensors I/O

@@ -82,7 +82,7 @@ class GuaranteeError(Exception):
     """A merged tokenizer broke a guarantee (a bug, not bad input): nothing is written."""
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base_tokenizer", required=True, help="Tokenizer directory to extend.")
@@ -109,7 +109,11 @@ def parse_args(argv=None):
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="Run the Python code the tokenizer directory ships (tokenizer_config.json auto_map) to "
                              "load it; the merged tokenizer keeps a copy of that code. Only for directories you trust.")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- corpus

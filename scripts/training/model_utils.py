@@ -10,7 +10,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -51,7 +51,8 @@ def trust_remote_code_field():
 
 @dataclass
 class ModelArguments:
-    """Which model to load and how to make it trainable (names follow Chinese-LLaMA-Alpaca-2)."""
+    """Which model to load and how to make it trainable (names follow Chinese-LLaMA-Alpaca-2;
+    DeepSpeed-Chat's LoRA flags are mapped onto them)."""
 
     model_name_or_path: str = field(metadata={"help": "Base model directory (HF format, safetensors)."})
     tokenizer_name_or_path: Optional[str] = field(
@@ -93,6 +94,93 @@ class ModelArguments:
     )
     peft_path: Optional[str] = field(default=None, metadata={"help": "An existing adapter to continue training."})
     full_finetuning: bool = field(default=False, metadata={"help": "Train every weight; no LoRA."})
+    lora_dim: Optional[int] = field(
+        default=None, metadata={"help": "DeepSpeed-Chat's LoRA rank: mapped to --lora_rank (0: --full_finetuning)."}
+    )
+    lora_module_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "DeepSpeed-Chat's LoRA scope (a module path part, e.g. 'layers.'): the decoder layers' "
+                          "scope is mapped to --trainable all-linear."},
+    )
+
+    def __post_init__(self):
+        # Logging is not configured yet; the scripts report these notes with the Trainer's own.
+        self.mapped_flags = []
+        map_flags(self, DEEPSPEED_CHAT_MODEL_FLAGS, self.mapped_flags)
+
+
+def lora_scope_targets(scope: str) -> str:
+    """DeepSpeed-Chat's --lora_module_name puts LoRA on every linear layer whose module path contains
+    it; its scripts pass the decoder layers ("decoder.layers." for OPT, "layers." for Llama), which is
+    --trainable all-linear. Another scope has no counterpart in peft's target names."""
+    if scope.strip(".").split(".")[-1] == "layers":
+        return ALL_LINEAR
+    raise InputError(f"--lora_module_name {scope}: only the decoder layers' scope ('layers.') maps to a set of LoRA "
+                     "targets here; name the layers with --trainable (e.g. q_proj,v_proj, or all-linear)")
+
+
+def lora_dim_flag(dim: int) -> tuple:
+    """DeepSpeed-Chat's --lora_dim: the LoRA rank, or 0 for training every weight without LoRA."""
+    if dim < 0:
+        raise InputError(f"--lora_dim must be 0 (no LoRA) or a positive LoRA rank, got {dim}")
+    if dim == 0:
+        return "full_finetuning", True, "DeepSpeed-Chat's --lora_dim 0 trains every weight without LoRA"
+    return "lora_rank", dim
+
+
+# DeepSpeed-Chat's model flags (steps 1-3) -> (our flag, value[, why]); map_flags applies them.
+DEEPSPEED_CHAT_MODEL_FLAGS = {
+    "lora_dim": lora_dim_flag,
+    "lora_module_name": lambda scope: ("trainable", lora_scope_targets(scope), "every linear layer of the decoder"),
+}
+
+
+def field_default(args, name: str):
+    """The default of a dataclass field of args (None when it has none)."""
+    for item in fields(args):
+        if item.name == name:
+            if item.default is not MISSING:
+                return item.default
+            return item.default_factory() if item.default_factory is not MISSING else None
+    raise KeyError(name)
+
+
+def flag_text(name: str, value) -> str:
+    """A flag as a user types it: a bare --flag for a switched-on boolean, '' for an empty value."""
+    return f"--{name}" if value is True else f"--{name} {value if value != '' else repr(value)}"
+
+
+def map_flags(args, table: dict, notes: list) -> None:
+    """The one way every script accepts another project's flag name (Chinese-LLaMA-Alpaca-2's,
+    DeepSpeed-Chat's, transformers 4's): each flag of table that was given (its value is not its
+    default) sets the flag and value table[flag](value) returns, with an optional reason, noted as
+    "--old value -> --new value" for the 'flag mapped' log line. The old flag is reset to its
+    default, so mapping again (a copy of the arguments) changes nothing. A different value given to
+    the new flag as well, or set by another old flag, is refused."""
+    set_by = {}
+    for old, translate in table.items():
+        given = getattr(args, old)
+        if given == field_default(args, old):
+            continue
+        new, value, *why = translate(given)
+        current = getattr(args, new)
+        if current != value and (new in set_by or current != field_default(args, new)):
+            other = set_by.get(new, flag_text(new, current))
+            raise InputError(f"{flag_text(old, given)} and {other} both given: {flag_text(old, given)} means "
+                             f"{flag_text(new, value)}; give only one" + (f" ({why[0]})" if why else ""))
+        setattr(args, new, value)
+        setattr(args, old, field_default(args, old))
+        set_by[new] = flag_text(old, given)
+        notes.append(f"{flag_text(old, given)} -> {flag_text(new, value)}" + (f" ({why[0]})" if why else ""))
+
+
+def note_accepted_flags(args, table: dict, notes: list) -> None:
+    """Flags other projects' scripts pass that need nothing here: each one given (not its default)
+    is noted with table's reason why nothing changes."""
+    for name, reason in table.items():
+        value = getattr(args, name, None)
+        if value is not None and value != field_default(args, name):
+            notes.append(f"{flag_text(name, value)} accepted: {reason}")
 
 
 def comma_list(value: Optional[str]) -> list:

@@ -27,7 +27,7 @@ from build_dataset import (  # noqa: E402
 from cli import run_cli  # noqa: E402
 from data_cache import data_cache_dir  # noqa: E402
 from data_splits import first_samples, split_validation  # noqa: E402
-from model_utils import load_model  # noqa: E402
+from model_utils import ModelArguments, load_model  # noqa: E402
 from training_utils import (  # noqa: E402
     ToolkitTrainingArguments,
     build_trainer,
@@ -58,10 +58,12 @@ class DataArguments:
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval blocks."})
 
 
+# (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, ToolkitTrainingArguments)
+
+
 def main():
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
-        DataArguments, ToolkitTrainingArguments
-    )
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
     block_size = resolve_sequence_length("--block_size", data_args.block_size, config)
     set_seed(training_args.seed)
 

@@ -54,6 +54,7 @@ from model_utils import (  # noqa: E402
     choose_pad_token,
     load_model_config,
     load_tokenizer,
+    map_flags,
     read_adapter_config,
 )
 from ppo_policy import SCORE_KEY_SUFFIX, actor_model_args, load_separate_policy, load_shared_policy  # noqa: E402
@@ -77,7 +78,8 @@ class PPOModelArguments(ModelArguments):
     """The shared model arguments (dtype, --load_in_kbits for QLoRA, LoRA shape, --modules_to_save,
     --new_embeddings_init, ...) plus the four roles' models, named as in DeepSpeed-Chat's step 3.
     --model_name_or_path and --peft_path, the other stages' names for what PPO trains, are the
-    actor's: given, they are mapped to --actor_model_name_or_path / --actor_lora_model (logged)."""
+    actor's: given, they are mapped to --actor_model_name_or_path / --actor_lora_model (logged), as
+    are DeepSpeed-Chat's --actor_lora_dim / --critic_lora_dim to --lora_rank (PPO_MODEL_FLAGS)."""
 
     model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Same as --actor_model_name_or_path."})
     peft_path: Optional[str] = field(default=None, metadata={"help": "Same as --actor_lora_model."})
@@ -116,26 +118,37 @@ class PPOModelArguments(ModelArguments):
         default=False,
         metadata={"help": "Separate placement: keep the reference and reward models on the CPU between their passes."},
     )
+    actor_lora_dim: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --lora_rank."})
+    critic_lora_dim: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --lora_rank."})
 
     def __post_init__(self):
         # Logging is not configured yet; main() hands these to setup_logging with the Trainer's own.
-        self.mapped_flags = []
-        for shared_flag, ppo_flag in (("model_name_or_path", "actor_model_name_or_path"),
-                                      ("peft_path", "actor_lora_model")):
-            given = getattr(self, shared_flag)
-            if given is None:
-                continue
-            if getattr(self, ppo_flag) not in (None, given):
-                raise InputError(f"--{shared_flag} {given} and --{ppo_flag} {getattr(self, ppo_flag)} both given: in "
-                                 f"PPO they are the same flag (the actor's); give only --{ppo_flag}")
-            setattr(self, ppo_flag, given)
-            setattr(self, shared_flag, None)
-            self.mapped_flags.append(f"--{shared_flag} {given} -> --{ppo_flag}")
+        super().__post_init__()
+        map_flags(self, PPO_MODEL_FLAGS, self.mapped_flags)
         for flag in ("actor_model_name_or_path", "reward_model_name_or_path"):
             if getattr(self, flag) is None:
                 raise InputError(f"--{flag} is required")
         if self.full_finetuning:
             raise InputError("--full_finetuning: PPO trains LoRA adapters (actor, critic) on frozen bases")
+
+
+def role_lora_dim_flag(dim: int) -> tuple:
+    """DeepSpeed-Chat's --actor_lora_dim / --critic_lora_dim: the rank of PPO's new LoRA adapters."""
+    if dim < 1:
+        raise InputError(f"--actor_lora_dim / --critic_lora_dim {dim}: PPO trains LoRA adapters (actor, critic); "
+                         "give a rank of at least 1")
+    return "lora_rank", dim, ("one --lora_rank shapes every new PPO adapter; the actor and critic continue the SFT and "
+                              "reward adapters at their own ranks")
+
+
+# Other names of PPO's model flags -> (PPO's flag, value[, why]), applied by model_utils.map_flags: the other
+# stages' names of the actor's model and adapter, and DeepSpeed-Chat's per-role LoRA ranks.
+PPO_MODEL_FLAGS = {
+    "model_name_or_path": lambda path: ("actor_model_name_or_path", path),
+    "peft_path": lambda path: ("actor_lora_model", path),
+    "actor_lora_dim": role_lora_dim_flag,
+    "critic_lora_dim": role_lora_dim_flag,
+}
 
 
 @dataclass
@@ -192,27 +205,37 @@ class PPOArguments(ToolkitTrainingArguments):
     ema_beta: float = field(default=0.992, metadata={"help": "EMA decay per optimizer step."})
     print_answers: bool = field(default=False, metadata={"help": "Log a sample prompt, answer and score."})
     print_answers_interval: int = field(default=1, metadata={"help": "... every this many iterations."})
+    actor_zero_stage: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
+    critic_zero_stage: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
+    enable_hybrid_engine: bool = field(
+        default=False, metadata={"help": "DeepSpeed-Chat: accepted; the actor generates with its training weights."}
+    )
 
     def __post_init__(self):
-        # The Trainer's names for what PPO calls --per_device_training_batch_size and
-        # --actor_learning_rate: either name is accepted, both with different values are refused. Set before
-        # TrainingArguments fills DeepSpeed's "auto" batch size and learning rate from them.
+        # The Trainer's names for what PPO calls --per_device_training_batch_size and --actor_learning_rate, and
+        # DeepSpeed-Chat's per-role ZeRO stages, are mapped before TrainingArguments fills DeepSpeed's "auto"
+        # batch size and learning rate from them and --zero_stage picks the config.
         notes = []
+        map_flags(self, PPO_TRAINER_FLAGS, notes)
         for trainer_flag, ppo_flag, default in (("per_device_train_batch_size", "per_device_training_batch_size", 8),
                                                 ("learning_rate", "actor_learning_rate", 1e-4)):
-            trainer_value, ppo_value = getattr(self, trainer_flag), getattr(self, ppo_flag)
-            if trainer_value is not None and ppo_value is not None and trainer_value != ppo_value:
-                raise InputError(f"--{trainer_flag} {trainer_value} and --{ppo_flag} {ppo_value} both given: in PPO "
-                                 f"they are the same flag; give only --{ppo_flag}")
-            if trainer_value is not None and ppo_value is None:
-                notes.append(f"--{trainer_flag} {trainer_value} -> --{ppo_flag}")
-            value = next(v for v in (ppo_value, trainer_value, default) if v is not None)
+            value = default if getattr(self, ppo_flag) is None else getattr(self, ppo_flag)
             setattr(self, trainer_flag, value)
             setattr(self, ppo_flag, value)
         # Nothing to skip on resume: the experience stream restarts at the checkpoint's iteration.
         self.ignore_data_skip = True
         super().__post_init__()
-        self.mapped_flags += notes
+        self.mapped_flags[:0] = notes
+
+
+ONE_ENGINE = "one DeepSpeed engine trains the actor's and the critic's adapters together"
+# Other names of PPO's trainer flags -> (PPO's flag, value[, why]), applied by model_utils.map_flags.
+PPO_TRAINER_FLAGS = {
+    "per_device_train_batch_size": lambda size: ("per_device_training_batch_size", size),
+    "learning_rate": lambda rate: ("actor_learning_rate", rate),
+    "actor_zero_stage": lambda stage: ("zero_stage", stage, ONE_ENGINE),
+    "critic_zero_stage": lambda stage: ("zero_stage", stage, ONE_ENGINE),
+}
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -352,8 +375,12 @@ def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
 # ----------------------------------------------------------------------------- main
 
 
+# main() parses them; the pipeline launcher reads their flag names.
+ARGUMENT_CLASSES = (PPOModelArguments, PPODataArguments, PPOArguments)
+
+
 def main():
-    model_args, data_args, training_args = parse_args((PPOModelArguments, PPODataArguments, PPOArguments))
+    model_args, data_args, training_args = parse_args(ARGUMENT_CLASSES)
     training_args.mapped_flags += model_args.mapped_flags
     setup_logging(training_args)
     resume_checkpoint = resolve_resume_checkpoint(training_args)

@@ -25,7 +25,6 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import set_seed  # noqa: E402
 
 from build_dataset import (  # noqa: E402
-    ConversationDataArguments,
     DataCollatorForPreferencePairs,
     SavePeftModelCallback,
     build_preference_dataset,
@@ -34,9 +33,10 @@ from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from cli import InputError, run_cli  # noqa: E402
 from data_cache import data_cache_dir  # noqa: E402
 from data_splits import first_samples, split_validation  # noqa: E402
-from model_utils import MASKABLE_ATTENTION, choose_pad_token, load_model, score_pairs  # noqa: E402
+from model_utils import MASKABLE_ATTENTION, ModelArguments, choose_pad_token, load_model, score_pairs  # noqa: E402
 from records import find_record_files  # noqa: E402
 from training_utils import (  # noqa: E402
+    DeepSpeedChatDataArguments,
     ResumableTrainer,
     ToolkitTrainingArguments,
     padding_multiple,
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RewardDataArguments(ConversationDataArguments):
+class RewardDataArguments(DeepSpeedChatDataArguments):
     data_phase: int = field(default=2, metadata={"help": "Which part of --data_split this stage takes (2 = reward)."})
 
 
@@ -127,10 +127,12 @@ def save_merged(model_args, training_args, tokenizer, config) -> None:
     logger.info("merged reward model written to %s", target)
 
 
+# (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
+ARGUMENT_CLASSES = (ModelArguments, RewardDataArguments, RewardArguments)
+
+
 def main():
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
-        RewardDataArguments, RewardArguments
-    )
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))

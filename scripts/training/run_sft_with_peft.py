@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transformers import set_seed  # noqa: E402
 
 from build_dataset import (  # noqa: E402
-    ConversationDataArguments,
     DataCollatorForSupervisedDataset,
     SavePeftModelCallback,
     build_sft_dataset,
@@ -31,9 +30,10 @@ from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from cli import InputError, run_cli  # noqa: E402
 from data_cache import data_cache_dir  # noqa: E402
 from data_splits import first_samples, split_validation  # noqa: E402
-from model_utils import choose_pad_token, load_model  # noqa: E402
+from model_utils import ModelArguments, choose_pad_token, load_model  # noqa: E402
 from records import find_record_files  # noqa: E402
 from training_utils import (  # noqa: E402
+    DeepSpeedChatDataArguments,
     ToolkitTrainingArguments,
     build_trainer,
     padding_multiple,
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SFTDataArguments(ConversationDataArguments):
+class SFTDataArguments(DeepSpeedChatDataArguments):
     sft_only_data_path: Optional[list[str]] = field(
         default=None, metadata={"help": "Data files used whole for SFT, never split.", "nargs": "+"}
     )
@@ -88,10 +88,12 @@ def build_datasets(data_args: SFTDataArguments, tokenizer, chat_template, max_le
     return train, evaluation
 
 
+# (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
+ARGUMENT_CLASSES = (ModelArguments, SFTDataArguments, SFTArguments)
+
+
 def main():
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
-        SFTDataArguments, SFTArguments
-    )
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))

@@ -1,5 +1,5 @@
 """What every run_* script shares around the Trainer: argument parsing (with the names that
-Chinese-LLaMA-Alpaca-2's shell scripts still pass), the bad-input contract (one line, exit 2),
+Chinese-LLaMA-Alpaca-2's and DeepSpeed-Chat's shell scripts pass), the bad-input contract (one line, exit 2),
 output-directory and resume rules, logging, next-token metrics and the run_clm-style results."""
 
 import logging
@@ -16,16 +16,53 @@ import transformers
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from build_dataset import ConversationDataArguments
 from cli import InputError, parse_args
-from model_utils import ModelArguments, check_model_inputs, load_model_config, load_tokenizer
+from model_utils import check_model_inputs, load_model_config, load_tokenizer, map_flags, note_accepted_flags
 
 logger = logging.getLogger(__name__)
 
 
+# Where DeepSpeed-Chat's --zero_stage (with --offload) points: the configs shipped in ds_configs/.
+DS_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ds_configs")
+SHIPPED_ZERO_CONFIGS = {(2, False): "ds_zero2_no_offload.json", (3, False): "ds_zero3_no_offload.json",
+                        (3, True): "ds_zero3_offload.json"}
+# DeepSpeed-Chat's --dtype -> the mixed-precision flag it turns on (fp32: none).
+DTYPE_FLAGS = {"fp16": "fp16", "bf16": "bf16", "fp32": None}
+
+
+def warmup_ratio_flag(ratio: float) -> tuple:
+    if not 0 <= ratio < 1:
+        raise InputError(f"--warmup_ratio must be in [0, 1), got {ratio}")
+    return "warmup_steps", ratio, "a warmup_steps below 1 is a share of the training steps"
+
+
+# Trainer flags by another name -> (transformers 5's flag, value[, why]): transformers 4's names that
+# Chinese-LLaMA-Alpaca-2's run_pt.sh/run_sft.sh pass, and DeepSpeed-Chat's. model_utils.map_flags applies them.
+RENAMED_TRAINER_FLAGS = {
+    "evaluation_strategy": lambda strategy: ("eval_strategy", strategy),
+    "warmup_ratio": warmup_ratio_flag,
+    "num_warmup_steps": lambda steps: ("warmup_steps", steps),
+    "gradient_checkpointing": lambda on: ("activation_checkpointing", on),
+    "group_by_length": lambda on: ("train_sampling_strategy", "group_by_length"),
+}
+# Flags of those scripts that need nothing here, and why (noted when given).
+ACCEPTED_TRAINER_FLAGS = {
+    "save_safetensors": "weights are always written as safetensors",
+    "only_optimize_lora": "LoRA trains only the adapter (and --modules_to_save)",
+    "num_padding_at_beginning": "a sequence's score is read at its last attended token, found from the attention "
+                                "mask, so no count of leading pad tokens is needed",
+    "enable_hybrid_engine": "the actor generates with its training weights (its own generate(), no separate "
+                            "inference engine to switch to)",
+}
+
+
 @dataclass
 class ToolkitTrainingArguments(TrainingArguments):
-    """TrainingArguments plus the flags transformers 5 removed but users' existing shell scripts
-    (Chinese-LLaMA-Alpaca-2's run_pt.sh/run_sft.sh) still pass: each is mapped to its new form."""
+    """TrainingArguments plus the flags users' existing shell scripts pass that transformers 5 does
+    not know: Chinese-LLaMA-Alpaca-2's run_pt.sh/run_sft.sh (transformers 4 names) and DeepSpeed-Chat's
+    step scripts. Each is mapped to what it means here, or accepted with the reason it needs nothing,
+    and reported as a 'flag mapped' log line."""
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -44,6 +81,25 @@ class ToolkitTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "Old form of --train_sampling_strategy group_by_length (transformers 4)."},
     )
+    zero_stage: Optional[int] = field(
+        default=None,
+        metadata={"help": "DeepSpeed-Chat: ZeRO stage 0, 2 or 3 (with --offload: 3), mapped to the --deepspeed "
+                          "config of ds_configs/ (0: no DeepSpeed)."},
+    )
+    offload: bool = field(
+        default=False, metadata={"help": "DeepSpeed-Chat: with --zero_stage 3, ZeRO-3 with CPU offload."}
+    )
+    dtype: Optional[str] = field(
+        default=None,
+        metadata={"help": "DeepSpeed-Chat: fp16 or bf16 mixed precision (--fp16 / --bf16), or fp32.",
+                  "choices": list(DTYPE_FLAGS)},
+    )
+    num_warmup_steps: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat's --warmup_steps."})
+    only_optimize_lora: bool = field(default=False, metadata={"help": "DeepSpeed-Chat: accepted, LoRA trains only "
+                                                                      "the adapter."})
+    num_padding_at_beginning: Optional[int] = field(
+        default=None, metadata={"help": "DeepSpeed-Chat: accepted, scores are read from the attention mask."}
+    )
     # Our datasets hold only what the collators read (model inputs, 'length' for the length-grouped
     # sampler, a pair's margin): nothing is for the Trainer to drop by the model's signature.
     remove_unused_columns: bool = field(
@@ -51,22 +107,85 @@ class ToolkitTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        # Logging is not configured yet; setup_logging() reports these notes on rank 0.
+        # Logging is not configured yet; setup_logging() reports these notes on rank 0. All of them
+        # act before TrainingArguments fills the DeepSpeed config's "auto" precision from --fp16/--bf16.
         self.mapped_flags = []
-        if self.evaluation_strategy is not None:
-            self.eval_strategy = self.evaluation_strategy
-            self.mapped_flags.append(f"--evaluation_strategy {self.evaluation_strategy} -> --eval_strategy")
-        if self.warmup_ratio is not None:
-            if not 0 <= self.warmup_ratio < 1:
-                raise InputError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-            self.warmup_steps = self.warmup_ratio
-            self.mapped_flags.append(f"--warmup_ratio {self.warmup_ratio} -> --warmup_steps {self.warmup_ratio}")
-        if self.save_safetensors is not None:
-            self.mapped_flags.append("--save_safetensors ignored: weights are always written as safetensors")
-        if self.group_by_length:
-            self.train_sampling_strategy = "group_by_length"
-            self.mapped_flags.append("--group_by_length -> --train_sampling_strategy group_by_length")
+        map_flags(self, RENAMED_TRAINER_FLAGS, self.mapped_flags)
+        map_dtype_flag(self)
+        map_zero_stage(self)
+        map_fp16_on_cpu(self)
+        note_accepted_flags(self, ACCEPTED_TRAINER_FLAGS, self.mapped_flags)
         super().__post_init__()
+
+
+def map_dtype_flag(args: ToolkitTrainingArguments) -> None:
+    """DeepSpeed-Chat's --dtype as the Trainer's mixed-precision flag."""
+    if args.dtype is None:
+        return
+    wanted = DTYPE_FLAGS[args.dtype]
+    for flag in ("fp16", "bf16"):
+        if getattr(args, flag) and flag != wanted:
+            raise InputError(f"--dtype {args.dtype} and --{flag} both given: give only one")
+    if wanted:
+        setattr(args, wanted, True)
+    args.mapped_flags.append(f"--dtype {args.dtype} -> " + (f"--{wanted}" if wanted else "no --fp16/--bf16 (float32)"))
+    args.dtype = None
+
+
+def map_zero_stage(args: ToolkitTrainingArguments) -> None:
+    """DeepSpeed-Chat's --zero_stage (and --offload) as the --deepspeed config shipped for it."""
+    if args.zero_stage is None:
+        if args.offload:
+            raise InputError("--offload goes with --zero_stage 3 (ds_configs/ds_zero3_offload.json); with --deepspeed, "
+                             "the config file's offload_optimizer/offload_param decide")
+        return
+    given = f"--zero_stage {args.zero_stage}" + (" --offload" if args.offload else "")
+    if args.zero_stage == 0 and not args.offload:
+        if args.deepspeed:
+            raise InputError(f"{given} and --deepspeed {args.deepspeed} both given: ZeRO stage 0 means no DeepSpeed")
+        args.mapped_flags.append(f"{given} -> no --deepspeed (plain data parallelism)")
+    else:
+        name = SHIPPED_ZERO_CONFIGS.get((args.zero_stage, args.offload))
+        if name is None:
+            raise InputError(f"{given}: ds_configs/ ships no DeepSpeed config for it (ZeRO-2 without offload, ZeRO-3 "
+                             "with or without); write one and pass it with --deepspeed")
+        config = os.path.join(DS_CONFIGS, name)
+        if args.deepspeed and os.path.abspath(args.deepspeed) != config:
+            raise InputError(f"{given} and --deepspeed {args.deepspeed} both given: {given} means --deepspeed "
+                             f"{config}; give only one")
+        args.deepspeed = config
+        args.mapped_flags.append(f"{given} -> --deepspeed {config}")
+    args.zero_stage, args.offload = None, False
+
+
+def map_fp16_on_cpu(args: ToolkitTrainingArguments) -> None:
+    """--fp16 where there is no GPU: neither torch's autocast (accelerate skips it on a CPU) nor
+    DeepSpeed ("Type fp16 is not supported") computes in float16 there, so the run computes in
+    float32, as it would have on a CPU anyway. On a GPU --fp16 stays what it is."""
+    if args.fp16 and (args.use_cpu or not torch.accelerator.is_available()):
+        args.fp16 = False
+        args.mapped_flags.append("--fp16 -> float32 compute (no GPU here: float16 mixed precision needs one; "
+                                 "--bf16 runs on a CPU)")
+
+
+def map_half_weights_on_cpu(model_args, training_args) -> None:
+    """--torch_dtype float16 for a run on a CPU: its trainable copies (--modules_to_save) would train
+    in float16 without loss scaling, and DeepSpeed mixes them with float32 there; load float32."""
+    if model_args.torch_dtype == "float16" and training_args.device.type == "cpu":
+        model_args.torch_dtype = "float32"
+        training_args.mapped_flags.append("--torch_dtype float16 -> --torch_dtype float32 (training on a CPU, "
+                                          "where float16 has no mixed precision)")
+
+
+@dataclass
+class DeepSpeedChatDataArguments(ConversationDataArguments):
+    """The conversation data arguments plus DeepSpeed-Chat's name of --max_seq_length (steps 1 and 2)."""
+
+    max_seq_len: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat's --max_seq_length."})
+
+    def __post_init__(self):
+        self.mapped_flags = []
+        map_flags(self, {"max_seq_len": lambda length: ("max_seq_length", length)}, self.mapped_flags)
 
 
 def setup_logging(training_args: TrainingArguments) -> None:
@@ -149,12 +268,14 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Option
     )
 
 
-def start_run(data_arguments_class, training_arguments_class):
+def start_run(argument_classes: tuple):
     """The common start of every run_* script but PPO's: parse the arguments, set up logging, and
     check everything that can be refused (resume point, tokenizer, model config, adapter,
     vocabulary) before anything is written. Returns (model_args, data_args, training_args, resume
     checkpoint, tokenizer, model config); the config goes on to load_model, so a run reads it once."""
-    model_args, data_args, training_args = parse_args((ModelArguments, data_arguments_class, training_arguments_class))
+    model_args, data_args, training_args = parse_args(argument_classes)
+    training_args.mapped_flags += model_args.mapped_flags + getattr(data_args, "mapped_flags", [])
+    map_half_weights_on_cpu(model_args, training_args)
     setup_logging(training_args)
     resume_checkpoint = resolve_resume_checkpoint(training_args)
     tokenizer = load_tokenizer(model_args)
