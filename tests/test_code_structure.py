@@ -19,7 +19,7 @@ LAYERS = {
     "data": {"build_dataset", "data_cache", "data_splits", "conversation_tokenizer", "prompt_data"},
     "model": {"model_utils", "ppo_policy"},
     "trainer": {"training_utils", "ppo_trainer", "ppo_experience", "ppo_ema", "ppo_checkpoint"},
-    "scripts": {"run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo", "launch"},
+    "scripts": {"run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo", "launch", "estimate_memory"},
 }
 ORDER = list(LAYERS)
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
@@ -27,6 +27,8 @@ LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in mod
 ALLOWED = {
     "merge": {"foundation"},
     "inference": {"foundation", "model"},
+    # Every stage runs as its own process; the pipeline reads the scripts' argument tables only.
+    "pipeline": {"foundation"},
 }
 LONGEST_FUNCTION = 60
 

@@ -1,0 +1,54 @@
+"""Test-only crash injection for jobs whose processes a test does not start itself (the pipeline's
+stages under torchrun). With this directory on PYTHONPATH, Python imports this file at start in
+every process of the job; with KILL_JOB_AFTER_SAVE=N and KILL_JOB_OUTPUT=NAME set, the rank-0
+training process whose output_dir is named NAME, right after checkpoint-N (and its adapter copy)
+is on disk, SIGKILLs its parent's process group -- the pipeline and torchrun, as when a node dies --
+and then itself (torchrun starts each worker in a session of its own)."""
+
+import importlib.abc
+import os
+import signal
+import sys
+
+KILL_AFTER_SAVE = os.environ.get("KILL_JOB_AFTER_SAVE")
+
+
+def kill_the_job() -> None:
+    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def patch(build_dataset) -> None:
+    original_on_save = build_dataset.SavePeftModelCallback.on_save
+
+    def on_save_then_kill(self, args, state, control, **kwargs):
+        original_on_save(self, args, state, control, **kwargs)
+        named = os.path.basename(os.path.normpath(args.output_dir)) == os.environ["KILL_JOB_OUTPUT"]
+        if named and state.global_step == int(KILL_AFTER_SAVE) and args.process_index == 0:
+            kill_the_job()
+
+    build_dataset.SavePeftModelCallback.on_save = on_save_then_kill
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches build_dataset right after the training script imports it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "build_dataset":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            run_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+if KILL_AFTER_SAVE:
+    import importlib.util
+
+    sys.meta_path.insert(0, PatchOnImport())
