@@ -60,7 +60,7 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert report["failed"] is None
     stages = {stage["stage"]: stage["figures"] for stage in report["stages"]}
-    assert list(stages) == ["prepare", "vocabulary extension", "held-out before", "continued pretraining",
+    assert list(stages) == ["prepare", "pipeline", "vocabulary extension", "held-out before", "continued pretraining",
                             "held-out after", "SFT data", "exact match before", "supervised fine-tuning",
                             "exact match after", "reward model", "reward before PPO", "PPO", "reward after PPO",
                             "merge", "chat"]

@@ -198,9 +198,9 @@ def render_ppo(by_stage: dict) -> list[str]:
     lines = []
     if ppo:
         lines += ["## PPO", "",
-                  f"{ppo['steps']} PPO iterations of {ppo['prompts_per_step']} prompts (sampled answers of at "
-                  "most 32 tokens), one base model in memory (pt_merged): the SFT adapter as actor (trained) and "
-                  "reference (frozen), the reward adapter scoring, a critic initialised from it."
+                  f"{ppo['steps']} PPO iterations of {ppo['prompts_per_step']} prompts (sampled answers), one base "
+                  "model in memory (pt_merged): the SFT adapter as actor (trained) and reference (frozen), the "
+                  "reward adapter scoring, a critic initialised from it."
                   + (f" Mean reward of the training samples {ppo['train_reward_first']:.3f} (first iteration) -> "
                      f"{ppo['train_reward_last']:.3f} (last); KL to the reference at the end {ppo['kl_last']:.4f}."
                      if ppo.get("train_reward_first") is not None else ""), ""]

