@@ -4,17 +4,20 @@ patterns, fan_in_fan_out, modules_to_save on resized embeddings (tied and untied
 two chained adapters on a sharded base, and a real adapter from our pretraining script with
 --verify; peak memory on a base of 10 shards; bad input refused before anything is written."""
 
+import dataclasses
 import json
+import logging
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers.commands import REPO, check_refused, refuse, run_script, script_env
+from helpers.commands import REPO, assert_ok, check_refused, refuse, run_in_process, run_script, script_env
 from helpers.merge_tools import TOLERANCE, load_merged, logits_of, lora, merge, tiny_llama
 from helpers.tiny_runs import tiny_pt_args
 
@@ -32,6 +35,26 @@ child = subprocess.Popen(sys.argv[2:])
 _, status, usage = os.wait4(child.pid, 0)
 open(sys.argv[1], "w").write(str(usage.ru_maxrss * 1024))
 sys.exit(os.waitstatus_to_exitcode(status))
+"""
+# A crash at a known point, patched in from outside the product code: the merge SIGKILLs itself
+# right after the first chunk of its second output file reaches the file.
+KILL_IN_SECOND_SHARD = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import merge_llama_with_lora as merge
+
+write_chunk, files_begun = merge.SafetensorsWriter.write, []
+
+def write_then_die_in_second_file(self, chunk):
+    write_chunk(self, chunk)
+    if self.path not in files_begun:
+        files_begun.append(self.path)
+    if len(files_begun) == 2:
+        self.handle.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+merge.SafetensorsWriter.write = write_then_die_in_second_file
+merge.main(sys.argv[2:])
 """
 
 
@@ -429,3 +452,110 @@ def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir):
     elif case != "output_is_base":
         assert not out.exists()
     assert not [name for name in os.listdir(out.parent) if ".tmp-" in name]
+
+
+# ----------------------------------------------------------------------------- failures publish nothing
+
+
+def test_verify_catches_a_wrong_merge(small_base, tmp_path, monkeypatch):
+    """A merge that scales one module's delta 5% too much (patched in from outside the product code)
+    fails --verify: exit 1, one error line naming the largest logit difference and the tolerance,
+    nothing published, no temporary directory left, inputs untouched. The same wrong merge passes
+    with a tolerance above the difference it reported: the flag decides, not a constant."""
+    exact_add_to = merge_lora.LoraModule.add_to
+
+    def add_to_with_wrong_scaling(self, rows, start, stop, loaded):
+        if self.module.endswith("layers.1.mlp.down_proj"):
+            self = dataclasses.replace(self, scaling=self.scaling * 1.05)
+        exact_add_to(self, rows, start, stop, loaded)
+
+    monkeypatch.setattr(merge_lora.LoraModule, "add_to", add_to_with_wrong_scaling)
+    before, out = snapshot(small_base), tmp_path / "merged"
+    arguments = ["--base_model", small_base / "base", "--lora_model", small_base / "adapter", "--output_dir", out,
+                 "--verify"]
+    result = run_in_process(SCRIPT, arguments)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    reported = float(re.search(r"peft base\+adapters vs merged: (\S+) ", result.stdout).group(1))
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, result.stderr
+    match = re.search(r"differ from peft's merge by up to (\S+), above --verify_tolerance (\S+);", error_lines[0])
+    assert match, error_lines[0]
+    assert float(match.group(1)) == reported and float(match.group(2)) == 1e-3
+    assert reported > 1e-3
+    assert os.listdir(tmp_path) == []  # neither the output nor the temporary directory
+    assert snapshot(small_base) == before
+
+    assert_ok(run_in_process(SCRIPT, arguments + ["--verify_tolerance", 2 * reported]))
+    assert (out / "model.safetensors").is_file()
+
+
+def test_inputs_byte_identical_after_merge_and_verify(small_base, tmp_path):
+    before = snapshot(small_base)  # every file of the base and the adapters, byte for byte
+    merge(small_base / "base", [small_base / "adapter"], tmp_path / "merged")
+    assert snapshot(small_base) == before
+    merge(small_base / "base", [small_base / "adapter"], tmp_path / "verified", "--verify")
+    assert snapshot(small_base) == before
+
+
+def test_output_synced_before_the_rename(small_base, tmp_path, monkeypatch):
+    """Every published file and the directory holding them are fsynced before the rename that
+    publishes them, and the parent directory after it (the rename itself is then durable)."""
+    events, real_fsync, real_rename = [], os.fsync, os.rename
+
+    def recording_fsync(descriptor):
+        status = os.fstat(descriptor)
+        events.append(("fsync", (status.st_dev, status.st_ino)))
+        real_fsync(descriptor)
+
+    def recording_rename(source, target, *args, **kwargs):
+        real_rename(source, target, *args, **kwargs)
+        events.append(("rename", str(target)))
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "rename", recording_rename)
+    out = tmp_path / "merged"
+    merge(small_base / "base", [small_base / "adapter"], out, "--max_shard_size", "100KB")
+    renames = [i for i, event in enumerate(events) if event[0] == "rename"]
+    assert [events[i][1] for i in renames] == [str(out)]
+    synced_before = {key for kind, key in events[: renames[0]] if kind == "fsync"}
+    synced_after = {key for kind, key in events[renames[0]:] if kind == "fsync"}
+
+    def identity(path):
+        status = os.stat(path)
+        return status.st_dev, status.st_ino
+
+    published = [out / name for name in os.listdir(out)]
+    assert len(published) >= 8  # 6 shards, the index, config.json, the tokenizer
+    assert [path.name for path in published if identity(path) not in synced_before] == []
+    assert identity(out) in synced_before and identity(tmp_path) in synced_after
+
+
+def test_merge_killed_mid_write_publishes_nothing(small_base, tmp_path, caplog):
+    """SIGKILL while the second of six output files is being written: no output directory. The
+    temporary one stays behind, recognisable (.merged.tmp-*) with one whole and one torn file; the
+    next run ignores it (neither uses nor removes it), names it in a warning, and publishes the
+    same bytes as a merge that never crashed."""
+    base, adapter, out = small_base / "base", small_base / "adapter", tmp_path / "merged"
+    layout = ["--max_shard_size", "100KB", "--chunk_mb", 0.01]  # several files, several chunks per tensor
+    arguments = ["--base_model", base, "--lora_model", adapter, "--output_dir", out, *layout]
+    result = subprocess.run([sys.executable, "-c", KILL_IN_SECOND_SHARD, MERGE_DIR, *map(str, arguments)],
+                            cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert not out.exists()
+    leftovers = os.listdir(tmp_path)
+    assert len(leftovers) == 1 and leftovers[0].startswith(".merged.tmp-"), leftovers
+    leftover = tmp_path / leftovers[0]
+    whole, torn = sorted(os.listdir(leftover))
+    assert set(merge_lora.read_safetensors_header(str(leftover / whole))) == {"lm_head.weight"}
+    with pytest.raises(merge_lora.InputError, match="data offsets do not match"):
+        merge_lora.read_safetensors_header(str(leftover / torn))
+
+    with caplog.at_level(logging.WARNING, logger="merge_llama_with_lora"):
+        merge(base, [adapter], out, *layout)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert any(str(leftover) in message and "interrupted merge" in message for message in warnings), warnings
+    assert sorted(os.listdir(leftover)) == [whole, torn]
+    never_crashed = tmp_path / "clean" / "merged"
+    merge(base, [adapter], never_crashed, *layout)
+    assert snapshot(out) == snapshot(never_crashed)

@@ -19,7 +19,11 @@ imported on this path (transformers and peft cost ~4 s to import; --verify loads
 
 Safety: inputs are only read; everything is checked (adapter configs, every tensor's shape
 against the base, vocabulary and tokenizer sizes, free disk space) before anything is written;
-the result is built in a temporary sibling of --output_dir and renamed into place when complete.
+the result is built in a temporary sibling of --output_dir (.<name>.tmp-<random>), synced to disk
+(every file, then the directory) and renamed into place only when complete and, with --verify,
+verified: a failed or killed merge publishes nothing. A temporary directory a killed merge left
+behind is never used or removed by a later run (another merge may still be writing it); the
+later run names it in a warning so its space can be reclaimed.
 
 Tied embeddings: a base whose lm_head is its input embedding stays tied when the adapters keep
 them equal (embed_tokens alone trained with peft's ensure_weight_tying, which our training
@@ -30,6 +34,7 @@ written and tie_word_embeddings becomes false (what the trained peft model compu
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -850,16 +855,19 @@ def main(argv=None) -> None:
     check_tokenizer_fits(tokenizer_dir, tokens, plan, base)
     layout = shard_layout(plan, base, max_shard_size)
     total = sum(tensor.nbytes for _, tensors in layout for tensor in tensors)
+    warn_about_leftovers(args.output_dir)
     check_free_space(args.output_dir, total)
     log_plan(plan, base, len(adapters), layout, total)
 
     with atomic_output_dir(args.output_dir) as tmp:
         write_model(plan, layout, tmp, int(args.chunk_mb * 2**20), workspace)
         write_model_files(plan, args.base_model, tokenizer_dir, tokenizer_names, tmp)
+        sync_tree(tmp)  # before the rename that publishes it: a crash then leaves a whole model or none
         merge_seconds = time.perf_counter() - start_time
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if args.verify:
             verify_or_exit(args, adapter_paths, tmp, plan)
+    sync_path(os.path.dirname(os.path.abspath(args.output_dir)))  # the rename itself
     print(f"merged {len(adapters)} adapter(s) into {args.output_dir}: {len(layout)} file(s), "
           f"{total / 1e6:.1f} MB, vocab {plan.vocab_rows}, {merge_seconds:.1f}s, peak RSS {peak_mb:.0f} MiB",
           flush=True)
@@ -903,6 +911,54 @@ def check_free_space(output_dir: str, total: int) -> None:
                          f"{free / 1e9:.2f} GB are free there")
 
 
+def leftover_temp_dirs(output_dir: str) -> list:
+    """Temporary directories of earlier merges into output_dir that never completed (killed while
+    writing), by the name atomic_output_dir (merge_utils) gives them: .<output name>.tmp-<random>."""
+    parent, name = os.path.split(os.path.abspath(output_dir))
+    if not os.path.isdir(parent):
+        return []
+    prefix = f".{name}.tmp-"
+    return [os.path.join(parent, entry) for entry in sorted(os.listdir(parent))
+            if entry.startswith(prefix) and os.path.isdir(os.path.join(parent, entry))]
+
+
+def warn_about_leftovers(output_dir: str) -> None:
+    """A merge killed mid-write leaves its temporary directory behind, never published. This run
+    ignores it (another merge may still be writing it) and names it, since it can hold as much as
+    a whole model and make the free-space check fail."""
+    for path in leftover_temp_dirs(output_dir):
+        logger.warning("%s: %.1f MB left by an interrupted merge into %s (never published, not used); "
+                       "delete it to free the space", path, directory_bytes(path) / 1e6, output_dir)
+
+
+def directory_bytes(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):  # gone meanwhile: a merge that was still running finished
+                total += os.path.getsize(os.path.join(root, name))
+    return total
+
+
+def sync_path(path: str) -> None:
+    """os.fsync a file, or a directory (which makes the names it holds durable)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(directory: str) -> None:
+    """Every file under directory on disk, then the directories naming them: otherwise the kernel
+    may write the rename that publishes the directory before the data, and a power loss right
+    after the merge would leave a complete-looking model with empty or torn shards."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names:
+            sync_path(os.path.join(root, name))
+        sync_path(root)
+
+
 def log_plan(plan: MergePlan, base: BaseModel, adapter_count: int, layout: list, total: int) -> None:
     for note in plan.notes:
         logger.info("%s", note)
@@ -935,9 +991,10 @@ def verify_or_exit(args, adapter_paths: list, merged_dir: str, plan: MergePlan) 
     print(f"verify: max abs logit difference, peft base+adapters vs merged: {difference:.3g} "
           f"(tolerance {args.verify_tolerance:g}); against the unmerged float32 model as trained: "
           f"{as_trained:.3g}", flush=True)
-    if not difference <= args.verify_tolerance:
-        print(f"error: verification failed: logits differ by {difference:.3g} > {args.verify_tolerance:g}; "
-              "nothing was written", file=sys.stderr, flush=True)
+    if not difference <= args.verify_tolerance:  # a NaN fails too
+        print(f"error: --verify failed: the merged model's logits differ from peft's merge by up to {difference:.3g}, "
+              f"above --verify_tolerance {args.verify_tolerance:g}; nothing was written to {args.output_dir}",
+              file=sys.stderr, flush=True)
         sys.exit(1)
 
 
