@@ -1,19 +1,22 @@
 #!/usr/bin/env python
 """An OpenAI-compatible HTTP server for a merged model, or a base model + LoRA adapter.
 
-    python scripts/inference/openai_api_server.py --base_model MERGED_DIR --api_key KEY
-    python scripts/inference/openai_api_server.py --base_model BASE --lora_model sft_lora_model \
-        --host 0.0.0.0 --port 8000 --api_key KEY
+    python scripts/inference/openai_api_server.py --base_model MERGED_DIR --api_key_file key.txt
+    OPENAI_SERVER_API_KEY=KEY python scripts/inference/openai_api_server.py --base_model BASE \
+        --lora_model sft_lora_model --host 0.0.0.0 --port 8000
 
 Endpoints: GET /v1/models, POST /v1/chat/completions and POST /v1/completions (both also
 streamed as server-sent events). Any OpenAI client works:
 OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY).
 
 One worker thread runs every generation, one after the other: requests never share a batch or
-a KV cache, so concurrent clients each get the answer they would get alone.
+a KV cache, so concurrent clients each get the answer they would get alone. No request can take
+the server down: bodies, stop sequences and the requests held at once are bounded (RequestLimits),
+tokenization runs off the event loop, and a generation stops when its client goes away.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -31,13 +34,16 @@ sys.path[:0] = [os.path.join(SCRIPTS, "inference"), os.path.join(SCRIPTS, "train
 
 from fastapi import APIRouter, FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
+from starlette.background import BackgroundTask  # noqa: E402
+from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
 from cli import InputError, parse_args, run_cli  # noqa: E402
 from inference_utils import (  # noqa: E402
     ChatGenerator,
+    Completion,
     InferenceModelArguments,
     SamplingSettings,
     TextDeltaStreamer,
@@ -53,6 +59,9 @@ from records import PROMPT, conversation_of  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
+# Where the API key may come from without showing in `ps` (as --api_key does).
+API_KEY_VARIABLE = "OPENAI_SERVER_API_KEY"
+
 
 @dataclass
 class ServerArguments:
@@ -60,8 +69,14 @@ class ServerArguments:
         default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."}
     )
     port: int = field(default=8000, metadata={"help": "TCP port."})
+    api_key_file: Optional[str] = field(
+        default=None, metadata={"help": "A file holding the key that every request must send as 'Authorization: "
+                                        f"Bearer KEY'; the key may also come from ${API_KEY_VARIABLE}. Without "
+                                        "a key the server serves anyone who can reach it."}
+    )
     api_key: Optional[str] = field(
-        default=None, metadata={"help": "Require 'Authorization: Bearer KEY' on every request."}
+        default=None, metadata={"help": "The key itself: every user of this machine sees it in `ps`; prefer "
+                                        f"--api_key_file or ${API_KEY_VARIABLE}."}
     )
     model_name: Optional[str] = field(
         default=None, metadata={"help": "The model id clients name; default: the adapter's or model's directory name."}
@@ -71,6 +86,31 @@ class ServerArguments:
         metadata={"help": "Answer length limit for requests that set no max_tokens (capped by the context)."},
     )
     trust_remote_code: bool = trust_remote_code_field()
+
+
+@dataclass
+class RequestLimits:
+    """What one request may ask of the server. Beyond them it is refused with OpenAI's error body
+    rather than let it hold the server's memory or its one generation worker."""
+
+    max_request_bytes: int = field(default=1 << 20, metadata={"help": "Largest request body in bytes; 413 beyond."})
+    max_pending_requests: int = field(
+        default=32, metadata={"help": "Requests held at once (being tokenized, waiting for the generation worker or "
+                                      "generating); 503 beyond, at once, instead of an ever longer queue."}
+    )
+    max_stop_sequences: int = field(default=4, metadata={"help": "Most stop sequences per request (OpenAI's 4)."})
+    max_stop_length: int = field(
+        default=64, metadata={"help": "Longest stop sequence in characters. For each new set of stops, transformers "
+                                      "walks the whole vocabulary and builds a vocabulary x length table: 4 stops of "
+                                      "64 characters on a 128k vocabulary take up to ~130 MB and seconds of the "
+                                      "generation worker."}
+    )
+
+    def __post_init__(self):
+        for name, least in (("max_request_bytes", 1024), ("max_pending_requests", 1), ("max_stop_sequences", 0),
+                            ("max_stop_length", 1)):
+            if getattr(self, name) < least:
+                raise InputError(f"--{name} {getattr(self, name)}: must be at least {least}")
 
 
 class APIError(Exception):
@@ -98,10 +138,10 @@ class SamplingRequest(BaseModel):
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
     n: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range; torch takes it
     stream: Optional[bool] = False
     stream_options: Optional[dict[str, Any]] = None
 
@@ -144,13 +184,60 @@ def stop_list(stop) -> list:
     return [stop] if isinstance(stop, str) else [item for item in stop if item]
 
 
+class RequestSlots:
+    """The requests the server holds at once, each from its admission until its generation ends
+    (or until it is refused). Touched from the event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.taken = limit, 0
+
+    @contextlib.contextmanager
+    def admission(self):
+        """A place for one request, or 503 when all are taken. The place is freed at the end of the
+        block, or, once handed to a generation job (Slot.free_when_done), when that job ends."""
+        if self.taken >= self.limit:
+            raise APIError(503, f"The server is busy: {self.limit} requests are being served or waiting; retry later",
+                           error_type="server_error", code="server_overloaded")
+        self.taken += 1
+        slot = Slot(self)
+        try:
+            yield slot
+        finally:
+            if not slot.handed:
+                slot.free()
+
+
+class Slot:
+    def __init__(self, slots: RequestSlots):
+        self.slots, self.handed, self.freed = slots, False, False
+
+    def free(self, *_) -> None:
+        if not self.freed:
+            self.freed = True
+            self.slots.taken -= 1
+
+    def free_when_done(self, job: asyncio.Future) -> None:
+        self.handed = True
+        job.add_done_callback(self.free)
+
+
+async def cancel_when_gone(request: Request, cancel: threading.Event) -> None:
+    """Sets cancel once the client has gone away: with the body read, the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
+
+
 class CompletionService:
     """Request checks, the generation worker and the response bodies."""
 
-    def __init__(self, generator: ChatGenerator, model_name: str, default_max_tokens: int):
+    def __init__(self, generator: ChatGenerator, model_name: str, default_max_tokens: int,
+                 limits: Optional[RequestLimits] = None):
         self.generator = generator
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.limits = limits or RequestLimits()
+        self.slots = RequestSlots(self.limits.max_pending_requests)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self.created = int(time.time())
 
@@ -161,6 +248,14 @@ class CompletionService:
         if request.n not in (None, 1):
             raise APIError(400, f"n={request.n} is not supported: one choice per request", param="n",
                            code="invalid_value")
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stops) > self.limits.max_stop_sequences:
+            raise APIError(400, f"stop holds {len(stops)} sequences; at most {self.limits.max_stop_sequences} "
+                                "are allowed", param="stop", code="invalid_value")
+        longest = max(map(len, stops), default=0)
+        if longest > self.limits.max_stop_length:
+            raise APIError(400, f"stop holds a sequence of {longest} characters; at most "
+                                f"{self.limits.max_stop_length} are allowed", param="stop", code="invalid_value")
 
     def settings_for(self, request: SamplingRequest, prompt_tokens: int, prompt_param: str) -> SamplingSettings:
         context = self.generator.context_tokens
@@ -185,47 +280,82 @@ class CompletionService:
             seed=request.seed,
         )
 
-    async def complete(self, prompt_ids: list, settings: SamplingSettings, stops: list):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.worker,
-                                          lambda: self.generator.generate([prompt_ids], settings, stops)[0])
+    def submit(self, slot: Slot, prompt_ids: list, settings: SamplingSettings, stops: list, cancel: threading.Event,
+               streamer: Optional[TextDeltaStreamer] = None, on_end=None) -> asyncio.Future:
+        """The generation queued on the worker, holding the request's slot until it ends. A job whose
+        client left while it waited (cancel set) is skipped: nothing is generated for nobody."""
 
-    async def stream(self, prompt_ids: list, settings: SamplingSettings, stops: list, chunk, opening=None,
-                     include_usage: bool = False):
+        def job():
+            try:
+                if cancel.is_set():
+                    return None
+                return self.generator.generate([prompt_ids], settings, stops, streamer, cancel)[0]
+            finally:
+                if on_end is not None:
+                    on_end()
+
+        result = asyncio.get_running_loop().run_in_executor(self.worker, job)
+        slot.free_when_done(result)
+        return result
+
+    async def complete(self, slot: Slot, http_request: Request, prompt_ids: list, settings: SamplingSettings,
+                       stops: list) -> Optional[Completion]:
+        """The completion, or None when the client went away first: its generation then stops (or is
+        skipped, if it was still waiting for the worker)."""
+        cancel = threading.Event()
+        result = self.submit(slot, prompt_ids, settings, stops, cancel)
+        watch = asyncio.ensure_future(cancel_when_gone(http_request, cancel))
+        try:
+            completion = await result
+        except asyncio.CancelledError:  # the server is stopping: so does the generation
+            cancel.set()
+            raise
+        finally:
+            watch.cancel()
+        if cancel.is_set():
+            logger.info("client went away: generation stopped after %s tokens",
+                        completion.completion_tokens if completion else 0)
+            return None
+        return completion
+
+    def stream(self, slot: Slot, prompt_ids: list, settings: SamplingSettings, stops: list, chunk, opening=None,
+               include_usage: bool = False) -> StreamingResponse:
         """Server-sent events: text deltas as the worker generates them, then the finish reason
         (and usage if asked), then [DONE]. A client that goes away stops its generation."""
         loop = asyncio.get_running_loop()
         deltas, end, cancel = asyncio.Queue(), object(), threading.Event()
         streamer = TextDeltaStreamer(self.generator.tokenizer,
                                      lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta), stops)
+        result = self.submit(slot, prompt_ids, settings, stops, cancel, streamer,
+                             on_end=lambda: loop.call_soon_threadsafe(deltas.put_nowait, end))
 
-        def job():
+        async def events():
+            sent = ""
             try:
-                return self.generator.generate([prompt_ids], settings, stops, streamer, cancel)[0]
+                if opening is not None:
+                    yield sse(opening)
+                while (delta := await deltas.get()) is not end:
+                    sent += delta
+                    yield sse(chunk(delta, None))
+                completion = await result
+                rest = completion.text[len(sent):] if completion.text.startswith(sent) else ""
+                if rest:
+                    yield sse(chunk(rest, None))
+                yield sse(chunk(None, completion.finish_reason))
+                if include_usage:
+                    yield sse({**chunk(None, None), "choices": [], "usage": usage(completion)})
+            except Exception as err:  # the stream has begun: report the failure in it, without its details
+                yield sse(error_body(failure_message(err), "server_error"))
             finally:
-                loop.call_soon_threadsafe(deltas.put_nowait, end)
+                cancel.set()
+            yield "data: [DONE]\n\n"
 
-        result = loop.run_in_executor(self.worker, job)
-        sent = ""
-        try:
-            if opening is not None:
-                yield sse(opening)
-            while (delta := await deltas.get()) is not end:
-                sent += delta
-                yield sse(chunk(delta, None))
-            completion = await result
-            rest = completion.text[len(sent):] if completion.text.startswith(sent) else ""
-            if rest:
-                yield sse(chunk(rest, None))
-            yield sse(chunk(None, completion.finish_reason))
-            if include_usage:
-                yield sse({**chunk(None, None), "choices": [], "usage": usage(completion)})
-        except Exception as err:  # the stream has begun: report the failure in it
-            logger.exception("generation failed")
-            yield sse(error_body(f"generation failed: {err}", "server_error"))
-        finally:
-            cancel.set()
-        yield "data: [DONE]\n\n"
+        # The background task also stops a generation whose client left before the first event.
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(cancel.set))
+
+
+# nginx's status for a request whose client went away first: only the access log sees it.
+CLIENT_CLOSED_REQUEST = 499
 
 
 def usage(completion) -> dict:
@@ -238,8 +368,12 @@ def include_usage(request: SamplingRequest) -> bool:
 
 
 def create_app(service: CompletionService, api_key: Optional[str]) -> FastAPI:
-    """The server: the API key check, OpenAI-style error bodies, and the /v1 endpoints."""
+    """The server: the API key check, the body size limit, OpenAI-style error bodies, and the /v1
+    endpoints. The key check comes first (the middleware added last), so that a client without the
+    key gets 401 before any of its body is read."""
     app = FastAPI(title="OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.add_middleware(RequestSizeLimit, max_bytes=service.limits.max_request_bytes)
     app.middleware("http")(api_key_check(api_key))
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
@@ -267,6 +401,61 @@ def api_key_check(api_key: Optional[str]):
     return require_api_key
 
 
+# Bytes still read (and dropped) after a body went over the limit: a client that is still sending
+# when the server closes the connection sees a reset rather than the 413.
+DRAIN_BYTES = 64 << 20
+
+
+class RequestSizeLimit:
+    """ASGI middleware answering 413 to a request body over max_bytes before any of it is parsed:
+    a declared Content-Length over the limit is refused unread, and a body without one is counted as
+    it arrives. The body (at most max_bytes) is handed on whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        # A client waiting for '100 Continue' sends nothing more once it reads the 413.
+        drain = headers.get(b"expect", b"").lower() != b"100-continue"
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.refuse(scope, receive, send, drain)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: nobody to answer
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self.refuse(scope, receive, send, drain and more)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send, drain: bool) -> None:
+        dropped = 0
+        while drain and dropped < DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            drain = message.get("more_body", False)
+        response = JSONResponse(error_body(f"The request body is over {self.max_bytes} bytes, the most this server "
+                                           "accepts", code="request_too_large"), status_code=413)
+        await response(scope, receive, send)
+
+
 async def api_error(request: Request, err: APIError):
     return JSONResponse(error_body(err.message, err.error_type, err.param, err.code), status_code=err.status)
 
@@ -286,8 +475,15 @@ async def http_error(request: Request, err: StarletteHTTPException):
 
 
 async def server_error(request: Request, err: Exception):
-    logger.exception("request failed")
-    return JSONResponse(error_body(f"the server failed: {err}", "server_error"), status_code=500)
+    return JSONResponse(error_body(failure_message(err), "server_error"), status_code=500)
+
+
+def failure_message(err: BaseException) -> str:
+    """What a client is told of a failure: an id to find it in the server's log, never the exception's
+    text (it may hold file paths, settings or another request's prompt)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("request failed (error id %s)", error_id, exc_info=err)
+    return f"The server had an error while processing your request (error id {error_id})"
 
 
 def openai_routes(service: CompletionService) -> APIRouter:
@@ -300,74 +496,107 @@ def openai_routes(service: CompletionService) -> APIRouter:
                                             "created": service.created, "owned_by": "owner"}]}
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return await chat_completion_response(service, request)
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+        return await chat_completion_response(service, request, http_request)
 
     @router.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await text_completion_response(service, request)
+    async def completions(request: CompletionRequest, http_request: Request):
+        return await text_completion_response(service, request, http_request)
 
     return router
 
 
-async def chat_completion_response(service: CompletionService, request: ChatCompletionRequest):
+async def chat_completion_response(service: CompletionService, request: ChatCompletionRequest, http_request: Request):
     """A chat.completion body, or a stream of chat.completion.chunk events."""
     generator = service.generator
     service.check_request(request)
-    prompt_ids = generator.encode_chat(request_messages(request.messages))
-    settings = service.settings_for(request, len(prompt_ids), "messages")
+    messages = request_messages(request.messages)
     stops = generator.chat_stops(stop_list(request.stop))
     reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": reply_id, "created": created, "model": service.model_name, "system_fingerprint": None}
-    if request.stream:
-        def chunk(text, finish_reason):
-            delta = {} if text is None else {"content": text}
-            return {**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
-        opening = chunk("", None)
-        opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        events = service.stream(prompt_ids, settings, stops, chunk, opening, include_usage(request))
-        return StreamingResponse(events, media_type="text/event-stream")
-    completion = await service.complete(prompt_ids, settings, stops)
+    def chunk(text, finish_reason):
+        delta = {} if text is None else {"content": text}
+        return {**head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    with service.slots.admission() as slot:
+        # Off the event loop: rendering and tokenizing a long conversation would hold up every other client.
+        prompt_ids = await run_in_threadpool(generator.encode_chat, messages)
+        settings = service.settings_for(request, len(prompt_ids), "messages")
+        if request.stream:
+            opening = chunk("", None)
+            opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            return service.stream(slot, prompt_ids, settings, stops, chunk, opening, include_usage(request))
+        completion = await service.complete(slot, http_request, prompt_ids, settings, stops)
+    if completion is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return {**head, "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
                          "logprobs": None, "finish_reason": completion.finish_reason}],
             "usage": usage(completion)}
 
 
-async def text_completion_response(service: CompletionService, request: CompletionRequest):
+async def text_completion_response(service: CompletionService, request: CompletionRequest, http_request: Request):
     """A text_completion body, or a stream of text_completion events."""
     service.check_request(request)
     prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
     if len(prompts) != 1:
         raise APIError(400, f"prompt holds {len(prompts)} prompts; send one per request", param="prompt",
                        code="invalid_value")
-    prompt_ids = service.generator.encode_text(prompts[0])
-    if not prompt_ids:
-        raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
-    settings = service.settings_for(request, len(prompt_ids), "prompt")
     stops = stop_list(request.stop)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name,
             "object": "text_completion", "system_fingerprint": None}
-    if request.stream:
-        def chunk(text, finish_reason):
-            return {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                                         "finish_reason": finish_reason}]}
 
-        events = service.stream(prompt_ids, settings, stops, chunk, include_usage=include_usage(request))
-        return StreamingResponse(events, media_type="text/event-stream")
-    completion = await service.complete(prompt_ids, settings, stops)
+    def chunk(text, finish_reason):
+        return {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                     "finish_reason": finish_reason}]}
+
+    with service.slots.admission() as slot:
+        prompt_ids = await run_in_threadpool(service.generator.encode_text, prompts[0])  # off the event loop
+        if not prompt_ids:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        settings = service.settings_for(request, len(prompt_ids), "prompt")
+        if request.stream:
+            return service.stream(slot, prompt_ids, settings, stops, chunk, include_usage=include_usage(request))
+        completion = await service.complete(slot, http_request, prompt_ids, settings, stops)
+    if completion is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return {**head, "choices": [{"index": 0, "text": completion.text, "logprobs": None,
                                  "finish_reason": completion.finish_reason}],
             "usage": usage(completion)}
 
 
+def api_key_of(args: ServerArguments) -> Optional[str]:
+    """The key every request must send: from --api_key_file, --api_key or $OPENAI_SERVER_API_KEY, in
+    that order; None (serve without one) when none is given."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise InputError("--api_key and --api_key_file: give the key one way (--api_key_file keeps it out of ps)")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as key_file:
+                key, source = key_file.read().strip(), f"{args.api_key_file}: --api_key_file"
+        except OSError as err:
+            raise InputError(f"{args.api_key_file}: --api_key_file cannot be read ({err.strerror or err})") from None
+    elif args.api_key is not None:
+        logger.warning("--api_key shows the key to every user of this machine (ps); prefer --api_key_file or $%s",
+                       API_KEY_VARIABLE)
+        key, source = args.api_key.strip(), "--api_key"
+    elif API_KEY_VARIABLE in os.environ:
+        key, source = os.environ[API_KEY_VARIABLE].strip(), f"${API_KEY_VARIABLE}"
+    else:
+        return None
+    if not key:
+        raise InputError(f"{source}: the API key is empty")
+    return key
+
+
 def main():
-    model_args, server_args = parse_args((InferenceModelArguments, ServerArguments))
+    model_args, server_args, limits = parse_args((InferenceModelArguments, ServerArguments, RequestLimits))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO, stream=sys.stderr, force=True)
     log_mapped_flags(model_args)
+    api_key = api_key_of(server_args)
     tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
                                     trust_remote_code=server_args.trust_remote_code,
                                     tokenizer_path=model_args.tokenizer_path)
@@ -379,10 +608,11 @@ def main():
     generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
                               template_kwargs_of(model_args))
     name = server_args.model_name or os.path.basename(os.path.normpath(model_args.lora_model or model_args.base_model))
-    service = CompletionService(generator, name, server_args.default_max_tokens)
-    app = create_app(service, server_args.api_key)
-    if server_args.api_key is None and server_args.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("serving on %s without --api_key: anyone who can reach it can use it", server_args.host)
+    service = CompletionService(generator, name, server_args.default_max_tokens, limits)
+    app = create_app(service, api_key)
+    if api_key is None and server_args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key (--api_key_file or $%s): anyone who can reach it can use it",
+                       server_args.host, API_KEY_VARIABLE)
     logger.info("serving %s on http://%s:%d/v1", name, server_args.host, server_args.port)
     import uvicorn
 
