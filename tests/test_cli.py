@@ -57,3 +57,21 @@ def test_bad_files_are_one_line(tmp_path, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(InputError, match="nope.yaml: argument file does not exist"):
         parsed([str(tmp_path / "nope.yaml")])
+
+
+@pytest.mark.parametrize("script", ["run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo"])
+@pytest.mark.parametrize("launcher", [[], ["--local_rank=0"]])
+def test_every_training_script_takes_a_file_and_overrides(tmp_path, script, launcher):
+    """Each script's own argument table (ARGUMENT_CLASSES, what main() parses): the file first, the
+    command line wins, behind the launcher's --local_rank too. PPO maps model_name_or_path to its actor."""
+    import importlib
+
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG)
+    classes = importlib.import_module(script).ARGUMENT_CLASSES
+    needed = ["--reward_model_name_or_path", "rm"] if script == "run_ppo" else []  # PPO's one required flag
+    model_args, _, training_args = parse_args(classes, launcher + [str(path), "--learning_rate", "3e-4",
+                                                                   "--lora_rank", "8", *needed])
+    model = getattr(model_args, "actor_model_name_or_path", None) or model_args.model_name_or_path
+    assert (model, model_args.lora_rank, training_args.learning_rate) == ("base", 8, 3e-4)
+    assert training_args.output_dir == "out" and training_args.local_rank == (0 if launcher else -1)

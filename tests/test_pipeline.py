@@ -145,7 +145,8 @@ def test_the_chain_runs_every_stage_and_the_final_model_is_every_adapter_in_orde
 
 def test_a_rerun_skips_everything_and_a_changed_reward_stage_reruns_it_and_what_follows(uninterrupted, tmp_path):
     """On a copy of the finished run: a rerun skips every stage; a new reward learning rate reruns
-    reward, PPO, the final merge and the chat, and leaves the stages before reward untouched."""
+    reward and PPO, leaves the stages before reward untouched, and leaves the final merge and chat
+    to rerun (their inputs changed)."""
     from helpers.run_outputs import adapter_weights
 
     out = tmp_path / "out"
@@ -157,10 +158,15 @@ def test_a_rerun_skips_everything_and_a_changed_reward_stage_reruns_it_and_what_
     sft_written = (out / "sft" / "sft_lora_model" / "adapter_model.safetensors").stat().st_mtime_ns
     reward_before = adapter_weights(out / "reward" / "rm_lora_model")
 
-    changed = run_pipeline(path, "reward.learning_rate=1e-2")
+    # Up to PPO (--stages): the final merge and chat rerun alike, and a dry run shows it.
+    changed = run_pipeline(path, "reward.learning_rate=1e-2", "--stages",
+                           "vocabulary,pretraining,pt_merged,sft,reward,ppo")
     assert_ok(changed)
     assert actions(changed) == {"vocabulary": "skip", "pretraining": "skip", "pt_merged": "skip", "sft": "skip",
-                                "reward": "run", "ppo": "run", "final": "run", "chat": "run"}
+                                "reward": "run", "ppo": "run"}
+    assert actions(run_pipeline(path, "reward.learning_rate=1e-2", "--dry_run")) == {
+        "vocabulary": "skip", "pretraining": "skip", "pt_merged": "skip", "sft": "skip", "reward": "skip",
+        "ppo": "skip", "final": "run", "chat": "run"}
     assert (out / "sft" / "sft_lora_model" / "adapter_model.safetensors").stat().st_mtime_ns == sft_written
     reward_after = adapter_weights(out / "reward" / "rm_lora_model")
     assert max((reward_after[name] - reward_before[name]).abs().max().item() for name in reward_before) > 1e-3

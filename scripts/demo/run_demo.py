@@ -92,7 +92,7 @@ QUICK = Plan(heldout_chars=1_500, sft_heldout_records=8, sft_validation_records=
                  "reward.max_steps=3", "reward.save_steps=3", "reward.logging_steps=1",
                  "reward.per_device_train_batch_size=4", "sft.per_device_train_batch_size=4", "ppo.max_steps=2",
                  "ppo.save_steps=2", "ppo.per_device_generation_batch_size=4", "ppo.per_device_training_batch_size=4",
-                 "ppo.max_answer_seq_len=16"))
+                 "ppo.max_answer_seq_len=16", "chat.max_new_tokens=16"))
 
 
 @dataclass
