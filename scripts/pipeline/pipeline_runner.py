@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -29,10 +28,10 @@ from typing import Optional
 from pipeline_stages import PlannedStage
 
 from cli import InputError
+from model_files import complete_checkpoints
 
 MARKER_DIR = ".pipeline"
 LOG_DIR = "logs"
-CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 WAIT_SECONDS = 10
 
 
@@ -69,13 +68,6 @@ def write_marker(output_dir: str, name: str, record: dict) -> None:
     os.replace(path + ".tmp", path)  # a marker is whole or absent
 
 
-def has_checkpoint(out_dir: str) -> bool:
-    """A checkpoint-N the Trainer finished writing (trainer_state.json comes last)."""
-    return os.path.isdir(out_dir) and any(
-        CHECKPOINT.match(name) and os.path.isfile(os.path.join(out_dir, name, "trainer_state.json"))
-        for name in os.listdir(out_dir))
-
-
 def inputs_of(planned: list, stage: PlannedStage, output_dir: str) -> dict:
     """{earlier stage: the run id of its completed run}: what this stage starts from."""
     earlier = planned[:planned.index(stage)]
@@ -95,7 +87,7 @@ def decide(stage: PlannedStage, output_dir: str, inputs: dict, rerun_reason: Opt
         return Decision("run", "an earlier stage ran again since")
     if marker.get("complete") and os.path.isdir(stage.out_dir):
         return Decision("skip", "complete")
-    if stage.distributed and has_checkpoint(stage.out_dir):
+    if stage.distributed and complete_checkpoints(stage.out_dir):
         return Decision("resume", "interrupted; resumes from its last checkpoint")
     return Decision("run", "interrupted before its first checkpoint")
 

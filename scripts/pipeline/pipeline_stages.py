@@ -8,6 +8,7 @@ argument parser), missing files, and a stage whose input no earlier stage produc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -146,6 +147,7 @@ def hf_parser(kind: str) -> bool:
     return SCRIPTS[kind].path.startswith("scripts/training") or kind == "chat"
 
 
+@functools.cache  # two merge stages ask once
 def known_flags(kind: str) -> set:
     """The option names the stage's script accepts, from its own argument parser."""
     module = script_module(kind)

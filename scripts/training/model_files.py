@@ -5,6 +5,7 @@ the same way, and a check costs a directory listing."""
 
 import json
 import os
+import re
 import struct
 from typing import Optional
 
@@ -59,3 +60,21 @@ def checkpoint_weight_names(model_dir: str) -> list:
             return list(json.load(handle).get("weight_map", {}))
     single = os.path.join(model_dir, "model.safetensors")
     return safetensors_names(single) if os.path.isfile(single) else []
+
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def complete_checkpoints(output_dir: str) -> list:
+    """checkpoint-N directories holding trainer_state.json (the Trainer writes it after the
+    weights and optimizer), oldest first: a crash mid-save leaves one without it. The training
+    scripts resume from the last; the pipeline launcher decides from it whether a stage resumes."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]

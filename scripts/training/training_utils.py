@@ -5,7 +5,6 @@ output-directory and resume rules, logging, next-token metrics and the run_clm-s
 import logging
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -18,6 +17,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from build_dataset import ConversationDataArguments
 from cli import InputError, parse_args
+from model_files import complete_checkpoints
 from model_utils import check_model_inputs, load_model_config, load_tokenizer, map_flags, note_accepted_flags
 
 logger = logging.getLogger(__name__)
@@ -214,21 +214,6 @@ def setup_logging(training_args: TrainingArguments) -> None:
         training_args.device,
         training_args.parallel_mode.value,
     )
-
-
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-
-
-def complete_checkpoints(output_dir: str) -> list:
-    """checkpoint-N directories holding trainer_state.json (the Trainer writes it after the
-    weights and optimizer), oldest first: a crash mid-save leaves one without it."""
-    found = []
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_RE.match(name)
-        path = os.path.join(output_dir, name)
-        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
 
 
 def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Optional[str]:
