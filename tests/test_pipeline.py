@@ -180,10 +180,10 @@ def test_killed_during_sft_a_rerun_skips_what_finished_resumes_sft_and_ends_with
         uninterrupted, tmp_path):
     """The finished stages before SFT are copied from the uninterrupted run (same config hashes), so
     this run starts at SFT; the whole job (pipeline, torchrun, worker) is SIGKILLed right after SFT's
-    checkpoint-2 is written (helpers/kill_job). The rerun skips, resumes, and its SFT adapter (the
-    actor every later stage derives from, deterministically) equals the uninterrupted run's.
-    --stages stops it after SFT."""
-    from helpers.run_outputs import adapter_weights
+    checkpoint-2 is written (helpers/kill_job). The rerun skips what finished, resumes SFT, runs
+    reward, PPO and the final merge (--stages leaves out the chat), and its final model equals the
+    uninterrupted run's."""
+    from safetensors.torch import load_file
 
     source, out = uninterrupted["root"] / "out", tmp_path / "out"
     path = write_config(tmp_path / "pipeline.yaml", chain_config_in(uninterrupted["config"], out))
@@ -191,22 +191,22 @@ def test_killed_during_sft_a_rerun_skips_what_finished_resumes_sft_and_ends_with
     for name in ("vocabulary", "pretraining", "pt_merged"):
         shutil.copytree(source / name, out / name)
         shutil.copy(source / ".pipeline" / f"{name}.json", out / ".pipeline" / f"{name}.json")
-    until_sft = ["--stages", "vocabulary,pretraining,pt_merged,sft"]
+    until_final = ["--stages", "vocabulary,pretraining,pt_merged,sft,reward,ppo,final"]
     crash = {"PYTHONPATH": KILL_JOB, "KILL_JOB_AFTER_SAVE": "2", "KILL_JOB_OUTPUT": "sft"}
-    killed = subprocess.run([sys.executable, PIPELINE, path, *until_sft], cwd=REPO, capture_output=True, text=True,
-                            env={**script_env(), **crash}, timeout=600, start_new_session=True)
+    killed = subprocess.run([sys.executable, PIPELINE, path, *until_final], cwd=REPO, capture_output=True,
+                            text=True, env={**script_env(), **crash}, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
     assert (out / "sft" / "checkpoint-2" / "trainer_state.json").exists()
     assert not (out / "sft" / "checkpoint-4").exists()
     assert not json.loads((out / ".pipeline" / "sft.json").read_text())["complete"]
+    assert not (out / "reward").exists()
 
-    rerun = run_pipeline(path, *until_sft)
+    rerun = run_pipeline(path, *until_final)
     assert_ok(rerun)
-    assert actions(rerun) == {"vocabulary": "skip", "pretraining": "skip", "pt_merged": "skip", "sft": "resume"}
+    assert actions(rerun) == {"vocabulary": "skip", "pretraining": "skip", "pt_merged": "skip", "sft": "resume",
+                              "reward": "run", "ppo": "run", "final": "run"}
     assert "resuming from" in (out / "logs" / "sft.log").read_text().split("\n$ ")[-1]
-    assert json.loads((out / ".pipeline" / "sft.json").read_text())["complete"]
-    expected = adapter_weights(source / "sft" / "sft_lora_model")
-    resumed = adapter_weights(out / "sft" / "sft_lora_model")
+    expected, resumed = (load_file(directory / "final" / "model.safetensors") for directory in (source, out))
     assert expected.keys() == resumed.keys()
     for name in expected:
         assert (expected[name] - resumed[name]).abs().max().item() < 1e-5, name
