@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from helpers.commands import REPO
+from helpers.run_outputs import adapter_weights
 
 DEMO = os.path.join(REPO, "scripts", "demo", "run_demo.py")
 CACHE = os.path.join(REPO, ".cache", "demo")  # shared with `make demo`: prepared once per clone
@@ -63,7 +64,7 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert list(stages) == ["prepare", "pipeline", "vocabulary extension", "held-out before", "continued pretraining",
                             "held-out after", "SFT data", "exact match before", "supervised fine-tuning",
                             "exact match after", "reward model", "reward before PPO", "PPO", "reward after PPO",
-                            "merge", "chat"]
+                            "PPO, second seed", "merge", "chat"]
 
     vocab = stages["vocabulary extension"]
     assert vocab["vocab_size.after"] > vocab["vocab_size.before"] == 49152
@@ -91,6 +92,11 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert ppo_before["prompts"] == ppo_after["prompts"] == 4
     assert all(math.isfinite(answer["reward"]) for answer in ppo_before["answers"] + ppo_after["answers"])
     assert (out / "ppo" / "ppo_lora_model" / "adapter_config.json").is_file()
+    # The same stage with another seed, its own adapter and held-out answers: the spread PPO's gain must beat.
+    second = stages["PPO, second seed"]
+    assert second["seed"] == 7 and second["prompts"] == 4 and math.isfinite(second["kl_last"])
+    first, other = (adapter_weights(out / name / "ppo_lora_model") for name in ("ppo", "ppo_seed7"))
+    assert max((first[name] - other[name]).abs().max().item() for name in first) > 0
 
     assert stages["merge"]["verify_max_logit_difference"] <= 1e-3
     final_config = json.loads((out / "final" / "config.json").read_text(encoding="utf-8"))
@@ -105,6 +111,9 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
                     "## Reward model", "## PPO", "## Merge", "## Chat with the merged model", "| total |"):
         assert heading in markdown
     assert verdicts(markdown) == improvements(stages)
+    targets = markdown.split("| target | figure | met |")[1].split("\n\n")[0]
+    assert [row.split("|")[1].strip().split(" ")[0] for row in targets.strip().splitlines()[1:]] == [
+        "SFT", "reward", "PPO"]
     for stage, improved in improvements(stages).items():
         if stage in DID_NOT:
             assert (DID_NOT[stage] in markdown) == (not improved), stage

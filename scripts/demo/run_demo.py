@@ -42,12 +42,13 @@ DEMO_CONFIG = REPO / "configs" / "pipeline" / "demo.yaml"
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(TRAINING_DIR), str(REPO / "scripts" / "pipeline")]
 
 from pipeline_config import load_config  # noqa: E402
+from pipeline_stages import plan_stages  # noqa: E402
 
 from demo_report import plot_losses, render_report  # noqa: E402
 from exact_match import exact_match, generate_answers, render_prompts  # noqa: E402
 from heldout_eval import heldout_nll  # noqa: E402
 from prepare_default import CORPUS_FILE, prepare_model, sentiment_reviews, write_pretraining_corpus  # noqa: E402
-from review_tasks import demonstrations, preference_pairs, prompt_split, review_pools  # noqa: E402
+from review_tasks import CLEAR_SENTIMENT, demonstrations, preference_pairs, prompt_split, review_pools  # noqa: E402
 from sft_tasks import arithmetic_records  # noqa: E402
 
 logger = logging.getLogger("demo")
@@ -63,7 +64,15 @@ BLOCK_SIZE = 256
 # seeds, three sets; validation and held-out questions that also occur in the train set are
 # skipped, so neither is ever trained on.
 SFT_TRAIN_SEED, SFT_VALIDATION_SEED, SFT_HELDOUT_SEED = 0, 1, 2
-SFT_MAX_NEW_TOKENS = 12  # "The answer is 1234." is 9 tokens and EOS one more
+SFT_MAX_NEW_TOKENS = 12  # "The answer is 198." is 8 tokens and EOS one more
+# Two-digit operands: within what 135M parameters learn in 15 steps once the Chinese pretraining
+# has moved them (three-digit questions gave 3 / 50 on the chained model, the same adapter 20 / 50
+# on two-digit ones).
+SFT_MAX_OPERAND = 99
+SFT_REVIEW_SHARE = 8  # one review-writing demonstration for every eight arithmetic questions
+# PPO runs again with this seed (the stage's own is the Trainer's default, 42) to measure the
+# spread between seeds.
+PPO_SECOND_SEED = 7
 REWARD_SEED = 0
 
 
@@ -167,7 +176,7 @@ def write_reward_and_prompt_data(demo: Demo) -> None:
     write_jsonl(demo.path("ppo_data", "train", "prompts.jsonl"),
                 [{"instruction": prompt, "output": ""} for prompt in prompt_split()[0]])
     demo.ppo_heldout_prompts = prompt_split()[1][:demo.plan.ppo_heldout_prompts]
-    demo.reward_data = {"train_pairs": len(train), "sample_pair": heldout[0]}
+    demo.reward_data = {"train_pairs": len(train), "sample_pair": heldout[0], "clear_sentiment": CLEAR_SENTIMENT}
 
 
 def pipeline(demo: Demo) -> dict:
@@ -214,11 +223,13 @@ def write_sft_data(demo: Demo) -> dict:
     """Train (.jsonl in a directory, as --dataset_dir wants), validation and held-out sets."""
     plan, data_dir = demo.plan, demo.path("sft_data")
     shutil.rmtree(data_dir, ignore_errors=True)
-    train = arithmetic_records(plan.sft_train_records, SFT_TRAIN_SEED)
+    train = arithmetic_records(plan.sft_train_records, SFT_TRAIN_SEED, SFT_MAX_OPERAND)
     seen = {record["instruction"] for record in train}
     # Review writing too, so the SFT model can answer the prompts PPO will ask; few, so that the
-    # arithmetic (the measured task) keeps most of the steps.
-    reviews = demonstrations(*review_pools(*sentiment_reviews())["sft"], plan.sft_train_records // 8, SFT_TRAIN_SEED)
+    # arithmetic (the measured task) keeps most of the steps: with one in three, exact match fell
+    # from about 20 to 14 / 50 while the answers to review prompts stayed broken Chinese.
+    reviews = demonstrations(*review_pools(*sentiment_reviews())["sft"], plan.sft_train_records // SFT_REVIEW_SHARE,
+                             SFT_TRAIN_SEED)
     validation, skipped_validation = unseen_records(plan.sft_validation_records, SFT_VALIDATION_SEED, seen)
     seen |= {record["instruction"] for record in validation}
     heldout, skipped_heldout = unseen_records(plan.sft_heldout_records, SFT_HELDOUT_SEED, seen)
@@ -279,13 +290,34 @@ def ppo(demo: Demo) -> dict:
     return {"steps": flags["max_steps"], "prompts_per_step": flags["per_device_generation_batch_size"],
             "train_reward_first": rewards[0] if rewards else None,
             "train_reward_last": rewards[-1] if rewards else None,
-            "kl_last": next((entry["kl"] for entry in reversed(logged) if "kl" in entry), None),
+            "kl_last": last_logged(logged, "kl"),
             **{key: value for key, value in read_stage_result(out / "train_results.json").items()
                if key in ("train_runtime", "train_loss")}}
 
 
 def reward_after_ppo(demo: Demo) -> dict:
     return heldout_reward(demo, policy=demo.path("ppo", "ppo_lora_model"))
+
+
+def ppo_second_seed(demo: Demo) -> dict:
+    """The PPO stage's own command again with another seed, into ppo_seed<N>/: how far two seeds'
+    held-out rewards lie apart is the yardstick PPO's gain has to beat."""
+    planned = next(stage for stage in plan_stages(load_config(str(DEMO_CONFIG), demo.overrides()), sys.executable)
+                   if stage.config.name == "ppo")
+    out = demo.path(f"ppo_seed{PPO_SECOND_SEED}")
+    shutil.rmtree(out, ignore_errors=True)  # this run's own output: a rerun of the demo trains it again
+    command = with_flag(planned.command, "output_dir", str(out)) + ["--seed", str(PPO_SECOND_SEED)]
+    logger.info("running: %s", shlex.join(command))
+    if subprocess.run(command, cwd=REPO).returncode != 0:
+        raise StageError(f"PPO with --seed {PPO_SECOND_SEED} failed")
+    return {"seed": PPO_SECOND_SEED, "kl_last": last_logged(log_history(out), "kl"),
+            **heldout_reward(demo, policy=out / "ppo_lora_model")}
+
+
+def with_flag(command: list[str], name: str, value: str) -> list[str]:
+    """command with --name's value replaced."""
+    position = command.index(f"--{name}") + 1
+    return command[:position] + [value] + command[position + 1:]
 
 
 def merge(demo: Demo) -> dict:
@@ -321,6 +353,7 @@ STAGES: list[tuple[str, Callable[[Demo], dict]]] = [
     ("reward before PPO", reward_before_ppo),
     ("PPO", ppo),
     ("reward after PPO", reward_after_ppo),
+    ("PPO, second seed", ppo_second_seed),
     ("merge", merge),
     ("chat", chat),
 ]
@@ -382,7 +415,7 @@ def unseen_records(count: int, seed: int, seen: set[str]) -> tuple[list[dict], i
     while True:
         drawn *= 2
         records, skipped, questions = [], 0, set(seen)
-        for record in arithmetic_records(drawn, seed):
+        for record in arithmetic_records(drawn, seed, SFT_MAX_OPERAND):
             if record["instruction"] in questions:
                 skipped += 1
                 continue
@@ -484,6 +517,10 @@ def flat_numbers(report: dict, prefix: str = "") -> dict:
 
 def log_history(output_dir: Path) -> list[dict]:
     return read_stage_result(output_dir / "trainer_state.json")["log_history"]
+
+
+def last_logged(logged: list[dict], key: str):
+    return next((entry[key] for entry in reversed(logged) if key in entry), None)
 
 
 def loss_summary(output_dir: Path) -> dict:
