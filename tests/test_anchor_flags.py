@@ -157,6 +157,12 @@ DEEPSPEED_CHAT_MAPPED = [
     ("reward", ["--zero_stage", "3", "--offload"], {"deepspeed": ds_config("ds_zero3_offload.json")},
      "--zero_stage 3 --offload -> --deepspeed"),
     ("sft", ["--zero_stage", "0"], {"deepspeed": None}, "--zero_stage 0 -> no --deepspeed"),
+    # DeepSpeed-Chat's bare --deepspeed switch, before another flag and last on the line.
+    ("sft", ["--deepspeed", "--zero_stage", "2"], {"deepspeed": ds_config("ds_zero2_no_offload.json")},
+     "--deepspeed (DeepSpeed-Chat's switch) accepted"),
+    ("reward", ["--zero_stage", "3", "--deepspeed"], {"deepspeed": ds_config("ds_zero3_no_offload.json")},
+     "--zero_stage 3 -> --deepspeed"),
+    ("sft", ["--deepspeed"], {"deepspeed": None}, "--deepspeed (DeepSpeed-Chat's switch) accepted"),
     ("sft", ["--lora_dim", "128"], {"lora_rank": 128, "full_finetuning": False}, "--lora_dim 128 -> --lora_rank 128"),
     ("reward", ["--lora_dim", "0"], {"full_finetuning": True}, "--lora_dim 0 -> --full_finetuning"),
     ("sft", ["--lora_module_name", "decoder.layers."], {"trainable": "all-linear"},

@@ -4,8 +4,17 @@ import json
 
 import pytest
 
-from helpers.commands import PT_SCRIPT, check_refused, refuse, run_script
-from helpers.tiny_runs import tiny_pt_args
+from helpers.commands import (
+    PT_SCRIPT,
+    REPO,
+    SFT_SCRIPT,
+    check_refused,
+    options_to_argv,
+    refuse,
+    run_in_process,
+    run_script,
+)
+from helpers.tiny_runs import tiny_pt_args, tiny_sft_args
 
 
 def write(path, content: bytes):
@@ -72,9 +81,81 @@ def case_vocab_without_trainable_embeddings(tmp_path, model_dir, extended_tokeni
             "the new rows would never be trained; add --modules_to_save embed_tokens,lm_head")
 
 
+def lora_adapter(model, path, **config):
+    """A LoRA adapter of model (a directory or a model) saved at path, as training would save one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model, str):
+        model = AutoModelForCausalLM.from_pretrained(model)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **config)
+                   ).save_pretrained(str(path))
+    return path
+
+
+def narrow_llama():
+    """Same architecture and vocabulary as the tiny base, half its width: every LoRA shape differs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+def case_peft_path_for_another_base(tmp_path, model_dir):
+    write(tmp_path / "data" / "a.txt", "我们 今天\n".encode() * 50)
+    adapter = lora_adapter(narrow_llama(), tmp_path / "narrow_adapter")
+    return ({"dataset_dir": tmp_path / "data", "peft_path": adapter},
+            f"the --peft_path adapter does not fit the base {model_dir}: model.layers.0.self_attn.")
+
+
+def case_peft_path_of_another_model_type(tmp_path, model_dir):
+    write(tmp_path / "data" / "a.txt", "我们 今天\n".encode() * 50)
+    adapter = lora_adapter(model_dir, tmp_path / "adapter")
+    # The shapes fit; the base the adapter records is of another family.
+    write(tmp_path / "qwen_base" / "config.json", json.dumps({"model_type": "qwen2"}).encode())
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path":
+                                                             str(tmp_path / "qwen_base")}))
+    return ({"dataset_dir": tmp_path / "data", "peft_path": adapter},
+            "a qwen2 model, but the base is a llama model: an adapter for another model?")
+
+
+def case_truncated_base_weights(tmp_path, model_dir):
+    import shutil
+
+    write(tmp_path / "data" / "a.txt", "我们 今天\n".encode() * 50)
+    base = shutil.copytree(model_dir, tmp_path / "base")
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    return ({"dataset_dir": tmp_path / "data", "model_name_or_path": base},
+            f"{weights}: tensor ")
+
+
+def case_damaged_adapter_weights(tmp_path, model_dir):
+    write(tmp_path / "data" / "a.txt", "我们 今天\n".encode() * 50)
+    adapter = lora_adapter(model_dir, tmp_path / "adapter")
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    return ({"dataset_dir": tmp_path / "data", "peft_path": adapter},
+            "adapter_model.safetensors: not a safetensors file (header is not JSON")
+
+
+def case_resume_from_a_non_checkpoint(tmp_path, model_dir):
+    write(tmp_path / "data" / "a.txt", "我们 今天\n".encode() * 50)
+    write(tmp_path / "somewhere" / "notes.txt", b"not a checkpoint")
+    return ({"dataset_dir": tmp_path / "data", "resume_from_checkpoint": tmp_path / "somewhere"},
+            "somewhere: --resume_from_checkpoint is not a complete checkpoint (no trainer_state.json)")
+
+
+def case_jsonl_line_not_an_object(tmp_path, model_dir):
+    write(tmp_path / "data" / "c.jsonl", GOOD_LINE + b'["text", "a list"]\n')
+    return {"dataset_dir": tmp_path / "data"}, "c.jsonl:2: a record must be a JSON object"
+
+
 CASES = [case_missing_dir, case_no_text_files, case_broken_json, case_missing_text_field, case_non_utf8,
          case_empty_file, case_block_size_too_large, case_peft_path_not_adapter,
-         case_vocab_without_trainable_embeddings]
+         case_vocab_without_trainable_embeddings, case_peft_path_for_another_base, case_peft_path_of_another_model_type,
+         case_truncated_base_weights, case_damaged_adapter_weights, case_resume_from_a_non_checkpoint,
+         case_jsonl_line_not_an_object]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.__name__[5:] for case in CASES])
@@ -98,3 +179,73 @@ def test_non_empty_output_dir_is_left_untouched(tmp_path, tiny_model_dir):
     result = run_script(tiny_pt_args(tiny_model_dir, tmp_path / "data", out, tmp_path / "cache"))
     check_refused(result, "--output_dir is not empty and holds no complete checkpoint")
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------- every stage's record files
+
+STAGE_RECORDS = {"sft": {"instruction": "q", "output": "a"},
+                 "reward": {"prompt": "写一条好评", "chosen": "很好", "rejected": "不好"},
+                 "ppo": {"instruction": "写一条好评"}}
+
+
+def good_record(stage: str) -> bytes:
+    return json.dumps(STAGE_RECORDS[stage], ensure_ascii=False).encode() + b"\n"
+
+
+RECORD_CASES = {  # name: (file name, its content for a stage, expected)
+    "empty_file": ("d.jsonl", lambda stage: b"", "d.jsonl: file holds no records (empty)"),
+    "broken_json": ("d.jsonl", lambda stage: good_record(stage) + b'{"prompt": \n', "d.jsonl:2: not valid JSON"),
+    "json_not_a_list": ("d.json", lambda stage: good_record(stage),
+                        "d.json:1: a .json data file must hold a list of records"),
+    "line_not_an_object": ("d.jsonl", lambda stage: good_record(stage) + b'["q", "a"]\n',
+                           "d.jsonl:2: a record must be a JSON object"),
+}
+STAGE_CASES = [("reward", case) for case in RECORD_CASES] + [("ppo", case) for case in RECORD_CASES] + \
+    [("sft", "json_not_a_list"), ("sft", "line_not_an_object")]
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny base as a sequence classifier with a (random) score head: what PPO accepts as a reward model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("reward_model")
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(str(path))
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(str(path))
+    return str(path)
+
+
+def stage_args(stage: str, data, model_dir, reward_dir, out, cache) -> tuple:
+    """(script, arguments) of a short run of the stage on the data file."""
+    training = f"{REPO}/scripts/training"
+    if stage == "sft":
+        return SFT_SCRIPT, tiny_sft_args(model_dir, out, cache, data_path=data, template="alpaca")
+    if stage == "reward":
+        return f"{training}/run_reward.py", tiny_sft_args(model_dir, out, cache, data_path=data,
+                                                          template="human_assistant")
+    options = {"actor_model_name_or_path": model_dir, "reward_model_name_or_path": reward_dir, "data_path": data,
+               "template": "human_assistant", "max_prompt_seq_len": 32, "max_answer_seq_len": 16,
+               "torch_dtype": "float32", "report_to": "none", "output_dir": out, "max_steps": 2}
+    return f"{training}/run_ppo.py", ["--use_cpu"] + options_to_argv(options)
+
+
+@pytest.mark.parametrize("stage,case", STAGE_CASES, ids=[f"{stage}-{case}" for stage, case in STAGE_CASES])
+def test_bad_record_files_are_refused_in_every_stage(stage, case, tmp_path, tiny_model_dir, tiny_reward_model_dir):
+    file_name, content, expected = RECORD_CASES[case]
+    data = write(tmp_path / file_name, content(stage))
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    script, args = stage_args(stage, data, tiny_model_dir, tiny_reward_model_dir, out, cache)
+    check_refused(run_in_process(script, args), expected)
+    assert not out.exists()
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_serving_refuses_an_adapter_for_another_base(tmp_path, tiny_model_dir):
+    """--lora_model (chat, batch generation and the server share its loader) gets the training side's check."""
+    adapter = lora_adapter(narrow_llama(), tmp_path / "narrow_adapter")
+    data = write(tmp_path / "q.jsonl", b'{"prompt": "hello"}\n')
+    args = ["--base_model", tiny_model_dir, "--lora_model", adapter, "--template", "alpaca", "--data_file", data,
+            "--predictions_file", tmp_path / "p.jsonl"]
+    check_refused(run_in_process(f"{REPO}/scripts/inference/chat.py", args),
+                  f"the --lora_model adapter does not fit the base {tiny_model_dir}: model.layers.0.self_attn.")
+    assert not (tmp_path / "p.jsonl").exists()

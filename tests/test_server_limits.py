@@ -355,3 +355,100 @@ def test_bad_key_and_limit_flags_are_refused(tmp_path, args, expected):
     paths = {"KEY_FILE": tmp_path / "key", "MISSING": tmp_path / "missing", "EMPTY_FILE": tmp_path / "empty"}
     result = run_in_process(SERVER_SCRIPT, ["--base_model", tmp_path] + [paths.get(arg, arg) for arg in args])
     check_refused(result, expected)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (the server runs in it)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def streamed_text(port, body) -> tuple:
+    """(status, the streamed deltas joined, the finish reason) of a streamed chat completion."""
+    status, text = call(port, "/v1/chat/completions", {**body, "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+    content = "".join(event["choices"][0]["delta"].get("content") or "" for event in events if event["choices"])
+    return status, content, events[-1]["choices"][0]["finish_reason"] if events else None
+
+
+LOAD_CLIENTS, LOAD_ROUNDS = 32, 3
+LOAD_PROMPTS = ["the quick brown fox", "我们 今天 学习", "a b c d", "模型 训练 the"]
+# What each client sends in a round, by (client + round) % 6, and the status it must get.
+LOAD_BAD = {"five stops": ({"stop": ["a", "b", "c", "d", "e"]}, 400), "another model": ({"model": "gpt-4"}, 404),
+            "max_tokens beyond the context": ({"max_tokens": 10**6}, 400), "n=2": ({"n": 2}, 400)}
+
+
+def load_client(port, client: int, expected: dict, outcomes: list) -> None:
+    """LOAD_ROUNDS requests of one client: plain, streamed, left early (streamed or not), or bad."""
+    for round_ in range(LOAD_ROUNDS):
+        kind, prompt = (client + round_) % 6, LOAD_PROMPTS[(client + 2 * round_) % len(LOAD_PROMPTS)]
+        body = {**GOOD, "messages": [{"role": "user", "content": prompt}]}
+        if kind in (0, 1):
+            status, reply = call(port, "/v1/chat/completions", body)
+            outcomes.append(("plain", status, reply["choices"][0]["message"]["content"] if status == 200 else reply,
+                             expected[prompt]))
+        elif kind == 2:
+            status, content, finish = streamed_text(port, body)
+            outcomes.append(("streamed", status, content if finish else None, expected[prompt]))
+        elif kind in (3, 4):  # leaves while its 200-token answer is generated (or still queued)
+            sock = send_raw(port, {**body, "max_tokens": 200, "stream": kind == 3})
+            if kind == 3:
+                sock.recv(64)
+            sock.close()
+        else:
+            name = sorted(LOAD_BAD)[(client + round_) % len(LOAD_BAD)]
+            change, status = LOAD_BAD[name]
+            got, reply = call(port, "/v1/chat/completions", {**body, **change})
+            outcomes.append((name, got, reply.get("error", {}).get("type") if isinstance(reply, dict) else reply,
+                             status))
+
+
+def test_under_load_every_request_gets_its_answer_and_memory_stays_bounded(tiny_model_dir):
+    """32 clients at once, 3 requests each, plain, streamed, leaving early and bad: each good one gets the answer
+    a direct greedy generate gives, each bad one its 4xx; the server's memory stays flat and it answers after."""
+    from inference_utils import SamplingSettings
+
+    app, _, _ = launch(["--base_model", tiny_model_dir, "--template", "human_assistant", "--model_name", MODEL,
+                        "--max_pending_requests", 2 * LOAD_CLIENTS])
+    service = app.state.service
+    generator = service.generator
+    greedy = SamplingSettings(max_new_tokens=GOOD["max_tokens"], temperature=0, top_p=1.0, top_k=0,
+                              repetition_penalty=1.0)
+    expected = {prompt: generator.generate([generator.encode_chat([{"role": "user", "content": prompt}])], greedy,
+                                           generator.chat_stops([]))[0].text for prompt in LOAD_PROMPTS}
+    assert len(set(expected.values())) > 1  # the prompts tell the answers apart
+    with serving(app) as (port, _):
+        for prompt in LOAD_PROMPTS:  # warm up (first-call allocations) before the baseline
+            streamed_text(port, {**GOOD, "messages": [{"role": "user", "content": prompt}]})
+        baseline, peak, outcomes, done = resident_bytes(), [0], [], threading.Event()
+
+        def watch_memory():
+            while not done.wait(0.05):
+                peak[0] = max(peak[0], resident_bytes())
+
+        watcher = threading.Thread(target=watch_memory, daemon=True)
+        clients = [threading.Thread(target=load_client, args=(port, client, expected, outcomes))
+                   for client in range(LOAD_CLIENTS)]
+        started = time.time()
+        for thread in [watcher, *clients]:
+            thread.start()
+        for thread in clients:
+            thread.join(60)
+        elapsed = time.time() - started
+        deadline = time.time() + 30
+        while service.slots.taken:  # the generations of clients that left are stopped
+            assert time.time() < deadline, service.slots.taken
+            time.sleep(0.02)
+        done.set()
+        watcher.join(5)
+        assert not any(thread.is_alive() for thread in clients) and elapsed < 60, elapsed
+        good = [(kind, status, text, answer_) for kind, status, text, answer_ in outcomes if kind in ("plain",
+                                                                                                     "streamed")]
+        bad = [outcome for outcome in outcomes if outcome not in good]
+        kinds = [(client + round_) % 6 for client in range(LOAD_CLIENTS) for round_ in range(LOAD_ROUNDS)]
+        assert (len(good), len(bad)) == (sum(kind < 3 for kind in kinds), kinds.count(5))
+        assert all(status == 200 and text == answer_ for _, status, text, answer_ in good), good
+        assert all(got == status and error_type == "invalid_request_error" for _, got, error_type, status in bad), bad
+        assert peak[0] - baseline < 200 * 2**20, (baseline, peak[0])
+        assert streamed_text(port, GOOD)[1] == call(port, "/v1/chat/completions", GOOD)[1]["choices"][0]["message"][
+            "content"]

@@ -23,7 +23,7 @@ from chat_templates import (  # noqa: E402
     turn_end_text,
 )
 from cli import InputError  # noqa: E402
-from model_files import has_tokenizer  # noqa: E402
+from model_files import check_adapter_fits_base, checkpoint_shapes, has_tokenizer  # noqa: E402
 from model_utils import (  # noqa: E402
     DTYPES,
     ModelArguments,
@@ -148,6 +148,9 @@ def inference_model_arguments(base_model: str, lora_model: Optional[str], load_i
         raise InputError(f"{base_model}: --base_model is not a model directory (no config.json)")
     if lora_model and not os.path.isfile(os.path.join(lora_model, "adapter_config.json")):
         raise InputError(f"{lora_model}: --lora_model is not a LoRA adapter (no adapter_config.json)")
+    checkpoint_shapes(base_model)  # a truncated or damaged weights file is refused here
+    if lora_model:
+        check_adapter_fits_base(lora_model, base_model, "--lora_model")
     tokenizer_dir = tokenizer_dir_of(base_model, lora_model, tokenizer_path)
     return ModelArguments(model_name_or_path=base_model, tokenizer_name_or_path=tokenizer_dir, peft_path=lora_model,
                           torch_dtype=dtype, load_in_kbits=load_in_kbits, trust_remote_code=trust_remote_code)

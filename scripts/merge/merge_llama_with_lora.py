@@ -62,6 +62,7 @@ from merge_utils import (  # noqa: E402
     setup_tool_logging,
     tokenizer_files,
 )
+from model_files import check_recorded_base  # noqa: E402  (on the path merge_utils set)
 
 logger = logging.getLogger("merge_llama_with_lora")
 
@@ -516,25 +517,13 @@ def input_embedding_name(tensors: dict) -> Optional[str]:
     return None
 
 
-def check_model_type(base: BaseModel, adapter: Adapter) -> None:
-    """Where the adapter's recorded base is a directory here, its model type must be the base's
-    (the path itself may differ: a moved copy, or the merged model a later stage trained on)."""
-    recorded = adapter.config.get("base_model_name_or_path")
-    config_path = os.path.join(recorded, "config.json") if isinstance(recorded, str) and recorded else None
-    if config_path is None or not os.path.isfile(config_path):
-        return
-    theirs, ours = read_json(config_path, "config.json").get("model_type"), base.config.get("model_type")
-    if theirs and ours and theirs != ours:
-        raise InputError(f"{adapter.path}: the adapter was trained on {recorded}, a {theirs} model, but "
-                         f"--base_model is a {ours} model: an adapter for another model?")
-
-
 def plan_merge(base: BaseModel, adapters: list, workspace: Optional[Workspace] = None) -> MergePlan:
     """Apply the adapters to the base's shapes and check everything; read no weights except to
     compare a tied model's two saved embeddings."""
     plan, embed, tied = base_plan(base)
     for adapter in adapters:
-        check_model_type(base, adapter)
+        # The model type where the recorded base is here; every tensor's shape below, wherever it is.
+        check_recorded_base(adapter.path, adapter.config, base.config, "--lora_model")
         replacements = dict(adapter.replacements)
         if tied and ({embed, OUTPUT_EMBEDDING} & (set(adapter.lora) | set(replacements))):
             tied = plan_tied_embeddings(plan, embed, adapter, replacements, workspace)

@@ -8,22 +8,55 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Callable
 
 
-class InputError(Exception):
+class ReportedError(Exception):
+    """A stop the user must act on: reported as one line on stderr, no traceback, exit status exit_status."""
+
+    exit_status = 1
+
+
+class InputError(ReportedError):
     """Bad input from the user: reported as one line naming file, line and field, exit status 2."""
+
+    exit_status = 2
 
 
 def run_cli(main: Callable[[], None]) -> None:
-    """Run a script's main(); turn an InputError into one clear line on stderr and exit 2."""
+    """Run a script's main(); turn an InputError (any ReportedError) into one clear line on stderr and exit 2
+    (its exit_status)."""
     try:
         main()
         leave_process_group()
-    except InputError as err:
+    except ReportedError as err:
         message = " ".join(str(err).split())  # one line, whatever the message's origin
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        if not hand_to_launcher(message):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        if in_process_group() and sys.modules["torch"].distributed.get_world_size() > 1:
+            # Mid-run (a diverged loss) the teardown at interpreter exit can abort (see leave_process_group) and
+            # turn the reported status into a crash: nothing is left to write, so the process ends at once.
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(err.exit_status)
+        sys.exit(err.exit_status)
+
+
+# Set by launch.py for the processes it starts: every rank meets the same bad input (or the same diverged loss),
+# so the launcher prints the first one's line once instead of one line per rank.
+LAUNCHER_REPORTS_INPUT_ERRORS = "LAUNCHER_REPORTS_INPUT_ERRORS"
+
+
+def hand_to_launcher(message: str) -> bool:
+    """Under launch.py, leave the message in torchrun's per-process error file (the format its elastic agent reads
+    into each failure's message) for the launcher to report; False where no launcher will."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or os.environ.get(LAUNCHER_REPORTS_INPUT_ERRORS) != "1":
+        return False
+    with open(error_file, "w", encoding="utf-8") as handle:
+        json.dump({"message": message, "timestamp": int(time.time())}, handle)
+    return True
 
 
 ARGUMENT_FILE_SUFFIXES = (".json", ".yaml", ".yml")
@@ -39,7 +72,18 @@ def parse_args(dataclass_types, argv=None):
     parser = HfArgumentParser(dataclass_types)
     path, command_line = split_argument_file(argv)
     file_tokens = argument_file_tokens(path, parser) if path else []
-    return parser.parse_args_into_dataclasses(args=file_tokens + command_line)
+    return parser.parse_args_into_dataclasses(args=file_tokens + bare_switch_as_empty(command_line, "--deepspeed"))
+
+
+def bare_switch_as_empty(argv: list, flag: str) -> list:
+    """DeepSpeed-Chat's scripts take --deepspeed as a bare switch (--zero_stage picks the config); here it
+    names a config file. A bare one gets an empty value, which training_utils.map_zero_stage notes."""
+    tokens = []
+    for index, token in enumerate(argv):
+        tokens.append(token)
+        if token == flag and (index + 1 == len(argv) or argv[index + 1].startswith("--")):
+            tokens.append("")
+    return tokens
 
 
 def split_argument_file(argv: list) -> tuple:
@@ -111,17 +155,23 @@ def read_json(path: str, what: str) -> dict:
     return value
 
 
+def in_process_group() -> bool:
+    """Whether this process is one rank of an initialized torch.distributed group. torch is looked up, not
+    imported: the merge tools never load it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def leave_process_group() -> None:
     """In a multi-process run, every rank waits for the others at the end, then the process ends
     at once. Left to interpreter exit (or to destroy_process_group), a rank can tear gloo's and
     DeepSpeed's C++ state down while a peer still talks to it and abort ("terminate called
     without an active exception", exit -6) after a complete run, failing the whole torchrun.
     Everything the run writes is on disk once every rank has passed the barrier, so skipping the
-    teardown loses nothing. torch is looked up, not imported: the merge tools never load it."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    teardown loses nothing."""
+    if not in_process_group():
         return
-    torch.distributed.barrier()
+    sys.modules["torch"].distributed.barrier()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

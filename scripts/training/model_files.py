@@ -1,5 +1,7 @@
 """Facts about model, adapter and tokenizer directories read from their files alone: which files
-make up a tokenizer, whether a directory holds one, and a safetensors file's weight names. No
+make up a tokenizer, whether a directory holds one, a safetensors file's weight names and shapes,
+and whether an adapter fits a base (check_adapter_fits_base, called by every entry point that
+puts an adapter on a base: training, PPO's roles, chat and serving; the merge's plan). No
 torch and no transformers, so the merge tools, inference and training ask the same questions
 the same way, and a check costs a directory listing."""
 
@@ -8,6 +10,8 @@ import os
 import re
 import struct
 from typing import Optional
+
+from cli import InputError, read_json
 
 # What makes a directory a tokenizer: the vocabulary itself, in the fast (tokenizer.json),
 # SentencePiece (tokenizer.model) or GPT-2 byte-level BPE (vocab.json + merges.txt) form. A
@@ -78,3 +82,138 @@ def complete_checkpoints(output_dir: str) -> list:
         if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+# ----------------------------------------------------------------------------- does an adapter fit a base
+
+ADAPTER_PREFIX = "base_model.model."  # peft's prefix on every saved adapter tensor
+INPUT_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+OUTPUT_EMBEDDING = "lm_head.weight"
+LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "eA", ".lora_embedding_B": "eB"}
+
+
+def safetensors_header(path: str) -> dict:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of a .safetensors file, from its header alone; a file
+    whose header is damaged, or whose tensors would lie beyond its end, is an InputError naming it."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise InputError(f"{path}: not a safetensors file (bad header length; truncated or damaged?)")
+        try:
+            header = json.loads(handle.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InputError(f"{path}: not a safetensors file (header is not JSON: {err})") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: not a safetensors file (header is not a JSON object)")
+    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    for name, info in tensors.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(info.get("shape"), list)):
+            raise InputError(f"{path}: tensor {name}: no shape or data offsets in the header (damaged file?)")
+        if 8 + length + offsets[1] > size:
+            raise InputError(f"{path}: tensor {name} lies beyond the end of the file (truncated?)")
+    return tensors
+
+
+def checkpoint_shapes(model_dir: str) -> dict:
+    """{weight name: (dtype, shape)} of a model directory's safetensors weights, single file or sharded, from
+    headers only; {} when it holds none (a legacy .bin model: its loader compares shapes itself)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set((read_json(index, "model.safetensors.index.json").get("weight_map") or {}).values()))
+    else:
+        files = ["model.safetensors"] if os.path.isfile(os.path.join(model_dir, "model.safetensors")) else []
+    shapes = {}
+    for name in files:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            raise InputError(f"{index}: lists {name}, which does not exist")
+        for tensor, info in safetensors_header(path).items():
+            shapes[tensor] = (info.get("dtype"), tuple(info["shape"]))
+    return shapes
+
+
+def check_recorded_base(adapter_dir: str, adapter_config: dict, base_config: dict, flag: str) -> None:
+    """Where the adapter's recorded base is a directory here, its model type must be the base's (the path itself
+    may differ: a moved copy, or the merged model a later stage trained on)."""
+    recorded = adapter_config.get("base_model_name_or_path")
+    config_path = os.path.join(recorded, "config.json") if isinstance(recorded, str) and recorded else None
+    if config_path is None or not os.path.isfile(config_path):
+        return
+    theirs, ours = read_json(config_path, "config.json").get("model_type"), base_config.get("model_type")
+    if theirs and ours and theirs != ours:
+        raise InputError(f"{adapter_dir}: the {flag} adapter was trained on {recorded}, a {theirs} model, but the "
+                         f"base is a {ours} model: an adapter for another model?")
+
+
+def base_weight(name: str, base: dict) -> Optional[str]:
+    """The base checkpoint's name for a weight of the model peft wrapped: the same, or without the leading
+    module (a checkpoint saved from the bare model, or GPT-2's un-prefixed one); a tied lm_head is the input
+    embedding."""
+    for candidate in (name, name.split(".", 1)[-1]):
+        if candidate in base:
+            return candidate
+    if name == OUTPUT_EMBEDDING:
+        return next((key for key in base if key.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
+    return None
+
+
+def adapter_updates(adapter_config: dict, tensors: dict) -> dict:
+    """{weight name: the shape the adapter needs the base's weight to have} for every LoRA module (B @ A,
+    transposed for fan_in_fan_out and embeddings) and every tensor the adapter saved whole (modules_to_save)."""
+    pairs, needed = {}, {}
+    for key, info in tensors.items():
+        name = key[len(ADAPTER_PREFIX):] if key.startswith(ADAPTER_PREFIX) else key
+        suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
+        if suffix:
+            pairs.setdefault(name[: -len(suffix)], {})[LORA_SUFFIXES[suffix]] = tuple(info["shape"])
+        elif not any(part in name for part in (".modules_to_save.", ".original_module.", ".base_layer.")):
+            needed[name] = tuple(info["shape"])
+    for module, parts in pairs.items():
+        embedding = "eA" in parts
+        lora_a, lora_b = (parts.get("eA"), parts.get("eB")) if embedding else (parts.get("A"), parts.get("B"))
+        if lora_a is None or lora_b is None or len(lora_a) != 2 or len(lora_b) != 2:
+            continue  # not a plain LoRA pair: peft's own load reports it
+        transposed = embedding or bool(adapter_config.get("fan_in_fan_out"))
+        needed[f"{module}.weight"] = (lora_a[1], lora_b[0]) if transposed else (lora_b[0], lora_a[1])
+    return needed
+
+
+def shape_mismatch(name: str, needed: tuple, base: dict, adapter_config: dict) -> Optional[str]:
+    """Why the base cannot take the adapter's weight `name` of shape `needed`, or None if it can."""
+    found = base_weight(name, base)
+    if found is None:
+        if adapter_config.get("task_type") == "SEQ_CLS" and name.startswith("score."):
+            return None  # a reward model's score head is new: the base has none
+        return f"{name} matches no weight of the base"
+    dtype, shape = base[found]
+    if str(dtype).startswith(("U", "I")):
+        return None  # a quantized checkpoint's packed weight: its loader checks it
+    # An extended vocabulary gives the embeddings more rows than the base's: the loader grows the base's.
+    resizable = found.endswith(INPUT_EMBEDDING_SUFFIXES) or found == OUTPUT_EMBEDDING
+    if needed == shape or (resizable and len(needed) == len(shape) == 2 and needed[1] == shape[1]):
+        return None
+    return f"{name} needs a base weight of shape {list(needed)}, the base's is {list(shape)}"
+
+
+def check_adapter_fits_base(adapter_dir: str, base_dir: str, flag: str) -> None:
+    """Refuse, from adapter_config.json and the safetensors headers alone (no weight is read), an adapter made for
+    another base: a recorded base of another model type, or any adapted module whose shape is not the base's.
+    A base that is not a local directory, or legacy .bin weights, leave the comparison to peft's load."""
+    weights = os.path.join(adapter_dir, "adapter_model.safetensors")
+    tensors = safetensors_header(weights) if os.path.isfile(weights) else {}  # a damaged file is refused here
+    if not base_dir or not os.path.isfile(os.path.join(base_dir, "config.json")):
+        return
+    adapter_config = read_json(os.path.join(adapter_dir, "adapter_config.json"), "adapter_config.json")
+    check_recorded_base(adapter_dir, adapter_config, read_json(os.path.join(base_dir, "config.json"), "config.json"),
+                        flag)
+    base = checkpoint_shapes(base_dir)
+    if not base:
+        return
+    for name, needed in adapter_updates(adapter_config, tensors).items():
+        problem = shape_mismatch(name, needed, base, adapter_config)
+        if problem:
+            raise InputError(f"{weights}: the {flag} adapter does not fit the base {base_dir}: {problem} "
+                             "(an adapter for another model?)")

@@ -415,7 +415,7 @@ def text_field_of(path: str, line_number: int, line: str) -> str:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise InputError(f"{path}:{line_number}: not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(record, dict) or "text" not in record:
+    if "text" not in record_object(f"{path}:{line_number}", record):
         raise InputError(f"{path}:{line_number}: field 'text' is missing")
     if not isinstance(record["text"], str):
         raise InputError(f"{path}:{line_number}: field 'text' must be a string, not {type(record['text']).__name__}")

@@ -47,7 +47,7 @@ from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from cli import InputError, parse_args, run_cli  # noqa: E402
 from conversation_tokenizer import ConversationTokenizer  # noqa: E402
 from data_cache import data_cache_dir, tokenizer_fingerprint  # noqa: E402
-from model_files import checkpoint_weight_names, has_tokenizer, safetensors_names  # noqa: E402
+from model_files import check_adapter_fits_base, checkpoint_weight_names, has_tokenizer, safetensors_names  # noqa: E402
 from model_utils import (  # noqa: E402
     ModelArguments,
     check_model_inputs,
@@ -267,6 +267,7 @@ def check_reward_source(model_dir: str, adapter_dir: Optional[str], flag: str) -
     random one, and PPO would optimise noise."""
     if adapter_dir:
         adapter_config = read_adapter_config(adapter_dir)
+        check_adapter_fits_base(adapter_dir, model_dir, "--reward_lora_model")
         weights = os.path.join(adapter_dir, "adapter_model.safetensors")
         keys = safetensors_names(weights) if os.path.isfile(weights) else []
         if adapter_config.get("task_type") != "SEQ_CLS" or not any(k.endswith(SCORE_KEY_SUFFIX) for k in keys):
@@ -295,7 +296,7 @@ def check_models(model_args: PPOModelArguments, data_args: PPODataArguments):
                                                   trust_remote_code=trust_remote_code))
     else:
         tokenizer = tokenizer_of(model_args.actor_model_name_or_path, model_args.actor_lora_model, trust_remote_code)
-    check_model_inputs(actor_model_args(model_args), configs["actor"], tokenizer)
+    check_model_inputs(actor_model_args(model_args), configs["actor"], tokenizer, adapter_flag="--actor_lora_model")
     reward_dir = (model_args.reward_lora_model if has_tokenizer(model_args.reward_lora_model)
                   else model_args.reward_model_name_or_path)
     reward_tokenizer = tokenizer_of(model_args.reward_model_name_or_path, model_args.reward_lora_model,

@@ -12,11 +12,11 @@ from typing import Optional
 import numpy as np
 import torch
 import transformers
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from build_dataset import ConversationDataArguments
-from cli import InputError, parse_args
+from cli import InputError, ReportedError, parse_args
 from model_files import complete_checkpoints
 from model_utils import check_model_inputs, load_model_config, load_tokenizer, map_flags, note_accepted_flags
 
@@ -100,6 +100,15 @@ class ToolkitTrainingArguments(TrainingArguments):
     num_padding_at_beginning: Optional[int] = field(
         default=None, metadata={"help": "DeepSpeed-Chat: accepted, scores are read from the attention mask."}
     )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={"help": "Stop the run (exit status 3) when the logged loss or gradient norm is NaN or infinite "
+                          "this many logged steps in a row; no checkpoint is saved while they are (0: never stop)."},
+    )
+    # A NaN or infinite step must show in the log: the Trainer's default filter replaces its loss with the average.
+    logging_nan_inf_filter: bool = field(
+        default=False, metadata={"help": "Replace a non-finite step's logged loss by the average (hides it)."}
+    )
     # Our datasets hold only what the collators read (model inputs, 'length' for the length-grouped
     # sampler, a pair's margin): nothing is for the Trainer to drop by the model's signature.
     remove_unused_columns: bool = field(
@@ -134,6 +143,10 @@ def map_dtype_flag(args: ToolkitTrainingArguments) -> None:
 
 def map_zero_stage(args: ToolkitTrainingArguments) -> None:
     """DeepSpeed-Chat's --zero_stage (and --offload) as the --deepspeed config shipped for it."""
+    if args.deepspeed == "":  # DeepSpeed-Chat's bare switch (cli.bare_switch_as_empty)
+        args.deepspeed = None
+        args.mapped_flags.append("--deepspeed (DeepSpeed-Chat's switch) accepted: --zero_stage picks the config, "
+                                 "none or 0 meaning no DeepSpeed")
     if args.zero_stage is None:
         if args.offload:
             raise InputError("--offload goes with --zero_stage 3 (ds_configs/ds_zero3_offload.json); with --deepspeed, "
@@ -326,8 +339,73 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
         self.generator = torch.Generator().manual_seed(self.seed + epoch)
 
 
+class TrainingDiverged(ReportedError):
+    """The loss or gradient norm stayed non-finite: the weights are lost, the last checkpoint is not."""
+
+    exit_status = 3
+
+
+class StopOnNonFinite(TrainerCallback):
+    """Stops a run whose logged loss or gradient norm is NaN or infinite max_nonfinite_steps logged steps in a
+    row (one fp16 overflow step, skipped by the loss scaler, is not a reason), or whose last step is. While the
+    last logged step is non-finite nothing is saved, so the last checkpoint on disk holds finite weights and
+    resumes; every save step and the last step are made logged steps so that no save goes unchecked. The logged
+    loss is the mean over every process, so each rank stops at the same step."""
+
+    def __init__(self, max_nonfinite_steps: int):
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.nonfinite_steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save or control.should_training_stop:
+            control.should_log = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        values = {name: logs[name] for name in ("loss", "grad_norm") if name in (logs or {})}
+        if not values:
+            return control  # an eval or end-of-training log
+        bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+        if not bad:
+            self.nonfinite_steps = []
+            return control
+        self.nonfinite_steps.append(state.global_step)
+        control.should_save = False
+        # The last step too: ending the run would save its weights as the final adapter.
+        if len(self.nonfinite_steps) >= self.max_nonfinite_steps or state.global_step >= state.max_steps:
+            raise TrainingDiverged(self.stop_message(args.output_dir, bad))
+        return control
+
+    def stop_message(self, output_dir: str, bad: dict) -> str:
+        checkpoints = complete_checkpoints(output_dir)
+        last = (f"the last checkpoint {checkpoints[-1]} holds finite weights and resumes"
+                if checkpoints else "no checkpoint was saved")
+        what = " and ".join(f"{name} {value}" for name, value in bad.items())
+        steps = ", ".join(map(str, self.nonfinite_steps))
+        return (f"training stopped: {what} at {len(self.nonfinite_steps)} logged step(s) in a row (steps {steps}; "
+                f"--max_nonfinite_steps {self.max_nonfinite_steps}); nothing was saved from them, {last}; "
+                "lower --learning_rate or check the data before resuming")
+
+
 class ResumableTrainer(Trainer):
-    """Trainer whose length-grouped sampling is reproducible across a resume."""
+    """Trainer whose length-grouped sampling is reproducible across a resume, and which stops a run whose loss
+    diverged (StopOnNonFinite) before it saves non-finite weights."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        max_nonfinite_steps = getattr(self.args, "max_nonfinite_steps", 0)
+        if max_nonfinite_steps > 0:
+            self.add_callback(StopOnNonFinite(max_nonfinite_steps))
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        except TrainingDiverged:
+            # The progress bar is still open mid-line: closed, so the error starts a line of its own.
+            for callback in self.callback_handler.callbacks:
+                if getattr(callback, "training_bar", None) is not None:
+                    callback.training_bar.close()
+            raise
 
     def _get_train_sampler(self, train_dataset=None):
         sampler = super()._get_train_sampler(train_dataset)
