@@ -105,11 +105,12 @@ def run_trl(config_path: str) -> None:
         json.dump(kept, handle)
 
 
-def main() -> None:
+def runner_main(run_trl_job) -> None:
+    """`runner.py trl ARGS_FILE` runs TRL's job, `runner.py ours SCRIPT ARGS...` our script, both timed."""
     install_timing_hook(os.environ["BENCH_TIMING_FILE"])
     mode = sys.argv[1]
     if mode == "trl":
-        run_trl(sys.argv[2])
+        run_trl_job(sys.argv[2])
     elif mode == "ours":
         script = sys.argv[2]
         sys.argv = [script] + sys.argv[3:]
@@ -119,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    runner_main(run_trl)

@@ -59,7 +59,8 @@ def test_missing_file(tmp_path):
         parsed([str(tmp_path / "nope.yaml")])
 
 
-@pytest.mark.parametrize("script", ["run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo"])
+@pytest.mark.parametrize("script", ["run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo",
+                                    "run_dpo"])
 @pytest.mark.parametrize("launcher", [[], ["--local_rank=0"]])
 def test_every_training_script_takes_a_file_and_overrides(tmp_path, script, launcher):
     """Each script's own argument table (ARGUMENT_CLASSES, what main() parses): the file first, the

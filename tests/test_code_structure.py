@@ -15,11 +15,13 @@ SCRIPTS = REPO / "scripts"
 
 # scripts/training, bottom to top: a module may import modules of its own layer or lower ones.
 LAYERS = {
-    "foundation": {"cli", "records", "chat_templates", "zero3", "ppo_utils", "model_files", "pair_segments"},
+    "foundation": {"cli", "records", "chat_templates", "zero3", "ppo_utils", "model_files", "pair_segments",
+                   "dpo_losses"},
     "data": {"build_dataset", "data_cache", "data_splits", "conversation_tokenizer", "prompt_data"},
     "model": {"model_utils", "ppo_policy"},
-    "trainer": {"training_utils", "ppo_trainer", "ppo_experience", "ppo_ema", "ppo_checkpoint"},
-    "scripts": {"run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo", "launch", "estimate_memory"},
+    "trainer": {"training_utils", "ppo_trainer", "ppo_experience", "ppo_ema", "ppo_checkpoint", "dpo_trainer"},
+    "scripts": {"run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo", "launch", "estimate_memory",
+                "run_dpo"},
 }
 ORDER = list(LAYERS)
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from helpers.commands import REPO
+from helpers.commands import REPO, free_port
 
 WRAPPERS = {"run_pt.sh": "run_clm_pt_with_peft.py", "run_sft.sh": "run_sft_with_peft.py",
-            "run_rm.sh": "run_reward.py", "run_ppo.sh": "run_ppo.py"}
+            "run_rm.sh": "run_reward.py", "run_ppo.sh": "run_ppo.py", "run_dpo.sh": "run_dpo.py"}
 REQUIRED = {"MODEL": "m", "DATA": "d", "ACTOR": "a", "REWARD": "r", "CRITIC": "c", "SFT_MODEL": "s"}
 
 
@@ -66,3 +66,46 @@ def test_bad_input_through_a_wrapper(tmp_path, tiny_model_dir):
                       "quotes at column 2)"], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert not (output / "sft_lora_model").exists()
+
+
+def test_bad_input_with_two_processes_is_one_line_and_exit_2(tmp_path, tiny_model_dir):
+    """Under torchrun every rank meets the same bad input: the user still sees one line and exit 2, not a line
+    per rank followed by torchrun's ChildFailedError report and exit 1."""
+    data = tmp_path / "pairs"
+    data.mkdir()
+    (data / "pairs.jsonl").write_text("")
+    output = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "NPROC": "2",
+           "MODEL": str(tiny_model_dir), "DATA": str(data), "OUTPUT": str(output), "MASTER_PORT": str(free_port())}
+    result = subprocess.run(["bash", os.path.join(REPO, "scripts", "training", "run_rm.sh"),
+                             "--bf16", "False", "--torch_dtype", "float32", "--use_cpu", "--max_seq_length", "128"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {data / 'pairs.jsonl'}: file holds no records (empty)"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
+    assert "exitcode" not in result.stderr and "closing signal" not in result.stderr, result.stderr[-3000:]
+    # The wrapper's default cache, OUTPUT/../data_cache, makes OUTPUT on the way: both stay empty.
+    assert not list(output.iterdir()) and not list((tmp_path / "data_cache").iterdir())
+
+
+def test_a_diverged_two_process_run_is_one_line_and_exit_3(tmp_path, tiny_model_dir, pretrain_dir):
+    """Every rank sees the same (all-reduced) NaN loss and stops at the same step: one line, the run's own exit
+    status, and nothing saved after the last finite checkpoint."""
+    output = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "NPROC": "2",
+           "MODEL": str(tiny_model_dir), "DATA": pretrain_dir, "OUTPUT": str(output), "MASTER_PORT": str(free_port())}
+    # Adam moves each weight by about the learning rate: finite after step 1, overflowing from step 2 on.
+    overrides = {"bf16": "False", "torch_dtype": "float32", "block_size": "32", "per_device_train_batch_size": "2",
+                 "gradient_accumulation_steps": "1", "learning_rate": "1e30", "lr_scheduler_type": "constant",
+                 "warmup_steps": "0", "logging_steps": "1", "save_steps": "1", "max_steps": "8", "lora_rank": "4",
+                 "lora_alpha": "8", "lora_dropout": "0", "preprocessing_num_workers": "1", "report_to": "none"}
+    args = [token for name, value in overrides.items() for token in (f"--{name}", value)]
+    result = subprocess.run(["bash", os.path.join(REPO, "scripts", "training", "run_pt.sh"), "--use_cpu", *args],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "at 3 logged step(s) in a row (steps 2, 3, 4;" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
+    assert sorted(p.name for p in output.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert not (output / "pt_lora_model").exists()

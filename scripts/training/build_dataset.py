@@ -391,7 +391,7 @@ class DataCollatorForSupervisedDataset:
 
 # ----------------------------------------------------------------------------- preference pairs
 
-PREFERENCE_CACHE_VERSION = "pairs-3"
+PREFERENCE_CACHE_VERSION = "pairs-4"
 
 
 def build_preference_dataset(
@@ -441,27 +441,33 @@ def build_preference_dataset(
 
 def tokenize_pair_shard(conversation_tokenizer, records: list) -> tuple:
     """([(where, record)] of preference pairs) -> (rows, pairs dropped as identical)."""
-    rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": [], "length": []}, 0
+    rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "chosen_answer_start": [],
+                       "rejected_answer_start": [], "margin": [], "length": []}, 0
     for where, record in records:
         context, chosen, rejected, margin = preference_of(where, record)
         if chosen.strip() == rejected.strip():
             identical += 1
             continue
         pair = [pair_side(conversation_tokenizer, where, context, answer) for answer in (chosen, rejected)]
-        rows["chosen_input_ids"].append(pair[0])
-        rows["rejected_input_ids"].append(pair[1])
+        for side, (input_ids, answer_start) in zip(("chosen", "rejected"), pair):
+            rows[f"{side}_input_ids"].append(input_ids)
+            rows[f"{side}_answer_start"].append(answer_start)
         rows["margin"].append(margin)
-        rows["length"].append(max(len(pair[0]), len(pair[1])))
+        rows["length"].append(max(len(pair[0][0]), len(pair[1][0])))
     return rows, identical
 
 
-def pair_side(conversation_tokenizer, where: str, context: list, answer: str) -> list:
-    """Token ids of the context followed by one answer of a pair."""
+def pair_side(conversation_tokenizer, where: str, context: list, answer: str) -> tuple:
+    """(token ids of the context followed by one answer of a pair, where that answer's tokens start:
+    the last trained span, which DPO scores)."""
     sample = conversation_tokenizer(where, context + [{"role": "assistant", "content": answer}])
     if sample is None:
         raise InputError(f"{where}: the prompt alone fills --max_seq_length {conversation_tokenizer.max_length}; "
                          "raise it or shorten the prompt")
-    return sample["input_ids"]
+    labels = sample["labels"]
+    last = max(i for i, label in enumerate(labels) if label != -100)
+    answer_start = next(i for i in range(last, -1, -1) if i == 0 or labels[i - 1] == -100)
+    return sample["input_ids"], answer_start
 
 
 class DataCollatorForPreferencePairs:

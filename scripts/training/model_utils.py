@@ -5,6 +5,7 @@ LoRA adapter, and DeepSpeed's communication set-up for ZeRO-3; the argument chec
 any weight is loaded, the pad-token rule, and the reward model's pooled forward."""
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -22,11 +23,12 @@ from transformers import (
     BitsAndBytesConfig,
 )
 from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
 
 from chat_templates import special_token_texts
 from cli import InputError
 from conversation_tokenizer import ConversationTokenizer
+from model_files import check_adapter_fits_base, checkpoint_shapes
 from pair_segments import PAIR_CHOSEN, PAIR_REJECTED
 from ppo_utils import last_position, positions_from_mask
 from zero3 import gathered
@@ -237,12 +239,15 @@ def read_adapter_config(peft_path: str) -> dict:
         raise InputError(f"{config_path}: not valid JSON ({err})") from None
 
 
-def check_model_inputs(model_args: ModelArguments, config, tokenizer) -> None:
+def check_model_inputs(model_args: ModelArguments, config, tokenizer, adapter_flag: str = "--peft_path") -> None:
     """Refuse, before any weight is loaded, combinations that would train silently wrong."""
     if model_args.full_finetuning and model_args.load_in_kbits in (4, 8):
         raise InputError("--full_finetuning cannot train a --load_in_kbits quantized model; use LoRA (QLoRA)")
+    if os.path.isdir(model_args.model_name_or_path or ""):
+        checkpoint_shapes(model_args.model_name_or_path)  # a truncated or damaged weights file is refused here
     if model_args.peft_path:
         adapter = read_adapter_config(model_args.peft_path)
+        check_adapter_fits_base(model_args.peft_path, model_args.model_name_or_path, adapter_flag)
         saved_to = adapter.get("modules_to_save") or []
     else:
         saved_to = comma_list(model_args.modules_to_save)
@@ -383,7 +388,7 @@ def compute_dtype(model_args: ModelArguments, training_args=None):
 
 
 def load_model(model_args: ModelArguments, training_args, tokenizer, task: str = "causal_lm", config=None,
-               trainable: bool = True, adapter_flag: str = "--peft_path"):
+               trainable: bool = True, adapter_flag: str = "--peft_path", fold_adapter: bool = False):
     """THE model loader of every stage, PPO role, the merged reward save, inference and the demo:
     the base (task "causal_lm", or "reward": the checkpoint's sequence classifier with one output
     pooled at each row's last attended token), in --torch_dtype, quantized with --load_in_kbits,
@@ -394,7 +399,8 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
 
     config: the model config the run read and checked (start_run, run_ppo.check_models); read and
     checked here when None. training_args: the Trainer's (precision, device, DeepSpeed, activation
-    checkpointing); None when generating."""
+    checkpointing); None when generating. fold_adapter: the --peft_path adapter is folded into the
+    base in memory and a new LoRA trained on top (DPO: the reference is base + that adapter)."""
     if config is None:
         config = load_model_config(model_args)
         if tokenizer is not None:
@@ -404,6 +410,9 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
             model, quantized = load_base(model_args, training_args, tokenizer, task, config)
             return frozen(model, model_args, quantized, adapter_flag)
     model, quantized = load_base(model_args, training_args, tokenizer, task, config)
+    if fold_adapter and model_args.peft_path:
+        model = fold_in_adapter(model, model_args.peft_path, adapter_flag)
+        model_args = dataclasses.replace(model_args, peft_path=None)
     if quantized:
         from peft import prepare_model_for_kbit_training
 
@@ -442,6 +451,8 @@ def load_base(model_args: ModelArguments, training_args, tokenizer, task: str, c
     if task == "reward":
         config.num_labels = 1
         model_class = reward_model_class(config)
+    elif task == "answer_logits":
+        model_class = answer_logits_model_class(config)
     else:
         model_class = AutoModelForCausalLM
     model = model_class.from_pretrained(model_args.model_name_or_path, **load_kwargs)
@@ -476,6 +487,15 @@ def frozen(model, model_args: ModelArguments, quantized: bool, adapter_flag: str
         model = model.get_base_model() if quantized else model.merge_and_unload()
     model.requires_grad_(False)
     return model.eval()
+
+
+def fold_in_adapter(model, path: str, flag: str):
+    """The adapter at path merged into the loaded base's weights (in memory, nothing written)."""
+    if is_deepspeed_zero3_enabled():
+        raise InputError(f"{flag} {path} with a ZeRO-3 DeepSpeed config: the adapter cannot be folded into "
+                         "partitioned weights; merge it first (scripts/merge) and pass the merged model")
+    logger.info("folding the adapter %s into the base in memory: a new LoRA trains on base + adapter", path)
+    return load_peft_adapter(model, path, is_trainable=False, flag=flag).merge_and_unload()
 
 
 def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adapter_flag: str = "--peft_path"):
@@ -633,3 +653,31 @@ def score_pairs(model, batch: dict) -> tuple:
     """(chosen, rejected) scores of a DataCollatorForPreferencePairs batch, either layout."""
     inputs = {name: value for name, value in batch.items() if name != "margin"}
     return model(**inputs).logits.squeeze(-1).float().chunk(2)
+
+
+def answer_logits_forward(self, input_ids=None, attention_mask=None, position_ids=None, pair_segments=None,
+                          answer_index=None, **kwargs):
+    """With answer_index (flat indices into the batch's [rows * width] positions), the LM head runs on
+    those positions only and the logits come back as [len(answer_index), vocab]: no vocabulary-wide
+    work on prompt or padding positions. pair_segments: shared-prefix pair rows with their position
+    ids, masked as the reward model masks them. Without answer_index, the model's own forward."""
+    if answer_index is None:
+        return super(type(self), self).forward(input_ids=input_ids, attention_mask=attention_mask,
+                                               position_ids=position_ids, **kwargs)
+    if pair_segments is not None:
+        attention_mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
+                                             self.get_input_embeddings().weight.dtype)
+    hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).last_hidden_state
+    return CausalLMOutputWithPast(logits=self.get_output_embeddings()(hidden.flatten(0, 1)[answer_index]))
+
+
+def answer_logits_model_class(config):
+    """The checkpoint's own causal-LM class with answer_logits_forward, named as its base so a saved
+    config names a class transformers has."""
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping:
+        raise InputError(f"{getattr(config, '_name_or_path', '')}: DPO needs an architecture transformers has a "
+                         f"causal LM for; {type(config).__name__} has none here")
+    base = mapping[type(config)]
+    return type(base.__name__, (base,), {"forward": answer_logits_forward, "__doc__": answer_logits_forward.__doc__})

@@ -131,26 +131,37 @@ def save_merged(model_args, training_args, tokenizer, config) -> None:
 ARGUMENT_CLASSES = (ModelArguments, RewardDataArguments, RewardArguments)
 
 
-def main():
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
+def prepared_pairs(data_args, training_args, tokenizer, config) -> tuple:
+    """(train pairs, eval pairs or None), tokenized with the chat template (the pad token chosen for it), the
+    main process first; shared with the DPO stage, which reads the same pairs."""
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     choose_pad_token(tokenizer, chat_template)
     set_seed(training_args.seed)
-
     with training_args.main_process_first(desc="tokenize the preference pairs"):
         train_dataset, eval_dataset = build_datasets(data_args, tokenizer, chat_template, max_length,
                                                      training_args.seed)
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train pairs: %d, eval pairs: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
+    return train_dataset, eval_dataset
 
-    model = load_model(model_args, training_args, tokenizer, task="reward", config=config)
+
+def shares_pair_prefix(model, training_args) -> bool:
+    """One row per pair (the prompt once) where the attention implementation takes the pair mask."""
     attention = model.config._attn_implementation
     share_prefix = training_args.share_pair_prefix and attention in MASKABLE_ATTENTION
     if training_args.share_pair_prefix and not share_prefix:
-        logger.info("%s attention takes no custom mask: each pair's prefix is run twice", attention)
+        logger.info("%s attention takes no custom mask: each pair's prompt is run twice (two rows)", attention)
+    return share_prefix
+
+
+def main():
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
+    train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
+    model = load_model(model_args, training_args, tokenizer, task="reward", config=config)
+    share_prefix = shares_pair_prefix(model, training_args)
     trainer = RewardTrainer(
         model=model,
         args=training_args,

@@ -1,0 +1,123 @@
+"""The direct preference losses as pure functions of per-pair answer log-probabilities (torch only),
+defined as TRL defines them (trl 1.16: DPOTrainer for sigmoid/ipo/hinge/robust and its "sft" term,
+the CPO trainer's simpo, the ORPO trainer's odds ratio), so a first batch gives TRL's loss.
+
+Every argument is a float tensor of shape [pairs]: `*_logps` the sum of the log-probabilities of an
+answer's tokens (policy or reference), `*_tokens` how many answer tokens that sum covers. Each loss
+returns (loss per pair, chosen reward, rejected reward); the rewards are detached and only logged.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+# Losses that never read the reference: no reference forward, no precomputed reference log-probs.
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+def log_ratio_rewards(beta: float, chosen_logratios, rejected_logratios) -> tuple:
+    return beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def sigmoid_loss(chosen_logratios, rejected_logratios, beta: float) -> tuple:
+    """DPO: -log sigmoid(beta * (chosen log-ratio - rejected log-ratio))."""
+    losses = -F.logsigmoid(beta * (chosen_logratios - rejected_logratios))
+    return (losses, *log_ratio_rewards(beta, chosen_logratios, rejected_logratios))
+
+
+def hinge_loss(chosen_logratios, rejected_logratios, beta: float) -> tuple:
+    """SLiC: relu(1 - beta * margin of log-ratios)."""
+    losses = torch.relu(1 - beta * (chosen_logratios - rejected_logratios))
+    return (losses, *log_ratio_rewards(beta, chosen_logratios, rejected_logratios))
+
+
+def robust_loss(chosen_logratios, rejected_logratios, beta: float, label_smoothing: float) -> tuple:
+    """Robust DPO: an unbiased loss when a share label_smoothing (< 0.5) of the pairs is flipped."""
+    logits = beta * (chosen_logratios - rejected_logratios)
+    losses = ((1 - label_smoothing) * -F.logsigmoid(logits) + label_smoothing * F.logsigmoid(-logits)) / (
+        1 - 2 * label_smoothing)
+    return (losses, *log_ratio_rewards(beta, chosen_logratios, rejected_logratios))
+
+
+def ipo_loss(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, beta: float) -> tuple:
+    """IPO: (per-token chosen log-ratio - per-token rejected log-ratio - 1 / (2 beta))^2; TRL divides
+    each summed log-ratio by its answer's token count (confirmed with the IPO authors)."""
+    delta = chosen_logratios / chosen_tokens.clamp(min=1) - rejected_logratios / rejected_tokens.clamp(min=1)
+    losses = (delta - 1 / (2 * beta)) ** 2
+    return (losses, *log_ratio_rewards(beta, chosen_logratios, rejected_logratios))
+
+
+def simpo_loss(chosen_logps, rejected_logps, chosen_tokens, rejected_tokens, beta: float, gamma: float,
+               label_smoothing: float = 0.0) -> tuple:
+    """SimPO, reference-free: the length-normalised log-probabilities as rewards, a target margin
+    gamma: -log sigmoid(beta * (mean chosen - mean rejected) - gamma), label-smoothed as TRL's CPO
+    trainer does. Rewards: beta * mean log-probability."""
+    chosen_mean = chosen_logps / chosen_tokens.clamp(min=1)
+    rejected_mean = rejected_logps / rejected_tokens.clamp(min=1)
+    logits = beta * (chosen_mean - rejected_mean - gamma / beta)
+    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return losses, beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def log1mexp(x):
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler's split at -log 2)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_odds_ratio_loss(chosen_logps, rejected_logps, chosen_tokens, rejected_tokens, beta: float) -> tuple:
+    """ORPO's odds-ratio term, reference-free: -beta * log sigmoid(log odds(chosen) - log odds(rejected))
+    on length-normalised log-probabilities (odds p / (1 - p)). The NLL term of ORPO is nll_loss, added
+    with weight 1 by preference_loss's caller. Rewards: beta * mean log-probability."""
+    chosen_mean = (chosen_logps / chosen_tokens.clamp(min=1)).float()
+    rejected_mean = (rejected_logps / rejected_tokens.clamp(min=1)).float()
+    log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
+    losses = -beta * F.logsigmoid(log_odds)
+    return losses, beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def nll_loss(chosen_logps, chosen_tokens):
+    """Mean negative log-likelihood per chosen-answer token over the batch (TRL's "sft" loss term:
+    --rpo_alpha, and ORPO's NLL)."""
+    return -chosen_logps.sum() / chosen_tokens.sum().clamp(min=1)
+
+
+def preference_loss(loss_type: str, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
+                    ref_rejected_logps, chosen_tokens, rejected_tokens, beta: float, label_smoothing: float = 0.0,
+                    simpo_gamma: float = 0.5) -> tuple:
+    """(loss per pair, chosen reward, rejected reward) of loss_type; the reference log-probs are
+    unused (may be None) for the reference-free losses."""
+    if loss_type == "simpo":
+        return simpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_tokens, rejected_tokens, beta,
+                          simpo_gamma, label_smoothing)
+    if loss_type == "orpo":
+        return orpo_odds_ratio_loss(policy_chosen_logps, policy_rejected_logps, chosen_tokens, rejected_tokens,
+                                    beta)
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    if loss_type == "sigmoid":
+        return sigmoid_loss(chosen_logratios, rejected_logratios, beta)
+    if loss_type == "hinge":
+        return hinge_loss(chosen_logratios, rejected_logratios, beta)
+    if loss_type == "robust":
+        return robust_loss(chosen_logratios, rejected_logratios, beta, label_smoothing)
+    if loss_type == "ipo":
+        return ipo_loss(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, beta)
+    raise ValueError(f"unknown loss type {loss_type!r}; one of {', '.join(LOSS_TYPES)}")
+
+
+def nll_weight(loss_type: str, rpo_alpha: float) -> float:
+    """Weight of nll_loss in the total: ORPO's own 1, plus --rpo_alpha for any loss."""
+    return (1.0 if loss_type == "orpo" else 0.0) + (rpo_alpha or 0.0)
+
+
+def sequence_log_probs(answer_logits, answer_targets, answer_owner, num_sequences: int) -> tuple:
+    """(sum of log-probabilities, token count) per sequence, from the logits of answer positions only:
+    answer_logits [T, V] predicts answer_targets [T], token t belonging to sequence answer_owner[t]."""
+    logits = answer_logits.float()
+    token_logps = logits.gather(-1, answer_targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    sums = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
+    sums = sums.index_add(0, answer_owner, token_logps)
+    counts = torch.bincount(answer_owner, minlength=num_sequences).to(token_logps.dtype)
+    return sums, counts
