@@ -293,3 +293,37 @@ def test_the_shipped_example_configs_parse_and_dry_run_into_the_expected_command
                             for expected in EXPECTED_EXAMPLE_COMMANDS[name])
     for written in (".pipeline", "logs"):  # a dry run writes nothing
         assert not os.path.exists(os.path.join(config["output_dir"], written))
+
+
+def test_dpo_stage_folds_the_sft_adapter_and_leaves_both_adapters_to_the_merge(chain_data, tiny_model_dir, tmp_path):
+    """sft -> dpo -> merge -> chat, dry run: DPO starts from the base with the SFT adapter as --peft_path, the
+    merge applies the SFT adapter and then DPO's, the chat loads the merged model. Without the merge the chat
+    (which loads one adapter) is refused before anything runs."""
+    import shlex
+
+    out, pairs = tmp_path / "out", str(chain_data["root"] / "rm")
+    stages = [{"stage": "sft", "dataset_dir": str(chain_data["root"] / "sft"), "template": "human_assistant"},
+              {"stage": "dpo", "dataset_dir": pairs, "template": "human_assistant", "loss_type": "ipo"},
+              {"stage": "merge"}, {"stage": "chat", "turns": ["今天 天气"]}]
+    config = {"base_model": tiny_model_dir, "output_dir": str(out), "training_flags": {"use_cpu": True, **STEPS},
+              "deployment": {"mode": "single_node", "nproc_per_node": 1}, "stages": stages}
+    result = run_in_process(PIPELINE, [write_config(tmp_path / "dpo.yaml", config), "--dry_run"])
+    assert_ok(result)
+    commands = [shlex.split(line[len("pipeline: $ "):]) for line in result.stdout.splitlines()
+                if line.startswith("pipeline: $ ")]
+    flags = [{word: command[i + 1] for i, word in enumerate(command[:-1]) if word.startswith("--")}
+             for command in commands]
+    sft_adapter, dpo_adapter = str(out / "sft" / "sft_lora_model"), str(out / "dpo" / "dpo_lora_model")
+    assert [os.path.basename(next(w for w in c if w.endswith(".py") and "launch" not in w)) for c in commands] == [
+        "run_sft_with_peft.py", "run_dpo.py", "merge_llama_with_lora.py", "chat.py"]
+    assert flags[1]["--model_name_or_path"] == tiny_model_dir and flags[1]["--peft_path"] == sft_adapter
+    assert flags[1]["--output_dir"] == str(out / "dpo") and flags[1]["--loss_type"] == "ipo"
+    assert "--use_cpu" in commands[1] and "--nproc_per_node" in commands[1]
+    assert flags[2]["--base_model"] == tiny_model_dir and flags[2]["--lora_model"] == f"{sft_adapter},{dpo_adapter}"
+    assert flags[3]["--base_model"] == str(out / "merge") and "--lora_model" not in flags[3]
+    assert not out.exists()  # a dry run writes nothing
+
+    del stages[2]
+    refused = run_in_process(PIPELINE, [write_config(tmp_path / "no_merge.yaml", config)])
+    check_refused(refused, "stage 'chat': takes one adapter, but stage 'dpo' left two unmerged")
+    assert not out.exists()

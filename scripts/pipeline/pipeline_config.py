@@ -10,7 +10,7 @@
       deepspeed: ds_configs/ds_zero2_no_offload.json   # every training stage's, unless it names its own
     training_flags: {bf16: true}        # optional: flags of every training stage (a stage's own win)
     stages:                             # run in this order
-      - stage: pretraining              # vocabulary | pretraining | sft | reward | ppo | merge | chat
+      - stage: pretraining              # vocabulary | pretraining | sft | reward | ppo | dpo | merge | chat
         name: pretraining               # optional (default: the kind); OUTPUT/<name>/, unique
         dataset_dir: data/pt            # any flag of that stage's script, without the dashes
       - stage: chat
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from cli import InputError, read_yaml  # noqa: E402
 
-STAGE_KINDS = ("vocabulary", "pretraining", "sft", "reward", "ppo", "merge", "chat")
+STAGE_KINDS = ("vocabulary", "pretraining", "sft", "reward", "ppo", "dpo", "merge", "chat")
 TOP_LEVEL_KEYS = ("base_model", "tokenizer", "output_dir", "deployment", "training_flags", "stages")
 MODES = ("single_gpu", "single_node", "multi_node")
 DEPLOYMENT_DEFAULTS = {"mode": "single_node", "nproc_per_node": None, "nnodes": 1, "node_rank": 0,
@@ -150,7 +150,7 @@ def stages_of(raw, training_flags: dict, path: str) -> list:
         if turns and (kind != "chat" or not all(isinstance(turn, str) for turn in turns)):
             raise InputError(f"{where}: 'turns' is a list of strings, for a chat stage only")
         flags = {key: value for key, value in entry.items() if key not in PIPELINE_STAGE_KEYS}
-        from_all = training_flags if kind in ("pretraining", "sft", "reward", "ppo") else {}
+        from_all = training_flags if kind in ("pretraining", "sft", "reward", "ppo", "dpo") else {}
         stages.append(StageConfig(kind=kind, name=name, flags={**from_all, **flags}, turns=list(turns)))
     return stages
 

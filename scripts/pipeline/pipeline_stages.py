@@ -1,7 +1,8 @@
 """What each stage of the pipeline runs, and how stages chain: every stage's command is the
 stage's own script with the flags a user would type, the inputs filled in from what earlier
 stages produced (vocabulary -> tokenizer, pretraining/SFT/PPO -> an adapter on the current
-model, merge -> a new current model, reward -> the reward adapter PPO scores with).
+model, DPO -> its adapter after the one it started from, merge -> a new current model, reward ->
+the reward adapter PPO scores with).
 
 Everything here is checked before any stage runs: unknown flags (against the script's own
 argument parser), missing files, and a stage whose input no earlier stage produces."""
@@ -37,12 +38,13 @@ SCRIPTS = {
     "sft": Script("scripts/training/run_sft_with_peft.py", True),
     "reward": Script("scripts/training/run_reward.py", True),
     "ppo": Script("scripts/training/run_ppo.py", True),
+    "dpo": Script("scripts/training/run_dpo.py", True),
     "merge": Script("scripts/merge/merge_llama_with_lora.py", False),
     "chat": Script("scripts/inference/chat.py", False),
 }
 # The adapter directory each training stage writes into its output_dir.
 ADAPTER_DIRS = {"pretraining": "pt_lora_model", "sft": "sft_lora_model", "reward": "rm_lora_model",
-                "ppo": "ppo_lora_model"}
+                "ppo": "ppo_lora_model", "dpo": "dpo_lora_model"}
 # Flags the pipeline owns: it decides where each stage writes and what reruns.
 OWNED_FLAGS = ("output_dir", "overwrite_output_dir")
 # Flags naming a file or directory that must exist before anything runs (comma lists allowed).
@@ -59,7 +61,7 @@ class Chain:
 
     model: str
     tokenizer: Optional[str]  # a tokenizer other than the model's own (the config's, or a vocabulary stage's)
-    adapter: Optional[str] = None  # trained on `model`, not merged yet
+    adapter: Optional[str] = None  # trained on `model`, not merged yet; after DPO "sft adapter,dpo adapter"
     reward: Optional[tuple] = None  # (reward base model, reward adapter or None)
     extended: bool = False  # the tokenizer came from a vocabulary stage and has reached no model yet
 
@@ -189,6 +191,14 @@ def needs_merged_model(chain: Chain, where: str, producers: dict) -> None:
                          "unmerged: put a merge stage before it")
 
 
+def needs_one_adapter(chain: Chain, where: str, producers: dict) -> None:
+    """A stage that takes the current adapter as one directory: after DPO there are two (the SFT adapter it
+    started from, then its own), which only a merge applies."""
+    if chain.adapter and "," in chain.adapter:
+        raise InputError(f"{where}: takes one adapter, but stage '{producers['adapter']}' left two unmerged "
+                         f"({chain.adapter}): put a merge stage before it")
+
+
 def training_flags(chain: Chain) -> dict:
     flags = {"model_name_or_path": chain.model, "do_train": True}
     if chain.tokenizer:
@@ -235,6 +245,7 @@ def wire_ppo(chain, stage, out_dir, where, producers) -> dict:
     if chain.reward is None and "reward_model_name_or_path" not in stage.flags:
         raise InputError(f"{where}: PPO needs a reward model: put a reward stage before it, "
                          "or give reward_model_name_or_path")
+    needs_one_adapter(chain, where, producers)
     flags = {"actor_model_name_or_path": chain.model, "actor_lora_model": chain.adapter}
     if chain.reward is not None:
         flags.update(reward_model_name_or_path=chain.reward[0], reward_lora_model=chain.reward[1])
@@ -245,10 +256,26 @@ def wire_ppo(chain, stage, out_dir, where, producers) -> dict:
     return flags
 
 
+def wire_dpo(chain, stage, out_dir, where, producers) -> dict:
+    """The policy and its reference are the current model with the current adapter (SFT's) folded in; a new
+    LoRA trains on top, so the chain's adapter becomes both, in order, as the merge tool applies them."""
+    needs_one_adapter(chain, where, producers)
+    flags = training_flags(chain)
+    if chain.adapter:
+        flags["peft_path"] = chain.adapter
+    if stage.flags.get("full_finetuning"):  # the whole model, the folded adapter included
+        chain.model, chain.adapter, chain.tokenizer = out_dir, None, None
+        producers["model"], producers["adapter"] = stage.name, None
+    else:
+        chain.adapter = ",".join(filter(None, (chain.adapter, os.path.join(out_dir, ADAPTER_DIRS["dpo"]))))
+        producers["adapter"] = stage.name
+    return flags
+
+
 def wire_merge(chain, stage, out_dir, where, producers) -> dict:
     if not chain.adapter:
         raise InputError(f"{where}: nothing to merge: no earlier stage left an adapter "
-                         "(pretraining, sft or ppo)")
+                         "(pretraining, sft, ppo or dpo)")
     flags = {"base_model": chain.model, "lora_model": chain.adapter}
     # The adapter directory carries the tokenizer it was trained with (an extended vocabulary too);
     # the merge writes it into the merged model.
@@ -260,8 +287,9 @@ def wire_merge(chain, stage, out_dir, where, producers) -> dict:
 def wire_chat(chain, stage, out_dir, where, producers) -> dict:
     if not stage.turns:
         raise InputError(f"{where}: a chat stage needs 'turns', what the scripted chat says")
+    needs_one_adapter(chain, where, producers)
     return {"base_model": chain.model, "lora_model": chain.adapter, **CHAT_DEFAULTS}
 
 
 WIRING = {"vocabulary": wire_vocabulary, "pretraining": wire_adapter_training, "sft": wire_adapter_training,
-          "reward": wire_reward, "ppo": wire_ppo, "merge": wire_merge, "chat": wire_chat}
+          "reward": wire_reward, "ppo": wire_ppo, "dpo": wire_dpo, "merge": wire_merge, "chat": wire_chat}
