@@ -70,7 +70,7 @@ def chain_config(data, model_dir, output_dir) -> dict:
              "max_seq_length": 64, "per_device_train_batch_size": 4},
             {"stage": "ppo", "data_path": str(root / "ppo" / "prompts.jsonl"), "template": "human_assistant",
              "max_prompt_seq_len": 24, "max_answer_seq_len": 8, "per_device_generation_batch_size": 4,
-             "per_device_training_batch_size": 4, "max_steps": 2, "save_steps": 1},
+             "per_device_training_batch_size": 4, "max_steps": 1, "save_steps": 1},
             {"stage": "merge", "name": "final"},
             {"stage": "chat", "turns": ["今天 天气", "the river"], "max_new_tokens": 8},
         ],

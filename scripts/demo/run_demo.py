@@ -100,8 +100,8 @@ QUICK = Plan(heldout_chars=1_500, sft_heldout_records=8, sft_validation_records=
                  "pretraining.logging_steps=1", "pretraining.max_eval_samples=4", "sft.max_steps=3", "sft.save_steps=3",
                  "sft.logging_steps=1", "sft.max_seq_length=128", "sft.per_device_train_batch_size=4",
                  "reward.max_steps=3", "reward.save_steps=3", "reward.logging_steps=1",
-                 "reward.per_device_train_batch_size=4", "ppo.max_steps=2",
-                 "ppo.save_steps=2", "ppo.per_device_generation_batch_size=4", "ppo.per_device_training_batch_size=4",
+                 "reward.per_device_train_batch_size=4", "ppo.max_steps=1",
+                 "ppo.save_steps=1", "ppo.per_device_generation_batch_size=4", "ppo.per_device_training_batch_size=4",
                  "ppo.max_answer_seq_len=16", "chat.max_new_tokens=16"))
 
 
