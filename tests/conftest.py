@@ -2,7 +2,8 @@
 fallback (like LLaMA's) trained on a generated Chinese+English corpus, a tiny GQA Llama, an
 extended-vocabulary tokenizer, tiny models of real families with their real tokenizers and chat
 templates (helpers/families.py), and small corpora. Plain helpers live in helpers/: commands.py (running the
-scripts, their exit contract), tiny_runs.py, corpora.py, run_outputs.py, merge_tools.py."""
+scripts, their exit contract), tiny_runs.py, corpora.py, run_outputs.py, merge_tools.py, run_in_sequence.py;
+the resume probes step_probe.py (installed by run_and_kill.py), kill_points.py and forked_runs.py."""
 
 import json
 

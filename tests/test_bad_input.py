@@ -1,6 +1,8 @@
 """Bad input: one line naming the problem (file, line, field), exit 2, no traceback, nothing written."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -9,10 +11,12 @@ from helpers.commands import (
     REPO,
     SFT_SCRIPT,
     check_refused,
+    free_port,
     options_to_argv,
     refuse,
     run_in_process,
     run_script,
+    script_env,
 )
 from helpers.tiny_runs import tiny_pt_args, tiny_sft_args
 
@@ -81,15 +85,16 @@ def case_vocab_without_trainable_embeddings(tmp_path, model_dir, extended_tokeni
             "the new rows would never be trained; add --modules_to_save embed_tokens,lm_head")
 
 
-def lora_adapter(model, path, **config):
-    """A LoRA adapter of model (a directory or a model) saved at path, as training would save one."""
+def lora_adapter(model, path, safe_serialization: bool = True, **config):
+    """A LoRA adapter of model (a directory or a model) saved at path, as training would save one (or, without
+    safe_serialization, as adapter_model.bin: peft's legacy format, that of many released adapters)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     if isinstance(model, str):
         model = AutoModelForCausalLM.from_pretrained(model)
     get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **config)
-                   ).save_pretrained(str(path))
+                   ).save_pretrained(str(path), safe_serialization=safe_serialization)
     return path
 
 
@@ -168,7 +173,7 @@ def test_bad_input_is_refused_cleanly(case, tmp_path, tiny_model_dir, extended_t
     # The first case runs as a real process; the others in-process through the same run_cli.
     check_refused(refuse(PT_SCRIPT, args, in_process=case is not CASES[0]), expected)
     assert not out.exists()
-    assert not cache.exists() or not [p for p in cache.iterdir()]
+    assert not cache.exists()  # not even created empty
 
 
 def test_non_empty_output_dir_is_left_untouched(tmp_path, tiny_model_dir):
@@ -215,17 +220,20 @@ def tiny_reward_model_dir(tmp_path_factory, tiny_model_dir):
     return str(path)
 
 
-def stage_args(stage: str, data, model_dir, reward_dir, out, cache) -> tuple:
-    """(script, arguments) of a short run of the stage on the data file."""
+def stage_args(stage: str, data, model_dir, reward_dir, out, cache, **overrides) -> tuple:
+    """(script, arguments) of a short run of the stage on the data file (pretraining: directory), with overrides."""
     training = f"{REPO}/scripts/training"
+    if stage == "pt":
+        return PT_SCRIPT, tiny_pt_args(model_dir, data, out, cache, **overrides)
     if stage == "sft":
-        return SFT_SCRIPT, tiny_sft_args(model_dir, out, cache, data_path=data, template="alpaca")
-    if stage == "reward":
-        return f"{training}/run_reward.py", tiny_sft_args(model_dir, out, cache, data_path=data,
-                                                          template="human_assistant")
+        return SFT_SCRIPT, tiny_sft_args(model_dir, out, cache, data_path=data, template="alpaca", **overrides)
+    if stage in ("reward", "dpo"):
+        script = f"{training}/run_reward.py" if stage == "reward" else f"{training}/run_dpo.py"
+        return script, tiny_sft_args(model_dir, out, cache, data_path=data, template="human_assistant", **overrides)
     options = {"actor_model_name_or_path": model_dir, "reward_model_name_or_path": reward_dir, "data_path": data,
                "template": "human_assistant", "max_prompt_seq_len": 32, "max_answer_seq_len": 16,
-               "torch_dtype": "float32", "report_to": "none", "output_dir": out, "max_steps": 2}
+               "torch_dtype": "float32", "report_to": "none", "output_dir": out, "data_cache_dir": cache,
+               "max_steps": 2, **overrides}
     return f"{training}/run_ppo.py", ["--use_cpu"] + options_to_argv(options)
 
 
@@ -237,7 +245,95 @@ def test_bad_record_files_are_refused_in_every_stage(stage, case, tmp_path, tiny
     script, args = stage_args(stage, data, tiny_model_dir, tiny_reward_model_dir, out, cache)
     check_refused(run_in_process(script, args), expected)
     assert not out.exists()
-    assert not cache.exists() or not list(cache.iterdir())
+    assert not cache.exists()
+
+
+# ----------------------------------------------------------------------------- refusals of the model's loading plan
+
+ZERO3_CONFIG = f"{REPO}/ds_configs/ds_zero3_no_offload.json"
+
+# name: (the stage's overrides, given tmp_path; the error expected). Each is decided from the arguments and the
+# model's config (and the adapter's files) before any data is read: nothing is tokenized or cached.
+MODEL_CASES = {
+    "empty_trainable": (lambda tmp_path: {"trainable": ""}, "--trainable must name at least one module for LoRA"),
+    # peft's own reason follows (its wording differs between a causal LM and a sequence classifier).
+    "trainable_matches_no_module": (lambda tmp_path: {"trainable": "q_porj"}, "--trainable q_porj: "),
+    "qlora_with_zero3": (lambda tmp_path: {"load_in_kbits": 4, "deepspeed": ZERO3_CONFIG},
+                         "--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config"),
+    # No safetensors header to compare shapes from: the adapter is loaded onto the model's empty skeleton.
+    "legacy_adapter_for_another_base": (
+        lambda tmp_path: {"peft_path": lora_adapter(narrow_llama(), tmp_path / "narrow_adapter",
+                                                    safe_serialization=False)},
+        "adapter does not fit this base model (size mismatch"),
+    "eval_without_held_out": (lambda tmp_path: {"eval_strategy": "steps", "validation_split_percentage": 0},
+                              "--eval_strategy steps needs held-out"),
+}
+MODEL_STAGES = ("pt", "sft", "reward", "dpo", "ppo")
+
+
+def good_stage_data(stage: str, tmp_path, pretrain_dir):
+    """Valid data for a run of the stage (pretraining: a directory of text): what it would tokenize and cache."""
+    if stage == "pt":
+        return pretrain_dir
+    kind = {"dpo": "reward"}.get(stage, stage)
+    first, value = next(iter(STAGE_RECORDS[kind].items()))
+    lines = [json.dumps({**STAGE_RECORDS[kind], first: f"{value} {i}"}, ensure_ascii=False) for i in range(8)]
+    return write(tmp_path / "data.jsonl", "\n".join(lines).encode() + b"\n")
+
+
+def check_refused_before_caching(stage: str, overrides: dict, expected: str, tmp_path, model_dir, reward_dir,
+                                 pretrain_dir) -> None:
+    """A run of the stage on good data with overrides is refused with expected, writes no output, and leaves the
+    data cache, holding an entry of an earlier run, as it was (PPO: its ptx blocks are what it caches)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    if stage == "ppo":
+        overrides = {**overrides, "unsupervised_dataset_dir": pretrain_dir}
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    write(cache / "pt-of-an-earlier-run" / "dataset_info.json", b"{}")
+    before = snapshot(cache)
+    script, args = stage_args(stage, good_stage_data(stage, tmp_path, pretrain_dir), model_dir, reward_dir, out,
+                              cache, **overrides)
+    try:
+        result = run_in_process(script, args)
+    finally:
+        unset_hf_deepspeed_config()  # a ZeRO-3 config registers itself process-wide: not for the tests that follow
+    check_refused(result, expected)
+    assert not out.exists()
+    assert snapshot(cache) == before
+
+
+@pytest.mark.parametrize("stage", MODEL_STAGES)
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_model_refusals_come_before_the_data_is_cached(case, stage, tmp_path, tiny_model_dir, tiny_reward_model_dir,
+                                                       pretrain_dir):
+    """What the model's loading would refuse is refused before the data is tokenized."""
+    make_overrides, expected = MODEL_CASES[case]
+    check_refused_before_caching(stage, make_overrides(tmp_path), expected, tmp_path, tiny_model_dir,
+                                 tiny_reward_model_dir, pretrain_dir)
+
+
+@pytest.mark.parametrize("stage", ("pt", "sft", "reward", "dpo"))
+def test_a_held_out_share_leaving_nothing_to_train_on_is_refused_before_the_data_is_cached(
+        stage, tmp_path, tiny_model_dir, tiny_reward_model_dir, pretrain_dir):
+    """Known only once the data is tokenized (how many blocks, samples or pairs there are), yet refused before the
+    tokenized data is cached. (PPO splits its prompts before it caches anything.)"""
+    check_refused_before_caching(stage, {"validation_split_percentage": 100}, "leaves no training or no validation",
+                                 tmp_path, tiny_model_dir, tiny_reward_model_dir, pretrain_dir)
+
+
+def test_a_refusal_through_a_wrapper_leaves_no_default_cache(tmp_path, tiny_model_dir, pretrain_dir):
+    """run_pt.sh's default DATA_CACHE lies next to OUTPUT: a refusal (QLoRA under ZeRO-3) creates neither."""
+    output = tmp_path / "out"
+    env = {**script_env(), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "MODEL": tiny_model_dir,
+           "DATA": pretrain_dir, "OUTPUT": str(output), "DS_CONFIG": ZERO3_CONFIG, "MASTER_PORT": str(free_port())}
+    overrides = {"bf16": "False", "torch_dtype": "float32", "block_size": "32", "preprocessing_num_workers": "1",
+                 "load_in_kbits": "4", "report_to": "none"}
+    args = [token for name, value in overrides.items() for token in (f"--{name}", value)]
+    result = subprocess.run(["bash", f"{REPO}/scripts/training/run_pt.sh", "--use_cpu", *args], env=env,
+                            capture_output=True, text=True, timeout=300)
+    check_refused(result, "--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config")
+    assert not output.exists() and not (tmp_path / "data_cache").exists()
 
 
 def test_serving_refuses_an_adapter_for_another_base(tmp_path, tiny_model_dir):

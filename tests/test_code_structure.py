@@ -16,7 +16,7 @@ SCRIPTS = REPO / "scripts"
 # scripts/training, bottom to top: a module may import modules of its own layer or lower ones.
 LAYERS = {
     "foundation": {"cli", "records", "chat_templates", "zero3", "ppo_utils", "model_files", "pair_segments",
-                   "dpo_losses"},
+                   "dpo_losses", "checkpoint_state", "chunked_loss"},
     "data": {"build_dataset", "data_cache", "data_splits", "conversation_tokenizer", "prompt_data"},
     "model": {"model_utils", "ppo_policy"},
     "trainer": {"training_utils", "ppo_trainer", "ppo_experience", "ppo_ema", "ppo_checkpoint", "dpo_trainer"},

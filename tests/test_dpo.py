@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers.commands import KILL_WRAPPER, REPO, TRAINING, assert_ok, check_refused, refuse, run_in_process, run_script
+from helpers.commands import REPO, TRAINING, assert_ok, check_refused, refuse, run_in_process, run_script
+from helpers.kill_points import resume_proof
 from helpers.merge_tools import TOLERANCE
 from helpers.run_outputs import adapter_weights, log_history
 from helpers.tiny_runs import tiny_sft_args
@@ -127,7 +128,7 @@ def test_learns_a_marker_preference(loss_type, beta, tiny_model_dir, pair_files,
     assert AutoTokenizer.from_pretrained(out / "dpo_lora_model").chat_template
 
 
-# The short live-reference run that the precomputed reference and the SIGKILL resume are compared with.
+# The short live-reference run that the precomputed reference is compared with; the SIGKILL resume runs it too.
 SHORT_RUN = {"max_steps": 6, "logging_steps": 1, "save_steps": 3, "max_eval_samples": 8}
 
 
@@ -173,27 +174,40 @@ def test_dpo_deepspeed_zero2_and_zero3_two_processes(tiny_model_dir, pair_files,
         assert "eval_rewards/accuracies" in json.loads((out / "eval_results.json").read_text())
 
 
-def test_dpo_resume_after_sigkill_equals_uninterrupted_and_merges(short_run, tiny_model_dir, pair_files, data_cache,
-                                                                  tmp_path):
-    """Killed (a real process, SIGKILL) right after checkpoint-3, then resumed: the adapter equals the
-    uninterrupted short run's."""
+@pytest.fixture(scope="module")
+def dpo_resume(tiny_model_dir, pair_files, data_cache, tmp_path_factory):
+    """The short run uninterrupted, and killed at seeded random steps, while writing a checkpoint and as it ends,
+    rerun after each kill until it finished, each process forked (helpers/kill_points.py)."""
     train, valid = pair_files
-    crashed = tmp_path / "crashed"
-    args = tiny_dpo_args(tiny_model_dir, crashed, data_cache, data_path=train, validation_file=valid,
-                         learning_rate=1e-2, per_device_train_batch_size=8, **SHORT_RUN)
-    killed = run_script(args, script=DPO_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "3"])
-    assert killed.returncode != 0 and not (crashed / "checkpoint-6").exists()
-    resumed = run_in_process(DPO_SCRIPT, args)
-    assert_ok(resumed)
-    assert "resuming from" in resumed.stdout + resumed.stderr
-    expected, actual = adapter_weights(short_run / "dpo_lora_model"), adapter_weights(crashed / "dpo_lora_model")
-    assert max((expected[k] - actual[k]).abs().max().item() for k in expected) <= 1e-6
-    # The merge tool folds dpo_lora_model into the base.
+    root = tmp_path_factory.mktemp("dpo_resume")
+
+    def args_for(output_dir):
+        return tiny_dpo_args(tiny_model_dir, output_dir, data_cache, data_path=train, validation_file=valid,
+                             learning_rate=1e-2, per_device_train_batch_size=8, **{**SHORT_RUN, "save_steps": 2})
+
+    return resume_proof(1, DPO_SCRIPT, args_for, root, seed="dpo", total=SHORT_RUN["max_steps"], save_steps=2)
+
+
+def test_dpo_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_equals_uninterrupted_and_merges(
+        dpo_resume, tiny_model_dir, tmp_path):
+    dpo_resume.check_processes_after_random_kills()
+    assert "resuming from" in dpo_resume.resumed_output()
+    dpo_resume.check_bit_identical("dpo_lora_model")
+    # The merge tool folds the resumed run's dpo_lora_model into the base.
     merged = tmp_path / "merged"
     assert_ok(run_in_process(MERGE_SCRIPT, ["--base_model", tiny_model_dir, "--lora_model",
-                                            str(short_run / "dpo_lora_model"), "--output_dir", str(merged),
-                                            "--verify"]))
+                                            str(dpo_resume.root / "crashed" / "dpo_lora_model"), "--output_dir",
+                                            str(merged), "--verify"]))
     assert (merged / "config.json").exists()
+
+
+def test_dpo_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(dpo_resume):
+    dpo_resume.check_process_after_mid_save_kill()
+
+
+def test_dpo_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(dpo_resume):
+    dpo_resume.check_process_after_end_kill()
+    dpo_resume.check_bit_identical("dpo_lora_model", run_name="ended")
 
 
 @pytest.mark.parametrize("case,bad,flags,expected", [

@@ -10,8 +10,9 @@ import shutil
 import pytest
 import torch
 
-from helpers.commands import KILL_WRAPPER, REPO, TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
+from helpers.commands import REPO, TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
 from helpers.corpora import CHINESE, ENGLISH
+from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history
 
 PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
@@ -206,28 +207,57 @@ RESUMED = {"max_steps": 4, "save_strategy": "steps", "save_steps": 1, "enable_em
            "per_device_training_batch_size": 4, "gradient_accumulation_steps": 2}
 
 
+def ppo_resume_proof(nproc, tiny_model_dir, reward_adapter, prompt_file, root, **extra):
+    def args_for(output_dir):
+        return ppo_args(tiny_model_dir, reward_adapter, prompt_file, output_dir, **RESUMED, **extra)
+
+    return resume_proof(nproc, PPO_SCRIPT, args_for, root, seed=f"ppo-{nproc}", total=RESUMED["max_steps"],
+                        save_steps=RESUMED["save_steps"], mid_save=False)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppo_resume") / "straight"
-    assert_ok(run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, **RESUMED), script=PPO_SCRIPT))
-    return out
+def ppo_resume(tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory):
+    """An uninterrupted run and the same run killed at seeded random iterations, while writing a checkpoint and as
+    it ends, rerun after each kill until it finished, each process forked (helpers/kill_points.py)."""
+    return ppo_resume_proof(1, tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory.mktemp("ppo_resume"))
 
 
-def test_resume_after_sigkill_continues_identically(tiny_model_dir, reward_adapter, prompt_file, uninterrupted,
-                                                    tmp_path):
-    crashed = tmp_path / "crashed"
-    args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, crashed, **RESUMED)
-    killed = run_script(args, script=PPO_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "2"])
-    assert killed.returncode != 0 and not (crashed / "checkpoint-3").exists()
-    resumed = run_script(args, script=PPO_SCRIPT)
-    assert_ok(resumed)
-    assert "starting at iteration 2" in resumed.stdout
-    expected, actual = step_logs(uninterrupted), step_logs(crashed)
+@pytest.fixture(scope="module")
+def ppo_zero3_resume(tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory):
+    """The same under torchrun with ZeRO-3 on two processes, killed once at a seeded random iteration."""
+    return ppo_resume_proof(2, tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory.mktemp("ppo_zero3"),
+                            deepspeed=os.path.join(REPO, "ds_configs", "ds_zero3_no_offload.json"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ppo_resume):
+    return ppo_resume.root / "reference"
+
+
+@pytest.mark.parametrize("proof", ["ppo_resume", "ppo_zero3_resume"])
+def test_resume_after_kills_at_random_iterations_runs_only_the_remaining_ones_and_continues_identically(proof,
+                                                                                                       request):
+    """Each rerun ran only the iterations after the last checkpoint (its own step log, iteration counter
+    included), and the run logs the same numbers and saves the same weights as the uninterrupted one."""
+    proof = request.getfixturevalue(proof)
+    proof.check_processes_after_random_kills()
+    assert "starting at iteration" in proof.resumed_output()
+    expected, actual = step_logs(proof.root / "reference"), step_logs(proof.root / "crashed")
     # The adaptive KL coefficient moved every iteration: the resumed run continued from its saved value.
     assert len({e["kl_coef"] for e in expected}) == 4
-    assert_same_steps(expected, actual, tolerance=1e-6)
+    assert_same_steps(expected, actual, tolerance=0)
     for name in ("ppo_lora_model", "actor_ema", "critic"):
-        assert max_difference(uninterrupted / name, crashed / name) <= 1e-6, name
+        proof.check_bit_identical(name)
+
+
+def test_ppo_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(ppo_resume):
+    ppo_resume.check_process_after_mid_save_kill()
+
+
+def test_ppo_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(ppo_resume):
+    ppo_resume.check_process_after_end_kill()
+    for name in ("ppo_lora_model", "actor_ema", "critic"):
+        ppo_resume.check_bit_identical(name, run_name="ended")
 
 
 def test_ema_is_the_average_of_the_actor_steps(uninterrupted):

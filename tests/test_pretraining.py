@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.commands import KILL_WRAPPER, REPO, assert_ok, run_script
+from helpers.commands import KILL_WRAPPER, PT_SCRIPT, REPO, assert_ok, run_script
+from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history, losses_of
 from helpers.tiny_runs import tiny_pt_args
 
@@ -172,29 +173,37 @@ def test_new_rows_start_at_their_pieces_mean_with_subword_init(tiny_model_dir, e
     assert checked == len(tokenizer) - old_rows > 0
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_resume_after_sigkill_equals_uninterrupted(nproc, tiny_model_dir, pretrain_dir, tmp_path):
-    cache = tmp_path / "cache"
-    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if nproc == 2 else {}
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_process", "zero3_two_processes"])
+def pretraining_resume(request, tiny_model_dir, pretrain_dir, tmp_path_factory):
+    """An uninterrupted run and the same run killed at seeded random steps and while writing a checkpoint, rerun
+    after each kill until it finished (and, forked, one killed as it ends): each process forked (one process), or
+    under torchrun with ZeRO-3 (helpers/kill_points.py)."""
+    root = tmp_path_factory.mktemp(f"pt_resume{request.param}")
+    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero3_no_offload.json")} if request.param == 2 else {}
 
-    straight = tmp_path / "straight"
-    assert_ok(run_script(tiny_pt_args(tiny_model_dir, pretrain_dir, straight, cache, **extra), nproc=nproc))
+    def args_for(output_dir):
+        return tiny_pt_args(tiny_model_dir, pretrain_dir, output_dir, root / "cache", save_steps=2, **extra)
 
-    crashed = tmp_path / "crashed"
-    args = tiny_pt_args(tiny_model_dir, pretrain_dir, crashed, cache, **extra)
-    killed = run_script(args, nproc=nproc, wrapper=[KILL_WRAPPER, "--kill_after_save", "5"])
-    assert killed.returncode != 0
-    assert (crashed / "checkpoint-5" / "pt_lora_model").is_dir()
-    assert not (crashed / "checkpoint-10").exists() and not (crashed / "pt_lora_model").exists()
+    return resume_proof(request.param, PT_SCRIPT, args_for, root, seed=f"pretraining-{request.param}", total=10,
+                        save_steps=2)
 
-    resumed = run_script(args, nproc=nproc)  # same command: resumes from checkpoint-5 by itself
-    assert_ok(resumed)
-    assert "resuming from" in resumed.stdout
-    expected, actual = adapter_weights(straight / "pt_lora_model"), adapter_weights(crashed / "pt_lora_model")
-    assert expected.keys() == actual.keys()
-    max_diff = max((expected[k] - actual[k]).abs().max().item() for k in expected)
-    assert max_diff <= 1e-6, max_diff
-    assert max(v.abs().max().item() for k, v in expected.items() if "lora_B" in k) > 0  # it did train
+
+def test_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_and_equals_uninterrupted(pretraining_resume):
+    """Each rerun resumed (its own step log starts after the last checkpoint, not at step 1) and the adapter is
+    bit-identical to the uninterrupted run's (dropout's RNG included)."""
+    pretraining_resume.check_processes_after_random_kills()
+    assert "resuming from" in pretraining_resume.resumed_output()
+    pretraining_resume.check_bit_identical("pt_lora_model")
+
+
+def test_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(pretraining_resume):
+    pretraining_resume.check_process_after_mid_save_kill()
+
+
+@pytest.mark.parametrize("pretraining_resume", [1], indirect=True, ids=["one_process"])
+def test_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(pretraining_resume):
+    pretraining_resume.check_process_after_end_kill()
+    pretraining_resume.check_bit_identical("pt_lora_model", run_name="ended")
 
 
 def test_continue_adapter_with_gradient_checkpointing(tiny_model_dir, pretrain_dir, tmp_path):

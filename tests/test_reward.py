@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from helpers.commands import KILL_WRAPPER, REPO, TRAINING, assert_ok, check_refused, refuse, run_script
+from helpers.commands import REPO, TRAINING, assert_ok, check_refused, refuse, run_script
 from helpers.corpora import CHINESE, ENGLISH
+from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history
 from helpers.tiny_runs import tiny_sft_args
 
@@ -181,16 +182,38 @@ def test_reward_deepspeed_two_processes(config, tiny_model_dir, marker_files, tm
     assert "eval_accuracy" in json.loads((out / "eval_results.json").read_text())
 
 
-def test_reward_resume_after_sigkill_equals_uninterrupted(tiny_model_dir, marker_files, tmp_path):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_process", "zero2_two_processes"])
+def reward_resume(request, tiny_model_dir, marker_files, tmp_path_factory):
+    """An uninterrupted run and the same run killed at seeded random steps, rerun after each kill until it
+    finished; forked (one process), also killed while writing a checkpoint and as it ends; or under torchrun with
+    ZeRO-2 (helpers/kill_points.py)."""
     train, _ = marker_files
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    assert_ok(run_script(tiny_rm_args(tiny_model_dir, straight, tmp_path / "c", data_path=train), script=RM_SCRIPT))
-    args = tiny_rm_args(tiny_model_dir, crashed, tmp_path / "c", data_path=train)
-    killed = run_script(args, script=RM_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "5"])
-    assert killed.returncode != 0 and not (crashed / "checkpoint-10").exists()
-    assert_ok(run_script(args, script=RM_SCRIPT))
-    expected, actual = adapter_weights(straight / "rm_lora_model"), adapter_weights(crashed / "rm_lora_model")
-    assert max((expected[k] - actual[k]).abs().max().item() for k in expected) <= 1e-6
+    root = tmp_path_factory.mktemp(f"rm_resume{request.param}")
+    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if request.param == 2 else {}
+
+    def args_for(output_dir):
+        return tiny_rm_args(tiny_model_dir, output_dir, root / "cache", data_path=train, save_steps=2, **extra)
+
+    return resume_proof(request.param, RM_SCRIPT, args_for, root, seed=f"reward-{request.param}", total=10,
+                        save_steps=2, mid_save=False)
+
+
+def test_reward_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_and_equals_uninterrupted(
+        reward_resume):
+    reward_resume.check_processes_after_random_kills()
+    assert "resuming from" in reward_resume.resumed_output()
+    reward_resume.check_bit_identical("rm_lora_model")
+
+
+@pytest.mark.parametrize("reward_resume", [1], indirect=True, ids=["one_process"])
+def test_reward_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(reward_resume):
+    reward_resume.check_process_after_mid_save_kill()
+
+
+@pytest.mark.parametrize("reward_resume", [1], indirect=True, ids=["one_process"])
+def test_reward_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(reward_resume):
+    reward_resume.check_process_after_end_kill()
+    reward_resume.check_bit_identical("rm_lora_model", run_name="ended")
 
 
 GOOD_PAIR = {"prompt": "写一条好评", "chosen": "很好 很好", "rejected": "不好"}

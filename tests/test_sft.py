@@ -16,7 +16,8 @@ from build_dataset import DataCollatorForSupervisedDataset, build_sft_dataset, p
 from chat_templates import TEMPLATES, named_template
 from conversation_tokenizer import ConversationTokenizer
 from data_splits import phase_indices
-from helpers.commands import KILL_WRAPPER, REPO, SFT_SCRIPT, assert_ok, check_refused, refuse, run_script
+from helpers.commands import REPO, SFT_SCRIPT, assert_ok, check_refused, refuse, run_script
+from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history, losses_of
 from helpers.tiny_runs import tiny_sft_args
 from records import conversation_of
@@ -288,20 +289,37 @@ def test_sft_deepspeed_zero2_and_zero3_two_processes_train_alike(tiny_model_dir,
     assert max((zero2_weights[k] - zero3_weights[k]).abs().max().item() for k in zero2_weights) <= 1e-4
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sft_resume_after_sigkill_equals_uninterrupted(nproc, tiny_model_dir, arithmetic_files, tmp_path):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_process", "zero2_two_processes"])
+def sft_resume(request, tiny_model_dir, arithmetic_files, tmp_path_factory):
+    """An uninterrupted packed run and the same run killed at seeded random steps and while writing a checkpoint,
+    rerun after each kill until it finished (and, forked, one killed as it ends): each process forked (one
+    process), or under torchrun with ZeRO-2 (helpers/kill_points.py)."""
     train_dir, _ = arithmetic_files
-    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if nproc == 2 else {}
-    common = {"dataset_dir": train_dir, "template": "llama2", "packing": True, **extra}
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    assert_ok(run_script(tiny_sft_args(tiny_model_dir, straight, tmp_path / "c", **common), nproc=nproc,
-                         script=SFT_SCRIPT))
-    args = tiny_sft_args(tiny_model_dir, crashed, tmp_path / "c", **common)
-    killed = run_script(args, nproc=nproc, script=SFT_SCRIPT, wrapper=[KILL_WRAPPER, "--kill_after_save", "5"])
-    assert killed.returncode != 0 and not (crashed / "checkpoint-10").exists()
-    assert_ok(run_script(args, nproc=nproc, script=SFT_SCRIPT))
-    expected, actual = adapter_weights(straight / "sft_lora_model"), adapter_weights(crashed / "sft_lora_model")
-    assert max((expected[k] - actual[k]).abs().max().item() for k in expected) <= 1e-6
+    root = tmp_path_factory.mktemp(f"sft_resume{request.param}")
+    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if request.param == 2 else {}
+
+    def args_for(output_dir):
+        return tiny_sft_args(tiny_model_dir, output_dir, root / "cache", dataset_dir=train_dir, template="llama2",
+                             packing=True, save_steps=2, **extra)
+
+    return resume_proof(request.param, SFT_SCRIPT, args_for, root, seed=f"sft-{request.param}", total=10,
+                        save_steps=2)
+
+
+def test_sft_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_and_equals_uninterrupted(sft_resume):
+    sft_resume.check_processes_after_random_kills()
+    assert "resuming from" in sft_resume.resumed_output()
+    sft_resume.check_bit_identical("sft_lora_model")
+
+
+def test_sft_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(sft_resume):
+    sft_resume.check_process_after_mid_save_kill()
+
+
+@pytest.mark.parametrize("sft_resume", [1], indirect=True, ids=["one_process"])
+def test_sft_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(sft_resume):
+    sft_resume.check_process_after_end_kill()
+    sft_resume.check_bit_identical("sft_lora_model", run_name="ended")
 
 
 GOOD = {"instruction": "q", "output": "a"}

@@ -16,9 +16,9 @@ import torch
 from datasets import Dataset
 from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
 
 from chat_templates import save_template_kwargs
+from checkpoint_state import CheckpointCompletion
 from cli import InputError
 from conversation_tokenizer import ConversationTokenizer
 from data_cache import build_or_load_cached, cache_key, file_fingerprint, tokenizer_fingerprint
@@ -133,8 +133,10 @@ def build_pretraining_blocks(
     block_size: int,
     cache_dir: str,
     num_proc: int = 1,
+    check=None,
 ) -> Dataset:
-    """Documents of every file in dataset_dir -> token blocks of block_size, cached.
+    """Documents of every file in dataset_dir -> token blocks of block_size, cached (check: see
+    data_cache.build_or_load_cached, as for the other builders).
 
     The cache key covers each file's content, the tokenizer, the block size and
     PRETRAINING_CACHE_VERSION, so a changed file or tokenizer never reuses stale blocks."""
@@ -162,7 +164,7 @@ def build_pretraining_blocks(
                     block_size)
         blocks.save_to_disk(tmp_dir)
 
-    blocks, hit = build_or_load_cached(cache_dir, f"pt-{key}", build)
+    blocks, hit = build_or_load_cached(cache_dir, f"pt-{key}", build, check)
     logger.info("pretraining blocks: cache %s (%s, %d blocks)", "hit" if hit else "miss, built", key, len(blocks))
     return blocks
 
@@ -189,9 +191,11 @@ def save_adapter(model, tokenizer, path: str, is_main_process: bool) -> None:
                 save_template_kwargs(tokenizer, path)
 
 
-class SavePeftModelCallback(TrainerCallback):
+class SavePeftModelCallback(CheckpointCompletion):
     """Write the adapter and tokenizer to checkpoint-N/<name> at every save and to
-    output_dir/<name> at the end, as Chinese-LLaMA-Alpaca-2's scripts lay them out."""
+    output_dir/<name> at the end, as Chinese-LLaMA-Alpaca-2's scripts lay them out; then, the
+    checkpoint's last file, its completion marker (a crash before it leaves the checkpoint
+    incomplete, never resumed from)."""
 
     def __init__(self, adapter_dir_name: str):
         self.adapter_dir_name = adapter_dir_name
@@ -199,6 +203,7 @@ class SavePeftModelCallback(TrainerCallback):
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
         checkpoint_dir = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         save_adapter(model, processing_class, os.path.join(checkpoint_dir, self.adapter_dir_name), args.should_save)
+        super().on_save(args, state, control, **kwargs)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         save_adapter(model, processing_class, os.path.join(args.output_dir, self.adapter_dir_name), args.should_save)
@@ -291,6 +296,7 @@ def build_sft_dataset(
     unsplit_files: tuple = (),
     template_kwargs: Optional[dict] = None,
     num_proc: int = 1,
+    check=None,
 ) -> Dataset:
     """Conversations of every file -> tokenized, masked samples, cached. With data_split, each
     file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part.
@@ -326,7 +332,7 @@ def build_sft_dataset(
                              f"(all dropped by --max_seq_length {max_length})")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
 
-    dataset, hit = build_or_load_cached(cache_dir, f"sft-{key}", build)
+    dataset, hit = build_or_load_cached(cache_dir, f"sft-{key}", build, check)
     logger.info("supervised samples: cache %s (%s, %d samples)", "hit" if hit else "miss, built", key, len(dataset))
     return dataset
 
@@ -363,15 +369,54 @@ def pack_samples(dataset: Dataset, max_length: int) -> Dataset:
     return Dataset.from_dict(rows)
 
 
+# Attention implementations whose masks transformers builds from position_ids (masking_utils finds
+# the packed samples where positions restart), so packed samples stay apart at any batch size.
+POSITION_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def is_flash_attention(attn_implementation: Optional[str]) -> bool:
+    """transformers' own rule (is_flash_attention_requested): an implementation named flash
+    (flash_attention_2/3/4, a hub kernel such as kernels-community/flash-attn2) runs its flash path."""
+    return attn_implementation is not None and "flash" in attn_implementation
+
+
+def check_packing_attention(attn_implementation: Optional[str]) -> None:
+    """Refuse --packing with an attention implementation that cannot keep packed samples apart:
+    transformers builds no mask for it, and it takes no sequence boundaries (None: transformers'
+    default, sdpa or eager)."""
+    if (attn_implementation is None or attn_implementation in POSITION_MASKED_ATTENTION
+            or is_flash_attention(attn_implementation)):
+        return
+    raise InputError(f"--packing with --attn_implementation {attn_implementation}: that attention gets no mask and no "
+                     "sample boundaries, so packed samples would attend to each other; use sdpa, eager, "
+                     "flex_attention or a flash attention, or drop --packing")
+
+
+def flash_varlen_kwargs(position_rows: list, width: int) -> dict:
+    """transformers' FlashAttentionKwargs for padded packed rows (as DataCollatorWithFlattening
+    writes them): cu_seq_lens_q/k, where each segment (a sample, or a row's padding) starts in
+    the batch flattened to one sequence, then its end; max_length_q/k, the longest segment."""
+    bounds = [row * width + i for row, positions in enumerate(position_rows)
+              for i, position in enumerate(positions) if position == 0] + [len(position_rows) * width]
+    longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+    cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
+            "max_length_k": longest}
+
+
 class DataCollatorForSupervisedDataset:
     """Right-pad to the longest row (rounded up to pad_to_multiple_of: 8 on a GPU): labels -100 on
     padding. Masks come from the lengths, never from comparing ids with the pad id (the pad id may
     be EOS, which answers end with). Packed rows carry position_ids and no attention mask: padding becomes one more
-    segment with positions from 0, which attends only to itself and has no labels."""
+    segment with positions from 0, which attends only to itself and has no labels. Under a flash
+    attention (attn_implementation, the model's) packed rows also carry the segments' bounds: its
+    flash path finds them from position_ids only in a batch of one row, and would otherwise run
+    each row as one causal sequence across its samples."""
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8, attn_implementation: Optional[str] = None):
         self.pad_token_id = pad_token_id
         self.multiple = pad_to_multiple_of
+        self.flash = is_flash_attention(attn_implementation)
 
     def __call__(self, features: list) -> dict:
         longest = max(len(f["input_ids"]) for f in features)
@@ -386,7 +431,10 @@ class DataCollatorForSupervisedDataset:
                 batch["position_ids"].append(list(feature["position_ids"]) + list(range(pad)))
             else:
                 batch["attention_mask"].append([1] * len(feature["input_ids"]) + [0] * pad)
-        return {name: torch.tensor(values, dtype=torch.long) for name, values in batch.items()}
+        tensors = {name: torch.tensor(values, dtype=torch.long) for name, values in batch.items()}
+        if packed and self.flash:
+            tensors.update(flash_varlen_kwargs(batch["position_ids"], width))
+        return tensors
 
 
 # ----------------------------------------------------------------------------- preference pairs
@@ -405,6 +453,7 @@ def build_preference_dataset(
     seed: int = 42,
     template_kwargs: Optional[dict] = None,
     num_proc: int = 1,
+    check=None,
 ) -> Dataset:
     """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to the
     end of its answer's turn: the score is read there), cached. A pair whose prompt alone fills
@@ -434,7 +483,7 @@ def build_preference_dataset(
             raise InputError(f"no preference pair left in {', '.join(files)}")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
 
-    dataset, hit = build_or_load_cached(cache_dir, f"pairs-{key}", build)
+    dataset, hit = build_or_load_cached(cache_dir, f"pairs-{key}", build, check)
     logger.info("preference pairs: cache %s (%s, %d pairs)", "hit" if hit else "miss, built", key, len(dataset))
     return dataset
 

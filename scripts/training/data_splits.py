@@ -63,6 +63,12 @@ def split_validation(dataset: Dataset, validation_split_percentage: float, seed:
     return dataset.select(train), dataset.select(held_out)
 
 
+def held_out_check(validation_split_percentage: float, seed: int, what: str):
+    """split_validation's refusal of a data set too small for the held-out share, as the cache's
+    check (data_cache.build_or_load_cached): refused before the data is cached, not after."""
+    return lambda dataset: split_validation(dataset, validation_split_percentage, seed, what)
+
+
 def first_samples(dataset: Optional[Dataset], limit: Optional[int]) -> Optional[Dataset]:
     """--max_train_samples / --max_eval_samples."""
     if dataset is None or limit is None:

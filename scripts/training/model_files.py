@@ -67,21 +67,53 @@ def checkpoint_weight_names(model_dir: str) -> list:
 
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+# Written last into checkpoint-N, once every rank's files and the adapter copy are on disk (checkpoint_state.py):
+# the run identity and every file of the checkpoint with its size. A checkpoint without it was cut short.
+COMPLETION_MARKER = "checkpoint_complete.json"
 
 
-def complete_checkpoints(output_dir: str) -> list:
-    """checkpoint-N directories holding trainer_state.json (the Trainer writes it after the
-    weights and optimizer), oldest first: a crash mid-save leaves one without it. The training
-    scripts resume from the last; the pipeline launcher decides from it whether a stage resumes."""
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why checkpoint directory `path` cannot be resumed from (its completion marker missing or damaged, or a
+    file the marker lists missing or of another size than when it was saved), or None when it is complete."""
+    if not os.path.isdir(path):
+        return "no such directory"
+    marker = os.path.join(path, COMPLETION_MARKER)
+    if not os.path.isfile(marker):
+        return f"no {COMPLETION_MARKER}: its save did not finish"
+    try:
+        with open(marker, encoding="utf-8") as handle:
+            files = json.load(handle).get("files")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        files = None
+    if not isinstance(files, dict):
+        return f"its {COMPLETION_MARKER} is damaged"
+    for name, size in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name}, saved with it, is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} holds {os.path.getsize(file)} bytes, {size} when it was saved"
+    return None
+
+
+def checkpoint_states(output_dir: str) -> list:
+    """[(N, checkpoint-N directory, why it cannot be resumed from or None)] in output_dir, by step."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
         match = _CHECKPOINT_RE.match(name)
         path = os.path.join(output_dir, name)
-        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
+        if match and os.path.isdir(path):
             found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+    return [(step, path, checkpoint_problem(path)) for step, path in sorted(found)]
+
+
+def complete_checkpoints(output_dir: str) -> list:
+    """checkpoint-N directories holding a completion marker whose files are all there, oldest first: a crash
+    mid-save leaves one without it. The training scripts resume from the last; the pipeline launcher decides from
+    it whether a stage resumes."""
+    return [path for _, path, problem in checkpoint_states(output_dir) if problem is None]
 
 
 # ----------------------------------------------------------------------------- does an adapter fit a base

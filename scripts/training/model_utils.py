@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
@@ -26,7 +27,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
 
 from chat_templates import special_token_texts
-from cli import InputError
+from cli import InputError, read_json
 from conversation_tokenizer import ConversationTokenizer
 from model_files import check_adapter_fits_base, checkpoint_shapes
 from pair_segments import PAIR_CHOSEN, PAIR_REJECTED
@@ -395,7 +396,9 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
     its embeddings grown to the tokenizer, then either made trainable (a new LoRA adapter, the
     --peft_path one continued, or --full_finetuning; QLoRA on a quantized base) or, trainable
     False, frozen with the --peft_path adapter folded in (kept as LoRA layers on a quantized base),
-    built whole outside DeepSpeed's zero.Init since it never enters the engine.
+    built whole outside DeepSpeed's zero.Init since it never enters the engine. A frozen model of a
+    training run computes in its precision (frozen_precision); a trainable one keeps what it
+    trains in float32 (keep_trainable_float32).
 
     config: the model config the run read and checked (start_run, run_ppo.check_models); read and
     checked here when None. training_args: the Trainer's (precision, device, DeepSpeed, activation
@@ -406,6 +409,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
         if tokenizer is not None:
             check_model_inputs(model_args, config, tokenizer)
     if not trainable:
+        model_args = frozen_precision(model_args, training_args)
         with outside_zero3_init():
             model, quantized = load_base(model_args, training_args, tokenizer, task, config)
             return frozen(model, model_args, quantized, adapter_flag)
@@ -419,6 +423,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing(training_args))
     if not model_args.full_finetuning:
         model = attach_lora(model, model_args, task, adapter_flag)
+        keep_trainable_float32(model, training_args)
         if checkpointing(training_args):
             # Frozen embeddings give checkpointed blocks inputs without grad; this keeps LoRA's grads flowing.
             model.enable_input_require_grads()
@@ -426,17 +431,152 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
     return model
 
 
+def check_load_plan(model_args: ModelArguments, training_args, config, tokenizer, task: str = "causal_lm",
+                    trainable: bool = True, adapter_flag: str = "--peft_path", fold_adapter: bool = False) -> None:
+    """Refuse now what load_model would refuse later with the same arguments, so that a run refuses
+    before its data is tokenized and cached (start_run and run_ppo call it first): a quantized base
+    under ZeRO-3, an adapter to fold into ZeRO-3 partitions, and whatever peft refuses (an adapter
+    of other shapes, in any file format; a --trainable that names no module, or one LoRA cannot
+    adapt), found by doing what load_model does on the model's empty skeleton (empty_model: no
+    weight read or allocated; about a second for a 70B Llama). The real load follows unchanged."""
+    check_quantization(model_args)
+    if fold_adapter and model_args.peft_path:
+        check_foldable(model_args.peft_path, adapter_flag)
+    if model_args.peft_path and (fold_adapter or not trainable):
+        # A frozen model keeps the adapter, a folded one has the base's shapes again for a new LoRA.
+        load_peft_adapter(empty_model(model_args, config, task, tokenizer), model_args.peft_path, is_trainable=False,
+                          flag=adapter_flag, low_cpu_mem_usage=True)
+        model_args = dataclasses.replace(model_args, peft_path=None)
+    if trainable and not model_args.full_finetuning:
+        attach_lora(empty_model(model_args, config, task, tokenizer), model_args, task, adapter_flag, empty=True)
+
+
+def check_quantization(model_args: ModelArguments) -> None:
+    if model_args.load_in_kbits in (4, 8) and is_deepspeed_zero3_enabled():
+        raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
+
+
+def check_foldable(path: str, flag: str) -> None:
+    if is_deepspeed_zero3_enabled():
+        raise InputError(f"{flag} {path} with a ZeRO-3 DeepSpeed config: the adapter cannot be folded into "
+                         "partitioned weights; merge it first (scripts/merge) and pass the merged model")
+
+
+def empty_model(model_args: ModelArguments, config, task: str, tokenizer):
+    """The model load_base builds, as an empty skeleton (accelerate's init_empty_weights): every
+    module, each parameter on the meta device, the embeddings grown to the tokenizer."""
+    from accelerate import init_empty_weights
+
+    config = copy.deepcopy(config)
+    model_class = task_model_class(task, config)
+    with outside_zero3_init(), init_empty_weights():
+        if model_class is AutoModelForCausalLM:
+            model = model_class.from_config(config, trust_remote_code=model_args.trust_remote_code)
+        else:
+            model = model_class(config)
+        if tokenizer is not None and len(tokenizer) > embedding_rows(model):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return model
+
+
+def task_model_class(task: str, config):
+    """The class a task loads: the causal LM; for "reward" the checkpoint's sequence classifier
+    with one output (config.num_labels set to 1); for "answer_logits" the causal LM whose head
+    runs on answer positions only."""
+    if task == "reward":
+        config.num_labels = 1
+        return reward_model_class(config)
+    if task == "answer_logits":
+        return answer_logits_model_class(config)
+    return AutoModelForCausalLM
+
+
 def checkpointing(training_args) -> bool:
     return training_args is not None and bool(training_args.activation_checkpointing)
+
+
+# safetensors' names of the float dtypes a model is saved in.
+SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def checkpoint_dtype(model_dir: str) -> torch.dtype:
+    """The dtype a model directory's weights are stored in (what a model merged from it is saved
+    in): the float dtype holding most of its safetensors weights, else config.json's dtype
+    (torch_dtype before transformers 5), else float32."""
+    elements = {}
+    for dtype, shape in checkpoint_shapes(model_dir).values():
+        if dtype in SAFETENSORS_FLOAT_DTYPES:
+            elements[dtype] = elements.get(dtype, 0) + math.prod(shape)
+    if elements:
+        return SAFETENSORS_FLOAT_DTYPES[max(elements, key=elements.get)]
+    config_path = os.path.join(model_dir, "config.json")
+    config = read_json(config_path, "config.json") if os.path.isfile(config_path) else {}
+    named = DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
+    return named if isinstance(named, torch.dtype) else torch.float32
+
+
+def frozen_precision(model_args: ModelArguments, training_args) -> ModelArguments:
+    """A frozen model of a training run (PPO's reference and reward models) loads in the run's
+    --bf16 / --fp16 precision whatever its checkpoint's dtype: it never trains, so a float32 copy
+    buys nothing, while a float32 reward model (a merged one saved so) would take twice the memory
+    and run float32 matmuls, which flash attention refuses."""
+    if training_args is None or not (training_args.bf16 or training_args.fp16):
+        return model_args
+    return dataclasses.replace(model_args, torch_dtype="bfloat16" if training_args.bf16 else "float16")
+
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def keep_trainable_float32(model, training_args=None) -> None:
+    """The trainable parameters of a half-precision model in float32, as peft keeps LoRA weights
+    (its autocast_adapter_dtype covers the LoRA layers only, not the --modules_to_save copies nor
+    PPO's value head): in bfloat16 an update below 1/256 of a weight rounds away, and float16
+    weights cannot go under --fp16's grad scaler. Each module holding one computes in float32 and
+    hands on the dtype its weights had, so it fits between the half-precision layers with or
+    without autocast. Under DeepSpeed the engine keeps float32 master weights itself."""
+    if training_args is not None and training_args.deepspeed:
+        return
+    # Modules first, then the cast: a tied copy (lm_head sharing embed_tokens' weight) needs its hooks too.
+    half_modules = []
+    for module in model.modules():
+        dtypes = {p.dtype for p in module.parameters(recurse=False) if p.requires_grad and p.dtype in HALF_DTYPES}
+        if dtypes:
+            half_modules.append((module, dtypes.pop()))
+    for module, dtype in half_modules:
+        for parameter in module.parameters(recurse=False):
+            if parameter.requires_grad and parameter.dtype in HALF_DTYPES:
+                parameter.data = parameter.data.float()
+        module.register_forward_pre_hook(inputs_in_float32, with_kwargs=True)
+        module.register_forward_hook(functools.partial(output_in_dtype, dtype))
+    if half_modules:
+        logger.info("trainable parameters of %d half-precision module(s) kept in float32", len(half_modules))
+
+
+def cast_float(value, dtype):
+    """value cast to dtype if it is a floating-point tensor; anything else as it is."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def inputs_in_float32(module, args, kwargs) -> tuple:
+    """Forward pre-hook of a module keep_trainable_float32 upcast: its inputs in float32 too."""
+    return (tuple(cast_float(item, torch.float32) for item in args),
+            {key: cast_float(item, torch.float32) for key, item in kwargs.items()})
+
+
+def output_in_dtype(dtype, module, args, output):
+    """Forward hook of a module keep_trainable_float32 upcast: its output in the model's dtype."""
+    if isinstance(output, tuple):
+        return tuple(cast_float(item, dtype) for item in output)
+    return cast_float(output, dtype)
 
 
 def load_base(model_args: ModelArguments, training_args, tokenizer, task: str, config) -> tuple:
     """(the base model, whether it is quantized), its pad id the tokenizer's and its embeddings
     grown to the tokenizer."""
+    check_quantization(model_args)
     init_deepspeed_distributed(training_args)
     quant = quantization_config(model_args, compute_dtype(model_args, training_args))
-    if quant is not None and is_deepspeed_zero3_enabled():
-        raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
     # A copy: a run hands one config to several roles, and each load sets its own task on it.
     config = copy.deepcopy(config)
     load_kwargs = {"config": config, "dtype": DTYPES[model_args.torch_dtype],
@@ -448,14 +588,7 @@ def load_base(model_args: ModelArguments, training_args, tokenizer, task: str, c
         if uses_gpu(training_args):
             # Quantized weights must land on this rank's own GPU, not all on GPU 0.
             load_kwargs["device_map"] = {"": training_args.local_process_index if training_args else 0}
-    if task == "reward":
-        config.num_labels = 1
-        model_class = reward_model_class(config)
-    elif task == "answer_logits":
-        model_class = answer_logits_model_class(config)
-    else:
-        model_class = AutoModelForCausalLM
-    model = model_class.from_pretrained(model_args.model_name_or_path, **load_kwargs)
+    model = task_model_class(task, config).from_pretrained(model_args.model_name_or_path, **load_kwargs)
     if tokenizer is not None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if tokenizer is not None:
@@ -491,23 +624,28 @@ def frozen(model, model_args: ModelArguments, quantized: bool, adapter_flag: str
 
 def fold_in_adapter(model, path: str, flag: str):
     """The adapter at path merged into the loaded base's weights (in memory, nothing written)."""
-    if is_deepspeed_zero3_enabled():
-        raise InputError(f"{flag} {path} with a ZeRO-3 DeepSpeed config: the adapter cannot be folded into "
-                         "partitioned weights; merge it first (scripts/merge) and pass the merged model")
+    check_foldable(path, flag)
     logger.info("folding the adapter %s into the base in memory: a new LoRA trains on base + adapter", path)
     return load_peft_adapter(model, path, is_trainable=False, flag=flag).merge_and_unload()
 
 
-def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adapter_flag: str = "--peft_path"):
+def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adapter_flag: str = "--peft_path",
+                empty: bool = False):
+    """The --peft_path adapter continued, or a new LoRA adapter; empty: model is check_load_plan's empty skeleton,
+    and the adapter's weights stay on the meta device too (nothing is logged: the real load logs it)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
     if model_args.peft_path:
-        logger.info("continuing LoRA adapter %s", model_args.peft_path)
-        return load_peft_adapter(model, model_args.peft_path, is_trainable=True, flag=adapter_flag)
+        if not empty:
+            logger.info("continuing LoRA adapter %s", model_args.peft_path)
+        return load_peft_adapter(model, model_args.peft_path, is_trainable=True, flag=adapter_flag,
+                                 low_cpu_mem_usage=empty)
     modules_to_save = comma_list(model_args.modules_to_save)
     targets = lora_target_modules(model, model_args.trainable, modules_to_save)
     if not targets:
         raise InputError("--trainable must name at least one module for LoRA (or use --full_finetuning)")
+    if model_args.trainable.strip() == ALL_LINEAR and not empty:
+        logger.info("LoRA targets (%s): %s", ALL_LINEAR, ",".join(targets))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # A tied model keeps one matrix for embed_tokens and lm_head; training two separate copies
     # would untie them and change what the merged model means.
@@ -523,20 +661,18 @@ def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adap
         ensure_weight_tying=ensure_tying,
     )
     try:
-        return get_peft_model(model, lora_config)
+        return get_peft_model(model, lora_config, low_cpu_mem_usage=empty)
     except ValueError as err:
         raise InputError(f"--trainable {model_args.trainable}: {err}") from None
 
 
 def lora_target_modules(model, trainable: str, modules_to_save: list) -> list:
     """--trainable as peft target names: the comma list as given, or for all-linear the names found
-    in this model (logged). Resolved here rather than by peft so adapter_config.json lists the
-    layers by name, and a reader of the log sees what is trained."""
+    in this model (attach_lora logs them). Resolved here rather than by peft so adapter_config.json
+    lists the layers by name, and a reader of the log sees what is trained."""
     if trainable.strip() != ALL_LINEAR:
         return comma_list(trainable)
-    targets = [name for name in linear_layer_names(model) if name not in modules_to_save]
-    logger.info("LoRA targets (%s): %s", ALL_LINEAR, ",".join(targets))
-    return targets
+    return [name for name in linear_layer_names(model) if name not in modules_to_save]
 
 
 def linear_layer_names(model) -> list:
@@ -565,12 +701,14 @@ def layer_suffix(path: str) -> str:
     return ".".join(parts[start:])
 
 
-def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_path"):
-    """A saved LoRA adapter on model; an adapter made for another base is refused in one line."""
+def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_path", low_cpu_mem_usage=False):
+    """A saved LoRA adapter on model; an adapter made for another base is refused in one line.
+    low_cpu_mem_usage: peft's, the adapter's weights put on the device of the layers they adapt (an
+    empty skeleton's meta device)."""
     from peft import PeftModel
 
     try:
-        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable, low_cpu_mem_usage=low_cpu_mem_usage)
     except RuntimeError as err:
         if "size mismatch" in str(err):
             first = str(err).split("size mismatch", 1)[1].split("\n", 1)[0]

@@ -58,10 +58,11 @@ class ActorEMA:
         tokenizer.save_pretrained(path)
 
     def load(self, checkpoint: str) -> None:
-        """The average saved in checkpoint/actor_ema, if there is one."""
+        """The average saved in checkpoint/actor_ema: an --enable_ema run resumes only from a checkpoint of one
+        (the run identity compares --enable_ema first), never restarting the average silently."""
         path = os.path.join(checkpoint, EMA_DIR_NAME, "adapter_model.safetensors")
         if not os.path.isfile(path):
-            return
+            raise InputError(f"{checkpoint}: no {EMA_DIR_NAME} to continue the actor's average (--enable_ema) from")
         saved = load_file(path)
         # Saved without peft's adapter name: map each saved key back to our parameter names.
         weights = {}

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ppo_utils import (
@@ -45,7 +45,7 @@ class Rollout:
     response_mask   [B, A] float  1 on answer tokens up to and including the answer-end token
     has_eos         [B] bool      the answer ended with the answer-end token (else it hit the limit)
     logprobs        [B, A] float  the actor's log-prob of each sampled token, taken from the logits
-                                  that sampled it (the old policy of PPO's ratio)
+                                  that sampled it (the old policy of PPO's ratio), temperature applied
     entropy         [B, A] float  the actor's next-token entropy at each answer position"""
 
     input_ids: torch.Tensor
@@ -226,6 +226,55 @@ class PhaseTimes:
         return drained
 
 
+class SampledTokenStatistics(LogitsProcessor):
+    """The log-prob of each token generate() samples and the entropy of the distribution it was drawn
+    from, computed step by step from the model's own logits of that step over the temperature: the
+    values the whole [B, A, V] stack of output_logits=True would give, for the memory of one step.
+
+    A forward hook on the generating model (recording()) keeps the last forward's logits at the last
+    position (raw: before any processor, as output_logits returns them); generate() calls this
+    processor once per sampled step, after that forward, with the ids so far, whose last column is the
+    token sampled at the step before. Steps generate() runs past the end (synced ZeRO-3 ranks, a
+    deferred stop check) are cut by finish()."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.latest = None  # [B, V] float32: the last forward's logits at its last position
+        self.pending = None  # [B, V]: the previous step's scaled logits, until its token is known
+        self.logprobs, self.entropies = [], []
+
+    @contextmanager
+    def recording(self, model):
+        handle = model.register_forward_hook(self.capture)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+    def capture(self, module, args, output) -> None:
+        # A copy: a view would keep the whole prefill logits alive.
+        self.latest = output.logits[:, -1].to(dtype=torch.float32, copy=True)
+
+    def __call__(self, input_ids, scores):
+        self.resolve(input_ids[:, -1])
+        logits = self.latest if self.temperature == 1.0 else self.latest / self.temperature
+        self.entropies.append(entropy_from_logits(logits[:, None])[:, 0])
+        self.pending = logits
+        return scores
+
+    def resolve(self, tokens) -> None:
+        if self.pending is not None:
+            self.logprobs.append(logprobs_from_logits(self.pending[:, None], tokens[:, None])[:, 0])
+            self.pending = None
+
+    def finish(self, answers) -> tuple:
+        """(log-probs, entropy), each [B, A], of the answers [B, A] generate() returned."""
+        width = answers.shape[1]
+        if len(self.logprobs) < width:
+            self.resolve(answers[:, len(self.logprobs)])
+        return torch.stack(self.logprobs[:width], dim=1), torch.stack(self.entropies[:width], dim=1)
+
+
 class ExperienceMaker:
     """Experience from prompts with the four roles of a PPOPolicy: sampling by the actor, then no-grad
     passes of the reference, critic and reward model, then reward shaping and advantages
@@ -258,18 +307,27 @@ class ExperienceMaker:
 
     def sample(self, prompt_ids, prompt_mask) -> tuple:
         """One generation batch: (answer ids, log-probs, entropy), each [rows, answer width] on the CPU,
-        log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token."""
-        prompt_width = prompt_ids.shape[1]
+        log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token, over the
+        temperature: recorded step by step (SampledTokenStatistics), or with --no_chunked_loss from the
+        stack of every step's logits, [rows, answer width, vocabulary] float32."""
+        generator, prompt_width = self.model.generator(), prompt_ids.shape[1]
         # Under ZeRO-3 every rank keeps stepping until all are done: each step gathers weights.
-        synced = is_deepspeed_zero3_enabled() and self.args.world_size > 1
-        output = self.model.generator().generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config(),
-            synced_gpus=synced, return_dict_in_generate=True, output_logits=True)
-        tokens = output.sequences[:, prompt_width:]
-        logits = torch.stack(output.logits, dim=1).float()
-        if self.args.temperature != 1.0:
-            logits = logits / self.args.temperature
-        return tokens.cpu(), logprobs_from_logits(logits, tokens).cpu(), entropy_from_logits(logits).cpu()
+        options = {"input_ids": prompt_ids, "attention_mask": prompt_mask, "return_dict_in_generate": True,
+                   "generation_config": self.generation_config(),
+                   "synced_gpus": is_deepspeed_zero3_enabled() and self.args.world_size > 1}
+        if self.args.chunked_loss:
+            with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
+                output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))
+            tokens = output.sequences[:, prompt_width:]
+            logprobs, entropy = statistics.finish(tokens)
+        else:
+            output = generator.generate(**options, output_logits=True)
+            tokens = output.sequences[:, prompt_width:]
+            logits = torch.stack(output.logits, dim=1).float()
+            if self.args.temperature != 1.0:
+                logits = logits / self.args.temperature
+            logprobs, entropy = logprobs_from_logits(logits, tokens), entropy_from_logits(logits)
+        return tokens.cpu(), logprobs.cpu(), entropy.cpu()
 
     def generate(self, prompt_rows: list, seed: int) -> Rollout:
         """Answers sampled by the current actor (KV cache on, in batches of

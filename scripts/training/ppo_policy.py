@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from chunked_loss import token_logprobs
 from cli import InputError
-from model_utils import ModelArguments, load_model, log_trainable, outside_zero3_init
+from model_utils import ModelArguments, keep_trainable_float32, load_model, log_trainable, outside_zero3_init
 from ppo_utils import last_position, length_chunks, logprobs_from_logits, positions_from_mask
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class PPOPolicy(torch.nn.Module):
     pass: actor log-probs of the answer tokens and critic values, plus the ptx loss."""
 
     temperature: float = 1.0
+    # --chunked_loss (the trainer sets it): log-probs and the ptx loss from the hidden states over chunks
+    # of positions (chunked_loss.token_logprobs), never the [rows, positions, vocabulary] logits at once.
+    chunked_loss: bool = True
     # Passes over a rollout run on groups of rows of similar length (see over_length_groups). The
     # trainer turns it off under multi-process ZeRO-3, where every forward is a collective and all
     # ranks must run the same number of them.
@@ -54,18 +58,23 @@ class PPOPolicy(torch.nn.Module):
         """The actor's config: the Trainer and DeepSpeed size their buffers from it."""
         return self.actor_config()
 
-    def answer_logits(self, role, input_ids, attention_mask, prompt_length):
-        """Logits predicting each answer token (from the position before it), temperature applied:
-        the distribution the answer was sampled from. The head runs on answer positions only;
-        half-precision logits stay so (ppo_utils reduces them row by row in float32)."""
-        hidden = self.hidden(role, input_ids, attention_mask, positions_from_mask(attention_mask))
-        logits = self.head(role)(hidden[:, prompt_length - 1 : -1])
-        return logits if self.temperature == 1.0 else logits.float() / self.temperature
-
     def answer_logprobs(self, role, input_ids, attention_mask, prompt_length):
-        """log p of each answer token under the role (actor or reference)."""
-        logits = self.answer_logits(role, input_ids, attention_mask, prompt_length)
-        return logprobs_from_logits(logits, input_ids[:, prompt_length:])
+        """log p of each answer token under the role (actor or reference), from the logits at the position
+        before it, temperature applied: the distribution the answer was sampled from. The head runs on
+        answer positions only."""
+        hidden = self.hidden(role, input_ids, attention_mask, positions_from_mask(attention_mask))
+        return self.head_logprobs(role, hidden[:, prompt_length - 1 : -1], input_ids[:, prompt_length:],
+                                  self.temperature)
+
+    def head_logprobs(self, role, hidden, labels, temperature: float):
+        """log softmax(head(hidden) / temperature) at labels [rows, positions]: over chunks of positions
+        with chunked_loss (the head checkpointed, recomputed under this role), else from the whole
+        logits (half precision kept so: ppo_utils reduces them row by row in float32)."""
+        head = self.head(role)
+        if self.chunked_loss:
+            return token_logprobs(hidden, head, labels, temperature, self.checkpointing_options({}).get("context_fn"))
+        logits = head(hidden)
+        return logprobs_from_logits(logits if temperature == 1.0 else logits.float() / temperature, labels)
 
     def answer_values(self, input_ids, attention_mask, prompt_length):
         hidden = self.hidden("critic", input_ids, attention_mask, positions_from_mask(attention_mask))
@@ -80,8 +89,10 @@ class PPOPolicy(torch.nn.Module):
     def ptx_loss(self, input_ids):
         """The actor's next-token loss on a pretraining block (DeepSpeed-Chat's unsupervised term)."""
         ones = torch.ones_like(input_ids)
-        hidden = self.hidden("actor", input_ids, ones, positions_from_mask(ones))
-        logits = self.head("actor")(hidden[:, :-1]).float()
+        hidden = self.hidden("actor", input_ids, ones, positions_from_mask(ones))[:, :-1]
+        if self.chunked_loss:
+            return -self.head_logprobs("actor", hidden, input_ids[:, 1:], 1.0).mean()
+        logits = self.head("actor")(hidden).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
 
     def over_length_groups(self, input_ids, attention_mask, prompt_length: int, passes) -> dict:
@@ -292,9 +303,9 @@ class SeparatePolicy(PPOPolicy):
         with self.placed("reward", input_ids.device):
             return super().scores(input_ids, attention_mask)
 
-    def answer_logits(self, role, input_ids, attention_mask, prompt_length):
+    def answer_logprobs(self, role, input_ids, attention_mask, prompt_length):
         with self.placed(role, input_ids.device):
-            return super().answer_logits(role, input_ids, attention_mask, prompt_length)
+            return super().answer_logprobs(role, input_ids, attention_mask, prompt_length)
 
     def generator(self):
         return self.actor.get_base_model()
@@ -384,7 +395,9 @@ def load_shared_policy(model_args, training_args, tokenizer, configs: dict) -> S
     for name, param in policy.named_parameters():
         param.requires_grad = ".default." in name or ".critic." in name
     config = policy.get_base_model().config
-    dtype = policy.get_base_model().get_output_embeddings().weight.dtype
+    output_embedding = policy.get_base_model().get_output_embeddings()
+    # The frozen weights' dtype: a --modules_to_save lm_head's trained copy is kept in float32.
+    dtype = getattr(output_embedding, "original_module", output_embedding).weight.dtype
     policy.get_base_model().config.use_cache = False
     model = SharedBasePolicy(
         policy,
@@ -393,6 +406,7 @@ def load_shared_policy(model_args, training_args, tokenizer, configs: dict) -> S
         reference_adapter=reference,
         reward_adapter_dir=model_args.reward_lora_model,
     )
+    keep_trainable_float32(model, training_args)  # the value head, made in the base's dtype
     log_trainable(model)
     return model
 

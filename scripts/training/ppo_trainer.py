@@ -81,6 +81,7 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         self.train_stats, self.experience_stats = SumStats(), {}
         self.times = PhaseTimes("time_generation", "time_scoring", "time_training")
         self.model.temperature = self.args.temperature
+        self.model.chunked_loss = self.args.chunked_loss
         self.model.group_by_length = not (is_deepspeed_zero3_enabled() and self.args.world_size > 1)
         self.add_callback(PPOStepCallback(self.times, self.ema, self.save_roles))
 

@@ -26,10 +26,10 @@ from build_dataset import (  # noqa: E402
 )
 from cli import run_cli  # noqa: E402
 from data_cache import data_cache_dir  # noqa: E402
-from data_splits import first_samples, split_validation  # noqa: E402
+from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
 from model_utils import ModelArguments, load_model  # noqa: E402
 from training_utils import (  # noqa: E402
-    ToolkitTrainingArguments,
+    CausalLMTrainingArguments,
     build_trainer,
     resolve_sequence_length,
     start_run,
@@ -59,7 +59,7 @@ class DataArguments:
 
 
 # (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, ToolkitTrainingArguments)
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, CausalLMTrainingArguments)
 
 
 def main():
@@ -71,6 +71,7 @@ def main():
         blocks = build_pretraining_blocks(
             data_args.dataset_dir, tokenizer, block_size, data_cache_dir(data_args.data_cache_dir),
             data_args.preprocessing_num_workers,
+            check=held_out_check(data_args.validation_split_percentage, training_args.seed, "blocks"),
         )
     train_dataset, eval_dataset = split_validation(blocks, data_args.validation_split_percentage, training_args.seed)
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)

@@ -94,7 +94,8 @@ def check_reference(model_args, training_args) -> None:
 
 
 def main():
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
+        ARGUMENT_CLASSES, task="answer_logits", fold_adapter=True)
     check_reference(model_args, training_args)
     train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
 

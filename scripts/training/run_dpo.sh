@@ -13,7 +13,8 @@ source "$here/launch.sh"
 MODEL=${MODEL:?set MODEL to the base (with SFT_ADAPTER) or merged SFT model directory}
 DATA=${DATA:?set DATA to a directory of .json/.jsonl preference-pair files}
 OUTPUT=${OUTPUT:-outputs/dpo}
-DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
+# Next to OUTPUT: $OUTPUT/../data_cache would have OUTPUT created on the way (to resolve its "..").
+DATA_CACHE=${DATA_CACHE:-$(dirname "$OUTPUT")/data_cache}
 DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 adapter=()
 if [ -n "${SFT_ADAPTER:-}" ]; then adapter=(--peft_path "$SFT_ADAPTER"); fi

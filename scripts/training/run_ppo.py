@@ -44,12 +44,14 @@ from transformers import set_seed  # noqa: E402
 
 from build_dataset import ConversationDataArguments, SavePeftModelCallback, build_pretraining_blocks  # noqa: E402
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
+from checkpoint_state import note_data  # noqa: E402
 from cli import InputError, parse_args, run_cli  # noqa: E402
 from conversation_tokenizer import ConversationTokenizer  # noqa: E402
-from data_cache import data_cache_dir, tokenizer_fingerprint  # noqa: E402
+from data_cache import cache_key, data_cache_dir, tokenizer_fingerprint  # noqa: E402
 from model_files import check_adapter_fits_base, checkpoint_weight_names, has_tokenizer, safetensors_names  # noqa: E402
 from model_utils import (  # noqa: E402
     ModelArguments,
+    check_load_plan,
     check_model_inputs,
     choose_pad_token,
     load_model_config,
@@ -57,11 +59,19 @@ from model_utils import (  # noqa: E402
     map_flags,
     read_adapter_config,
 )
-from ppo_policy import SCORE_KEY_SUFFIX, actor_model_args, load_separate_policy, load_shared_policy  # noqa: E402
+from ppo_policy import (  # noqa: E402
+    SCORE_KEY_SUFFIX,
+    actor_model_args,
+    critic_model_args,
+    load_separate_policy,
+    load_shared_policy,
+    role_model_args,
+)
 from ppo_trainer import PPOTrainer  # noqa: E402
 from prompt_data import build_prompt_sets  # noqa: E402
 from training_utils import (  # noqa: E402
-    ToolkitTrainingArguments,
+    CausalLMTrainingArguments,
+    check_held_out_data,
     resolve_resume_checkpoint,
     setup_logging,
     train_and_finish,
@@ -165,7 +175,7 @@ class PPODataArguments(ConversationDataArguments):
 
 
 @dataclass
-class PPOArguments(ToolkitTrainingArguments):
+class PPOArguments(CausalLMTrainingArguments):
     """TrainingArguments plus DeepSpeed-Chat's step-3 options. --per_device_training_batch_size
     and --actor_learning_rate set the Trainer's own batch size and learning rate; the Trainer's
     names for them are accepted too (mapped, logged), giving both with different values is refused."""
@@ -313,6 +323,20 @@ def check_models(model_args: PPOModelArguments, data_args: PPODataArguments):
     return tokenizer, configs, shared_placement(model_args)
 
 
+def check_role_loading(model_args: PPOModelArguments, training_args, tokenizer, configs: dict) -> None:
+    """What loading the roles would refuse, refused before any data is read (model_utils.check_load_plan): the
+    actor (its SFT adapter, the reference's, continued) and the critic as they are made trainable, and the frozen
+    reward model where the critic does not start from it."""
+    check_load_plan(actor_model_args(model_args), training_args, configs["actor"], tokenizer,
+                    adapter_flag="--actor_lora_model")
+    check_load_plan(critic_model_args(model_args), training_args, configs.get("critic", configs["reward"]), tokenizer,
+                    task="reward", adapter_flag="--reward_lora_model")
+    if model_args.critic_model_name_or_path:
+        reward = role_model_args(model_args, model_args.reward_model_name_or_path, model_args.reward_lora_model)
+        check_load_plan(reward, training_args, configs["reward"], tokenizer, task="reward", trainable=False,
+                        adapter_flag="--reward_lora_model")
+
+
 def check_lengths(data_args: PPODataArguments, configs: dict) -> None:
     total = data_args.max_prompt_seq_len + data_args.max_answer_seq_len
     for flag, value in (("--max_prompt_seq_len", data_args.max_prompt_seq_len),
@@ -384,12 +408,16 @@ def main():
     model_args, data_args, training_args = parse_args(ARGUMENT_CLASSES)
     training_args.mapped_flags += model_args.mapped_flags
     setup_logging(training_args)
-    resume_checkpoint = resolve_resume_checkpoint(training_args)
+    check_held_out_data(data_args, training_args, "prompts")
+    resume_checkpoint = resolve_resume_checkpoint(training_args, model_args, data_args)
     tokenizer, configs, shared = check_models(model_args, data_args)
+    check_role_loading(model_args, training_args, tokenizer, configs)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     choose_pad_token(tokenizer, chat_template)
     prompts, eval_prompts = build_prompt_sets(data_args, tokenizer, chat_template, training_args.seed)
+    # Tokenized in memory, not cached: their fingerprint is the run's record of its prompts (a resume checks it).
+    note_data(f"ppo-prompts-{cache_key({'train': prompts, 'eval': eval_prompts})}")
     # The reward model reads its score at the end of an answer's turn (run_reward.py trains it so).
     answers = ConversationTokenizer(tokenizer, chat_template.text, data_args.max_answer_seq_len,
                                     template_kwargs=chat_template.kwargs)
@@ -404,8 +432,6 @@ def main():
                 data_args.unsupervised_dataset_dir, tokenizer,
                 data_args.max_prompt_seq_len + data_args.max_answer_seq_len, data_cache_dir(data_args.data_cache_dir),
                 data_args.preprocessing_num_workers)
-    if eval_prompts is None and training_args.eval_strategy != "no":
-        raise InputError("--eval_strategy needs held-out prompts: --validation_file or --validation_split_percentage")
     set_seed(training_args.seed)
 
     logger.info("placement: %s", "shared base (one frozen base, one adapter per role)" if shared else "separate models")

@@ -13,7 +13,8 @@ MODEL=${MODEL:?set MODEL to the base model directory}
 TOKENIZER=${TOKENIZER:-$MODEL}
 DATA=${DATA:?set DATA to a directory of .txt/.jsonl files}
 OUTPUT=${OUTPUT:-outputs/pt}
-DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
+# Next to OUTPUT: $OUTPUT/../data_cache would have OUTPUT created on the way (to resolve its "..").
+DATA_CACHE=${DATA_CACHE:-$(dirname "$OUTPUT")/data_cache}
 DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 
 lr=2e-4

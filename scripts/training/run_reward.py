@@ -32,8 +32,15 @@ from build_dataset import (  # noqa: E402
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from cli import InputError, run_cli  # noqa: E402
 from data_cache import data_cache_dir  # noqa: E402
-from data_splits import first_samples, split_validation  # noqa: E402
-from model_utils import MASKABLE_ATTENTION, ModelArguments, choose_pad_token, load_model, score_pairs  # noqa: E402
+from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
+from model_utils import (  # noqa: E402
+    MASKABLE_ATTENTION,
+    ModelArguments,
+    checkpoint_dtype,
+    choose_pad_token,
+    load_model,
+    score_pairs,
+)
 from records import find_record_files  # noqa: E402
 from training_utils import (  # noqa: E402
     DeepSpeedChatDataArguments,
@@ -108,21 +115,22 @@ def build_datasets(data_args: RewardDataArguments, tokenizer, chat_template, max
     common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
               "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir),
               "num_proc": data_args.preprocessing_num_workers}
+    check = None if data_args.validation_file else held_out_check(data_args.validation_split_percentage, seed, "pairs")
     train = build_preference_dataset(files, data_split=data_args.data_split, data_phase=data_args.data_phase,
-                                     seed=seed, **common)
+                                     seed=seed, check=check, **common)
     if data_args.validation_file:
         return train, build_preference_dataset(find_record_files(None, [data_args.validation_file]), **common)
     return split_validation(train, data_args.validation_split_percentage, seed, "pairs")
 
 
 def save_merged(model_args, training_args, tokenizer, config) -> None:
-    """Base + trained adapter merged into a plain sequence classifier (main process, CPU, float32),
-    saved with the tokenizer and its pad token."""
+    """Base + trained adapter merged into a plain sequence classifier (main process, CPU, in float32,
+    so each weight is rounded once), saved in the base's dtype with the tokenizer and its pad token."""
     trained = dataclasses.replace(model_args, peft_path=os.path.join(training_args.output_dir, "rm_lora_model"),
                                   torch_dtype="float32", load_in_kbits=16)
     merged = load_model(trained, None, tokenizer, task="reward", config=config, trainable=False)
     target = os.path.join(training_args.output_dir, "rm_merged_model")
-    merged.save_pretrained(target)
+    merged.to(checkpoint_dtype(model_args.model_name_or_path)).save_pretrained(target)
     tokenizer.save_pretrained(target)
     logger.info("merged reward model written to %s", target)
 
@@ -158,7 +166,8 @@ def shares_pair_prefix(model, training_args) -> bool:
 
 
 def main():
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
+    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES,
+                                                                                           task="reward")
     train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
     model = load_model(model_args, training_args, tokenizer, task="reward", config=config)
     share_prefix = shares_pair_prefix(model, training_args)

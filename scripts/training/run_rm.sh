@@ -12,7 +12,8 @@ source "$here/launch.sh"
 MODEL=${MODEL:?set MODEL to the SFT-merged (or base) model directory}
 DATA=${DATA:?set DATA to a directory of .json/.jsonl preference-pair files}
 OUTPUT=${OUTPUT:-outputs/rm}
-DATA_CACHE=${DATA_CACHE:-$OUTPUT/../data_cache}
+# Next to OUTPUT: $OUTPUT/../data_cache would have OUTPUT created on the way (to resolve its "..").
+DATA_CACHE=${DATA_CACHE:-$(dirname "$OUTPUT")/data_cache}
 DS_CONFIG=${DS_CONFIG:-$repo/ds_configs/ds_zero2_no_offload.json}
 validation=()
 if [ -n "${VALID:-}" ]; then validation=(--validation_file "$VALID" --eval_strategy steps --eval_steps 100); fi

@@ -24,17 +24,18 @@ from build_dataset import (  # noqa: E402
     DataCollatorForSupervisedDataset,
     SavePeftModelCallback,
     build_sft_dataset,
+    check_packing_attention,
     pack_samples,
 )
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from cli import InputError, run_cli  # noqa: E402
 from data_cache import data_cache_dir  # noqa: E402
-from data_splits import first_samples, split_validation  # noqa: E402
+from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
 from model_utils import ModelArguments, choose_pad_token, load_model  # noqa: E402
 from records import find_record_files  # noqa: E402
 from training_utils import (  # noqa: E402
+    CausalLMTrainingArguments,
     DeepSpeedChatDataArguments,
-    ToolkitTrainingArguments,
     build_trainer,
     padding_multiple,
     resolve_sequence_length,
@@ -56,7 +57,7 @@ class SFTDataArguments(DeepSpeedChatDataArguments):
 
 
 @dataclass
-class SFTArguments(ToolkitTrainingArguments):
+class SFTArguments(CausalLMTrainingArguments):
     packing: bool = field(default=False, metadata={"help": "Pack samples into padding-free rows of max_seq_length."})
 
     def __post_init__(self):
@@ -79,6 +80,8 @@ def build_datasets(data_args: SFTDataArguments, tokenizer, chat_template, max_le
     train = build_sft_dataset(
         train_files + unsplit, train_on_last_turn_only=data_args.train_on_last_turn_only,
         data_split=data_args.data_split, data_phase=data_args.data_phase, seed=seed, unsplit_files=tuple(unsplit),
+        check=None if data_args.validation_file else held_out_check(data_args.validation_split_percentage, seed,
+                                                                    "samples"),
         **common,
     )
     if data_args.validation_file:
@@ -94,6 +97,8 @@ ARGUMENT_CLASSES = (ModelArguments, SFTDataArguments, SFTArguments)
 
 def main():
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
+    if training_args.packing:
+        check_packing_attention(model_args.attn_implementation)
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
@@ -113,8 +118,10 @@ def main():
     # A KV cache in a training forward would also stop position_ids from separating packed samples.
     model.config.use_cache = False
     callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
-    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset,
-                            DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args)), callbacks)
+    # The model's attention: under a flash one, packed batches carry their samples' bounds.
+    collator = DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args),
+                                                model.config._attn_implementation)
+    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, collator, callbacks)
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
 
 

@@ -16,9 +16,26 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from build_dataset import ConversationDataArguments
+from checkpoint_state import (
+    CheckpointCompletion,
+    begin_run,
+    clear_for_checkpoint,
+    rank_zero_decides,
+    resumable_checkpoint_data,
+    run_identity,
+    start_writing,
+)
+from chunked_loss import causal_lm_loss, head_reproduces_logits
 from cli import InputError, ReportedError, parse_args
-from model_files import complete_checkpoints
-from model_utils import check_model_inputs, load_model_config, load_tokenizer, map_flags, note_accepted_flags
+from model_files import checkpoint_problem, checkpoint_states, complete_checkpoints
+from model_utils import (
+    check_load_plan,
+    check_model_inputs,
+    load_model_config,
+    load_tokenizer,
+    map_flags,
+    note_accepted_flags,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +208,21 @@ def map_half_weights_on_cpu(model_args, training_args) -> None:
 
 
 @dataclass
+class CausalLMTrainingArguments(ToolkitTrainingArguments):
+    """The toolkit's training arguments plus the option of the stages that train a language-model head
+    (pretraining, SFT, PPO's actor)."""
+
+    chunked_loss: bool = field(
+        default=True,
+        metadata={"help": "Compute the loss and log-probabilities from the hidden states over chunks of positions, "
+                          "never holding float32 logits of the whole batch and vocabulary (PPO: also each sampled "
+                          "token's log-prob and entropy as it is generated). Used where it equals the model's own "
+                          "loss (checked on the first batch); --no_chunked_loss: the full logits, as transformers "
+                          "computes them."},
+    )
+
+
+@dataclass
 class DeepSpeedChatDataArguments(ConversationDataArguments):
     """The conversation data arguments plus DeepSpeed-Chat's name of --max_seq_length (steps 1 and 2)."""
 
@@ -229,34 +261,33 @@ def setup_logging(training_args: TrainingArguments) -> None:
     )
 
 
-def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Optional[str]:
-    """Decide, before anything is written, where training starts.
-
-    An explicit --resume_from_checkpoint wins; otherwise the last complete checkpoint in
-    output_dir is resumed; a non-empty output_dir without one is refused unless
-    --overwrite_output_dir."""
+def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Optional[str]:
+    """Where training starts, read from this process's disk: an explicit --resume_from_checkpoint wins;
+    otherwise the last complete checkpoint in output_dir (incomplete ones are skipped, each named in the log);
+    a non-empty output_dir without one is refused unless --overwrite_output_dir."""
     output_dir = training_args.output_dir
     requested = training_args.resume_from_checkpoint
     if requested and requested.lower() not in ("true", "false"):
         if not os.path.isfile(os.path.join(requested, "trainer_state.json")):
             raise InputError(f"{requested}: --resume_from_checkpoint is not a complete checkpoint "
                              "(no trainer_state.json)")
+        problem = checkpoint_problem(requested)
+        if problem:
+            raise InputError(f"{requested}: --resume_from_checkpoint is not a complete checkpoint ({problem})")
         return requested
     if not os.path.isdir(output_dir) or not os.listdir(output_dir):
         if requested and requested.lower() == "true":
             raise InputError(f"{output_dir}: --resume_from_checkpoint true but output_dir holds no checkpoint")
         return None
+    states = checkpoint_states(output_dir)
     if training_args.overwrite_output_dir:
-        logger.info("%s is not empty: --overwrite_output_dir given, training from scratch", output_dir)
-        stale = complete_checkpoints(output_dir)
-        if stale:
-            logger.warning(
-                "%s keeps %d checkpoint(s) of an earlier run (%s): a later resume picks the highest step, "
-                "whichever run wrote it",
-                output_dir, len(stale), ", ".join(os.path.basename(path) for path in stale),
-            )
+        logger.info("%s is not empty: --overwrite_output_dir given, training from scratch%s", output_dir,
+                    " (its checkpoints are removed when training starts)" if states else "")
         return None
-    checkpoints = complete_checkpoints(output_dir)
+    for _, path, problem in states:
+        if problem:
+            logger.warning("skipping %s: %s", path, problem)
+    checkpoints = [path for _, path, problem in states if problem is None]
     if checkpoints:
         logger.info("resuming from %s (last complete checkpoint in output_dir)", checkpoints[-1])
         return checkpoints[-1]
@@ -266,20 +297,46 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Option
     )
 
 
-def start_run(argument_classes: tuple):
+def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments, model_args, data_args) -> Optional[str]:
+    """Decide, before anything is written, where training starts: rank 0 chooses (choose_resume_checkpoint) for
+    every rank; a checkpoint some rank cannot read, or written by a run whose identity (checkpoint_state: models,
+    seed, shape-changing settings, processes) differs from this one, is refused on every rank. Begins this
+    process's run record, against which the data read next is checked when resuming."""
+    checkpoint = rank_zero_decides(lambda: choose_resume_checkpoint(training_args))
+    identity = run_identity(model_args, data_args, training_args)
+    checkpoint_data = resumable_checkpoint_data(checkpoint, identity) if checkpoint else None
+    begin_run(identity, checkpoint, checkpoint_data)
+    return checkpoint
+
+
+def start_run(argument_classes: tuple, task: str = "causal_lm", fold_adapter: bool = False):
     """The common start of every run_* script but PPO's: parse the arguments, set up logging, and
-    check everything that can be refused (resume point, tokenizer, model config, adapter,
-    vocabulary) before anything is written. Returns (model_args, data_args, training_args, resume
-    checkpoint, tokenizer, model config); the config goes on to load_model, so a run reads it once."""
+    check everything that can be refused (evaluation data, resume point, tokenizer, model config,
+    adapter, vocabulary, and what loading the model would refuse: model_utils.check_load_plan with
+    load_model's task and fold_adapter) before anything is written, the data cache included.
+    Returns (model_args, data_args, training_args, resume checkpoint, tokenizer, model config); the
+    config goes on to load_model, so a run reads it once."""
     model_args, data_args, training_args = parse_args(argument_classes)
     training_args.mapped_flags += model_args.mapped_flags + getattr(data_args, "mapped_flags", [])
     map_half_weights_on_cpu(model_args, training_args)
     setup_logging(training_args)
-    resume_checkpoint = resolve_resume_checkpoint(training_args)
+    check_held_out_data(data_args, training_args)
+    resume_checkpoint = resolve_resume_checkpoint(training_args, model_args, data_args)
     tokenizer = load_tokenizer(model_args)
     config = load_model_config(model_args)
     check_model_inputs(model_args, config, tokenizer)
+    check_load_plan(model_args, training_args, config, tokenizer, task, fold_adapter=fold_adapter)
     return model_args, data_args, training_args, resume_checkpoint, tokenizer, config
+
+
+def check_held_out_data(data_args, training_args: TrainingArguments, what: str = "data") -> None:
+    """An evaluating run (--eval_strategy) needs held-out data: refused from the arguments, before the
+    data is read, rather than by the Trainer once the data is cached and the model loaded."""
+    strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)
+    if strategy == "no" or getattr(data_args, "validation_file", None) or data_args.validation_split_percentage > 0:
+        return
+    sources = [f"--{name}" for name in ("validation_file", "validation_split_percentage") if hasattr(data_args, name)]
+    raise InputError(f"--eval_strategy {strategy} needs held-out {what}: give {' or '.join(sources)}")
 
 
 def resolve_sequence_length(flag: str, requested: Optional[int], config) -> int:
@@ -388,16 +445,21 @@ class StopOnNonFinite(TrainerCallback):
 
 
 class ResumableTrainer(Trainer):
-    """Trainer whose length-grouped sampling is reproducible across a resume, and which stops a run whose loss
-    diverged (StopOnNonFinite) before it saves non-finite weights."""
+    """Trainer whose length-grouped sampling is reproducible across a resume, which stops a run whose loss
+    diverged (StopOnNonFinite) before it saves non-finite weights, and whose checkpoints are complete only once
+    their completion marker is written, after everything else (checkpoint_state.CheckpointCompletion)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         max_nonfinite_steps = getattr(self.args, "max_nonfinite_steps", 0)
         if max_nonfinite_steps > 0:
             self.add_callback(StopOnNonFinite(max_nonfinite_steps))
+        if not any(isinstance(callback, CheckpointCompletion) for callback in self.callback_handler.callbacks):
+            self.add_callback(CheckpointCompletion())  # a full fine-tuning run has no SavePeftModelCallback
 
     def train(self, *args, **kwargs):
+        # The marker's writer last (a stable sort, after any callback added since __init__): after every on_save.
+        self.callback_handler.callbacks.sort(key=lambda callback: isinstance(callback, CheckpointCompletion))
         try:
             return super().train(*args, **kwargs)
         except TrainingDiverged:
@@ -407,6 +469,25 @@ class ResumableTrainer(Trainer):
                     callback.training_bar.close()
             raise
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # transformers 5.23 trains a step before its callbacks check max_steps: a rerun resuming the final
+        # checkpoint (a kill during the last save or eval) would train step max_steps + 1. Nothing is left.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _save_checkpoint(self, model, trial):
+        clear_for_checkpoint(self.args, self.state.global_step)
+        # The Trainer rotates checkpoints (--save_total_limit) inside this call, before the adapter copy and the
+        # completion marker are written: it could remove the last complete checkpoint for one a crash leaves
+        # incomplete. CheckpointCompletion rotates once the new one is complete.
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = save_total_limit
+
     def _get_train_sampler(self, train_dataset=None):
         sampler = super()._get_train_sampler(train_dataset)
         if isinstance(sampler, LengthGroupedSampler):
@@ -415,12 +496,49 @@ class ResumableTrainer(Trainer):
         return sampler
 
 
+def without_labels(batch: dict) -> dict:
+    """A causal-LM batch's model inputs: all but its (shifted) labels."""
+    return {name: value for name, value in batch.items() if name not in ("labels", "shift_labels")}
+
+
 class CausalLMTrainer(ResumableTrainer):
-    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end."""
+    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end, and whose
+    loss is chunked_loss.causal_lm_loss (--chunked_loss) where that equals the model's own: no float32 logits
+    of the whole batch and vocabulary. The model runs with logits_to_keep=1 and returns its hidden states."""
+
+    chunked_loss_exact = None  # decided on the first batch (head_reproduces_logits)
 
     def log(self, logs, *args, **kwargs):
         add_perplexity(logs)
         super().log(logs, *args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or not self.uses_chunked_loss(model, inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**without_labels(inputs), output_hidden_states=True, logits_to_keep=1)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        with self.accelerator.autocast():  # the mixed precision the model's forward ran its head in
+            loss = causal_lm_loss(outputs.hidden_states[-1], head, inputs.get("labels"), num_items_in_batch,
+                                  inputs.get("shift_labels"))
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # As Trainer.compute_loss: the count spans every process, whose gradients are averaged.
+            loss = loss * self.accelerator.num_processes
+        return loss
+
+    def uses_chunked_loss(self, model, inputs) -> bool:
+        """--chunked_loss, a batch with labels, plain data parallelism (no tensor, sequence or context
+        parallelism, no DataParallel), and a model whose head reproduces its logits."""
+        if not (getattr(self.args, "chunked_loss", False) and "labels" in inputs and self.args.n_gpu <= 1
+                and getattr(self.accelerator, "parallelism_config", None) is None):
+            return False
+        if self.chunked_loss_exact is None:
+            with self.accelerator.autocast():
+                self.chunked_loss_exact = head_reproduces_logits(self.accelerator.unwrap_model(model),
+                                                                 without_labels(inputs))
+            if not self.chunked_loss_exact:
+                logger.info("chunked loss off: this model's forward does not take logits_to_keep or changes the "
+                            "logits after its output embeddings; transformers' loss over the full logits is used")
+        return self.chunked_loss_exact
 
 
 def build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, data_collator, callbacks):
@@ -442,6 +560,7 @@ def build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, 
 def train_and_finish(trainer, resume_checkpoint, full_finetuning: bool, eval_dataset, num_train_samples: int) -> None:
     """Train (resuming if asked), save a fully fine-tuned model (adapters are saved by their
     callback), and write run_clm's result files."""
+    start_writing(trainer.args, resume_checkpoint)
     train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
     if full_finetuning:
         trainer.save_model()

@@ -1,39 +1,32 @@
-"""Test-only wrapper: runs a training script as `python run_and_kill.py [options] SCRIPT ARGS...`
-(or under torchrun), with two probes patched in from outside the product code:
+"""Test-only wrapper: runs a training script as `python run_and_kill.py [options] SCRIPT ARGS...` (or under
+torchrun; SCRIPT may be helpers/run_in_sequence.py with its arguments), with probes patched in from outside the
+product code:
 
---kill_after_save N   SIGKILL rank 0 right after checkpoint-N (and its adapter copy) is on disk,
-                      a deterministic crash point for the resume tests;
---record_batches DIR  append a hash of every training batch to DIR/rank<R>.txt, so a test can
-                      prove that ranks see different data.
+--record_steps FILE, --kill_at_step K, --kill_mid_save N, --kill_output NAME
+                      helpers/step_probe.py: record every optimizer step this process runs; SIGKILL rank 0 after
+                      step K, or in the middle of writing checkpoint-N; only in the run whose output_dir is NAME;
+--kill_after_save N   the same as --kill_at_step N for N a save step: right after checkpoint-N is complete;
+--record_batches DIR  append a hash of every training batch to DIR/rank<R>.txt, so a test can prove that ranks
+                      see different data.
 """
 
 import argparse
 import hashlib
 import os
 import runpy
-import signal
 import sys
 
+import transformers
+from step_probe import Probes, probes_installed
+
 parser = argparse.ArgumentParser()
-parser.add_argument("--kill_after_save", type=int, default=None)
+parser.add_argument("--record_steps", default=None)
+parser.add_argument("--kill_at_step", "--kill_after_save", type=int, default=None)
+parser.add_argument("--kill_mid_save", type=int, default=None)
+parser.add_argument("--kill_output", default=None)
 parser.add_argument("--record_batches", default=None)
 parser.add_argument("script")
 options, script_args = parser.parse_known_args()
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
-import transformers  # noqa: E402
-
-import build_dataset  # noqa: E402  (the module the script will import: patch it first)
-
-if options.kill_after_save is not None:
-    original_on_save = build_dataset.SavePeftModelCallback.on_save
-
-    def on_save_then_kill(self, args, state, control, **kwargs):
-        original_on_save(self, args, state, control, **kwargs)
-        if state.global_step == options.kill_after_save and args.process_index == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    build_dataset.SavePeftModelCallback.on_save = on_save_then_kill
 
 if options.record_batches is not None:
     original_training_step = transformers.Trainer.training_step
@@ -47,5 +40,8 @@ if options.record_batches is not None:
 
     transformers.Trainer.training_step = recording_training_step
 
+probes = Probes(options.record_steps, options.kill_at_step, options.kill_mid_save, options.kill_output)
+sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
 sys.argv = [options.script] + script_args
-runpy.run_path(options.script, run_name="__main__")
+with probes_installed(probes):
+    runpy.run_path(options.script, run_name="__main__")

@@ -1,0 +1,105 @@
+"""Token log-probabilities and the causal-LM cross-entropy computed from hidden states over chunks of
+positions, so that no float32 [positions, vocabulary] tensor of the whole batch is ever held.
+
+At a 152k vocabulary the logits of 8 x 4096 positions are 20 GB in float32, and transformers' loss
+upcasts a second copy. Here the LM head runs on one chunk of hidden states at a time (at most
+LOGITS_PER_CHUNK logits, 64 MB in float32), each chunk is reduced at once to one value per position,
+and under autograd each chunk is checkpointed: the backward pass recomputes its logits chunk by
+chunk instead of keeping every chunk's for it. The head is called as the module it is (an
+nn.Linear, peft's ModulesToSaveWrapper of a trained lm_head, a LoRA layer on it), so adapters,
+trained copies and tied weights get their gradients as in the model's own forward.
+
+Torch only: the trainers pass the head module and its hidden states."""
+
+import inspect
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# Logits computed at once: chunks hold LOGITS_PER_CHUNK // vocabulary positions (110 at a 152k vocabulary,
+# 512 at 32k: each chunk's matmul still fills a GPU; its float32 logits and their softmax take 128 MB).
+LOGITS_PER_CHUNK = 1 << 24
+IGNORE_INDEX = -100
+
+
+def chunk_positions(head) -> int:
+    """Positions per chunk for a head of its output width (out_features of nn.Linear and of peft's wrappers)."""
+    return max(1, LOGITS_PER_CHUNK // max(1, getattr(head, "out_features", None) or 1))
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    # The same reduction as ppo_utils.logprobs_from_logits: the label's logit minus the logsumexp, in float32.
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(hidden: torch.Tensor, head, labels: torch.Tensor, temperature: float = 1.0,
+                   recompute_context: Optional[Callable] = None) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature) at each label: hidden [..., H], labels [...] (valid ids)
+    -> [...] float32, chunk_positions(head) positions at a time.
+
+    recompute_context: torch checkpoint's context_fn, for a head whose behaviour depends on state
+    that may change before the backward pass (the PPO policy's active adapter)."""
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if flat_labels.numel() == 0:
+        return flat_hidden.sum(-1).float().reshape(labels.shape)
+    size = chunk_positions(head)
+    # No check of the recomputed tensors' shapes: under ZeRO-3 the head's weight is saved as the partitioned
+    # parameter, released (empty) after each forward and gathered again by DeepSpeed before its backward.
+    options = {"use_reentrant": False, "determinism_check": "none",
+               **({"context_fn": recompute_context} if recompute_context else {})}
+    pieces = []
+    for start in range(0, flat_labels.numel(), size):
+        chunk = (head, flat_hidden[start : start + size], flat_labels[start : start + size], temperature)
+        # Checkpointed, a chunk keeps only its inputs for the backward pass, not its [chunk, V] logits.
+        pieces.append(checkpoint(_chunk_logprobs, *chunk, **options) if torch.is_grad_enabled()
+                      else _chunk_logprobs(*chunk))
+    return torch.cat(pieces).reshape(labels.shape)
+
+
+def causal_lm_loss(hidden: torch.Tensor, head, labels: Optional[torch.Tensor] = None,
+                   num_items_in_batch=None, shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """transformers' causal-LM loss (ForCausalLMLoss) from the last hidden states [B, T, H]: position t
+    predicts labels[t + 1] (or shift_labels[t], already shifted, as a collator may give them), -100
+    ignored; the sum over predicted tokens divided by num_items_in_batch (the Trainer's count over the
+    whole accumulated batch) when given, else their mean. Only positions with a label reach the head."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    labelled = targets != IGNORE_INDEX
+    rows, weight = torch.nonzero(labelled).squeeze(-1), 1.0
+    if rows.numel() == 0:
+        # Still through the head, weighted 0: a data-parallel step expects every trained weight's gradient.
+        rows, weight = rows.new_zeros(1), 0.0
+    logprobs = token_logprobs(hidden.reshape(-1, hidden.shape[-1])[rows], head, targets[rows].clamp(min=0))
+    denominator = labelled.sum() if num_items_in_batch is None else num_items_in_batch
+    if torch.is_tensor(denominator):
+        denominator = denominator.to(logprobs.device)
+    return -logprobs.sum() * weight / denominator
+
+
+@torch.no_grad()
+def head_reproduces_logits(model, model_inputs: dict) -> bool:
+    """Whether the chunked loss equals the model's own: its forward takes logits_to_keep (so that it can
+    skip the full logits), and its output embeddings applied to hidden_states[-1] give the logits its
+    forward returns (no soft-capping or scaling after the head). model: the unwrapped (peft) causal LM;
+    checked on model_inputs (no labels) in eval mode, where dropout cannot make the two differ."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = model.get_output_embeddings()
+    if head is None or "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return False
+    was_training = model.training
+    model.eval()
+    try:
+        outputs = model(**model_inputs, output_hidden_states=True, logits_to_keep=1)
+        if not outputs.hidden_states:
+            return False
+        recomputed = head(outputs.hidden_states[-1][:, -1:]).float()
+        return recomputed.shape == outputs.logits.shape and torch.allclose(recomputed, outputs.logits.float(),
+                                                                           rtol=1e-4, atol=1e-5)
+    finally:
+        model.train(was_training)
