@@ -6,9 +6,11 @@ the report, its figures and the loss plot.
 Three steps a stage cannot move every held-out figure: measured on 2 cores, the quick run takes
 tokens per character from 1.85 to 0.79, each training loss falls, and the merge is exact; held-out
 perplexity (415 -> 668: three steps at a high learning rate hurt), exact match (0 -> 0 of 8), the
-reward model (3 steps of 4 pairs: 0.44 of 16 held-out pairs, starting from that hurt model) and
-PPO's held-out reward move by chance. So the test asserts those figures that must hold, that the
-final model is the chain's (it carries the extended vocabulary), and that the report's verdict on
+reward model (3 steps of 4 pairs, starting from that hurt model), PPO's held-out reward and DPO's
+(2 steps of 2 pairs: its held-out accuracy on 8 pairs, its answers' reward) move by chance. So the
+test asserts those figures that must hold, that the final model is the chain's (it carries the
+extended vocabulary), that DPO starts from the SFT policy as its own reference and is measured on
+the reward model's held-out pairs and PPO's held-out prompts, and that the report's verdict on
 every figure is the truth: "yes" where it improved, "**NO**" and a "did NOT" result line where it
 did not."""
 
@@ -28,7 +30,8 @@ CACHE = os.path.join(REPO, ".cache", "demo")  # shared with `make demo`: prepare
 # The report's "Result:" line for a figure its stage did not improve.
 DID_NOT = {"continued pretraining": "continued pretraining did NOT improve",
            "SFT": "supervised fine-tuning did NOT improve", "reward model": "the reward model did NOT learn",
-           "PPO": "PPO did NOT raise"}
+           "PPO": "PPO did NOT raise", "DPO (implicit reward)": "DPO did NOT learn the preference",
+           "DPO": "DPO did NOT raise"}
 
 
 def improvements(stages: dict) -> dict:
@@ -40,6 +43,8 @@ def improvements(stages: dict) -> dict:
         "SFT": stages["exact match after"]["correct"] > stages["exact match before"]["correct"],
         "reward model": stages["reward model"]["eval_accuracy"] > 0.5,
         "PPO": stages["reward after PPO"]["reward_mean"] > stages["reward before PPO"]["reward_mean"],
+        "DPO (implicit reward)": stages["DPO"]["accuracy_after"] > 0.5,
+        "DPO": stages["reward after DPO"]["reward_mean"] > stages["reward before PPO"]["reward_mean"],
         "merge": stages["merge"]["verify_max_logit_difference"] <= 1e-3,
     }
 
@@ -64,7 +69,7 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert list(stages) == ["prepare", "pipeline", "vocabulary extension", "held-out before", "continued pretraining",
                             "held-out after", "SFT data", "exact match before", "supervised fine-tuning",
                             "exact match after", "reward model", "reward before PPO", "PPO", "reward after PPO",
-                            "PPO, second seed", "merge", "chat"]
+                            "PPO, second seed", "DPO", "reward after DPO", "merge", "chat"]
 
     vocab = stages["vocabulary extension"]
     assert vocab["vocab_size.after"] > vocab["vocab_size.before"] == 49152
@@ -85,7 +90,7 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert stages["exact match before"]["total"] == stages["exact match after"]["total"] == 8
 
     rm = stages["reward model"]
-    assert rm["eval_samples"] == 16 and rm["eval_accuracy"] * 16 == round(rm["eval_accuracy"] * 16)
+    assert rm["eval_samples"] == 8 and rm["eval_accuracy"] * 8 == round(rm["eval_accuracy"] * 8)
     assert all(math.isfinite(rm[key]) for key in ("eval_chosen_score", "eval_rejected_score", "loss_last"))
 
     ppo_before, ppo_after = stages["reward before PPO"], stages["reward after PPO"]
@@ -98,6 +103,29 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     first, other = (adapter_weights(out / name / "ppo_lora_model") for name in ("ppo", "ppo_seed7"))
     assert max((first[name] - other[name]).abs().max().item() for name in first) > 0
 
+    # DPO of the SFT policy (pt_merged + the SFT adapter) on the reward model's pairs, its reference the
+    # policy itself at the start: the first step's loss is log 2. Its accuracy is a share of the reward
+    # model's 8 held-out pairs; its answers are to PPO's held-out prompts, scored by the same reward model.
+    dpo = stages["DPO"]
+    assert dpo["model"] == str(out / "pt_merged") and dpo["sft_adapter"] == str(out / "sft" / "sft_lora_model")
+    assert dpo["dataset_dir"] == str(out / "rm_data" / "train")
+    assert dpo["validation_file"] == str(out / "rm_data" / "heldout.jsonl")
+    assert len((out / "rm_data" / "heldout.jsonl").read_text(encoding="utf-8").splitlines()) == 8
+    assert dpo["eval_samples"] == rm["eval_samples"] == 8
+    assert dpo["accuracy_before"] == 0.5 and dpo["accuracy_after"] == dpo["eval_rewards/accuracies"]
+    assert 0 <= dpo["accuracy_after"] <= 1 and dpo["accuracy_after"] * 8 == round(dpo["accuracy_after"] * 8)
+    assert dpo["loss_first_step"] == 1 and abs(dpo["loss_first"] - math.log(2)) < 1e-6
+    assert dpo["loss_last_step"] == dpo["steps"] == 2
+    assert all(math.isfinite(dpo[key]) for key in ("loss_last", "eval_loss", "eval_rewards/margins",
+                                                   "eval_rewards/chosen", "eval_rewards/rejected"))
+    dpo_adapter = adapter_weights(out / "dpo" / "dpo_lora_model")
+    assert max(weight.abs().max().item() for name, weight in dpo_adapter.items() if "lora_B" in name) > 0
+    dpo_reward = stages["reward after DPO"]
+    assert dpo_reward["policy"] == f"{out / 'sft' / 'sft_lora_model'},{out / 'dpo' / 'dpo_lora_model'}"
+    assert [answer["prompt"] for answer in dpo_reward["answers"]] == [a["prompt"] for a in ppo_before["answers"]]
+    assert dpo_reward["prompts"] == 4 and math.isfinite(dpo_reward["reward_mean"])
+    assert all(math.isfinite(answer["reward"]) for answer in dpo_reward["answers"])
+
     assert stages["merge"]["verify_max_logit_difference"] <= 1e-3
     final_config = json.loads((out / "final" / "config.json").read_text(encoding="utf-8"))
     assert final_config["vocab_size"] == vocab["vocab_size.after"]  # the chain's model: extended vocabulary
@@ -108,12 +136,12 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
 
     markdown = (out / "report.md").read_text(encoding="utf-8")
     for heading in ("## Vocabulary extension", "## Continued pretraining", "## Supervised fine-tuning",
-                    "## Reward model", "## PPO", "## Merge", "## Chat with the merged model", "| total |"):
+                    "## Reward model", "## PPO", "## DPO", "## Merge", "## Chat with the merged model", "| total |"):
         assert heading in markdown
     assert verdicts(markdown) == improvements(stages)
     targets = markdown.split("| target | figure | met |")[1].split("\n\n")[0]
     assert [row.split("|")[1].strip().split(" ")[0] for row in targets.strip().splitlines()[1:]] == [
-        "SFT", "reward", "PPO"]
+        "SFT", "reward", "PPO", "DPO"]
     for stage, improved in improvements(stages).items():
         if stage in DID_NOT:
             assert (DID_NOT[stage] in markdown) == (not improved), stage

@@ -25,8 +25,8 @@ def render_report(results: list[dict], quick: bool, failed: str | None, plot_pat
     lines += [f"| total | {sum(result['seconds'] for result in results):.1f} s |", ""]
     if plot_path:
         lines += [f"Training curves: ![training curves]({plot_path.name})", ""]
-    for render in (render_vocabulary, render_pretraining, render_sft, render_reward, render_ppo, render_merge,
-                   render_chat):
+    for render in (render_vocabulary, render_pretraining, render_sft, render_reward, render_ppo, render_dpo,
+                   render_merge, render_chat):
         lines += render(by_stage)
     return "\n".join(lines)
 
@@ -58,6 +58,13 @@ def render_summary(by_stage: dict) -> list[str]:
     if before and after:
         rows.append(("PPO", "held-out mean reward", f"{before['reward_mean']:.3f}", f"{after['reward_mean']:.3f}",
                      after["reward_mean"] > before["reward_mean"]))
+    dpo, dpo_reward = by_stage.get("DPO"), by_stage.get("reward after DPO")
+    if dpo:
+        rows.append(("DPO (implicit reward)", "held-out pair accuracy", "0.5 (policy = reference)",
+                     f"{dpo['accuracy_after']:.3f}", dpo["accuracy_after"] > 0.5))
+    if before and dpo_reward:  # DPO starts from the SFT policy too: the same "before" as PPO's
+        rows.append(("DPO", "held-out mean reward", f"{before['reward_mean']:.3f}", f"{dpo_reward['reward_mean']:.3f}",
+                     dpo_reward["reward_mean"] > before["reward_mean"]))
     merge = by_stage.get("merge")
     if merge and merge.get("verify_max_logit_difference") is not None:
         rows.append(("merge", "max logit difference, merged vs base + adapter", "-",
@@ -88,6 +95,12 @@ def render_targets(by_stage: dict, quick: bool) -> list[str]:
         rows.append(("PPO held-out reward gain > the spread between two seeds",
                      f"gain {gain:+.3f}, spread {spread:.3f} (seed {second['seed']}: {second['reward_mean']:.3f})",
                      gain > spread))
+    dpo_reward = by_stage.get("reward after DPO")
+    if before and dpo_reward:
+        rows.append(("DPO held-out reward > the SFT policy's (the reward model's score)",
+                     f"DPO {dpo_reward['reward_mean']:.3f}, SFT {before['reward_mean']:.3f}"
+                     + (f" (PPO {after['reward_mean']:.3f})" if after else ""),
+                     dpo_reward["reward_mean"] > before["reward_mean"]))
     if not rows:
         return []
     lines = [f"Targets{' (set for the full demo; --quick is not expected to meet them)' if quick else ''}:", "",
@@ -259,6 +272,61 @@ def render_ppo(by_stage: dict) -> list[str]:
                   f"mean reward {second['reward_mean']:.3f}"
                   + (f", KL to the reference at the end {second['kl_last']:.4f}." if second.get("kl_last") is not None
                      else "."), ""]
+    return lines
+
+
+def render_dpo(by_stage: dict) -> list[str]:
+    dpo = by_stage.get("DPO")
+    if not dpo:
+        return []
+    accuracy = dpo["accuracy_after"]
+    lines = ["## DPO", "",
+             f"The DPO path, next to reward + PPO: the SFT policy (pt_merged + the SFT adapter, folded in) trained "
+             f"with a new LoRA on the reward model's training pairs, with the reward stage's lengths, batch size and "
+             f"LoRA shape: {dpo['steps']} steps of {dpo['batch_size']} pairs, {dpo['loss_type']} loss, beta "
+             f"{dpo['beta']:g}, learning rate {dpo['learning_rate']:g}; the reference is the same model with the new "
+             f"LoRA disabled. Training loss {dpo['loss_first']:.3f} "
+             f"({step_range(dpo['loss_first_step'], dpo['logging_steps'])}) -> {dpo['loss_last']:.3f} "
+             f"({step_range(dpo['loss_last_step'], dpo['logging_steps'])}). On the reward model's "
+             f"{dpo['eval_samples']} held-out pairs: implicit-reward accuracy (TRL's rewards/accuracies: the chosen "
+             f"answer's beta-scaled log-probability ratio to the reference above the rejected one's) "
+             f"{dpo['accuracy_before']} before training -> {accuracy:.3f}; mean margin "
+             f"{dpo['eval_rewards/margins']:.3f}, eval loss {dpo['eval_loss']:.3f}. Before training the policy is its "
+             f"reference: every implicit reward is 0 and the loss log 2 = 0.693, a tie on every pair, counted as "
+             f"chance.", ""]
+    if accuracy > 0.5:
+        lines += [f"Result: DPO ranks {100 * accuracy:.1f}% of the held-out pairs right by its implicit reward "
+                  f"(before training: 50%).", ""]
+    else:
+        lines += [f"Result: DPO did NOT learn the preference: held-out implicit-reward accuracy {accuracy:.3f}, no "
+                  "better than chance.", ""]
+    return lines + render_policies_side_by_side(by_stage)
+
+
+def render_policies_side_by_side(by_stage: dict) -> list[str]:
+    """SFT, PPO and DPO on the same held-out prompts, scored by the same reward model."""
+    sft, dpo = by_stage.get("reward before PPO"), by_stage.get("reward after DPO")
+    if not dpo:
+        return []
+    policies = {label: by_stage[stage] for label, stage in (
+        ("SFT", "reward before PPO"), ("PPO", "reward after PPO"), ("DPO", "reward after DPO")) if stage in by_stage}
+    means = ", ".join(f"{label} {figures['reward_mean']:.3f}" for label, figures in policies.items())
+    lines = [f"Held-out: greedy answers to PPO's {dpo['prompts']} held-out review prompts, scored by the reward "
+             f"model: mean reward {means}.", "",
+             "| prompt | " + " | ".join(f"{label} answer (reward)" for label in policies) + " |",
+             "|---|" + "---|" * len(policies)]
+    for index, answer in enumerate(dpo["answers"][:SAMPLE_ANSWERS]):
+        cells = [f"{text_cell(figures['answers'][index]['answer'])} ({figures['answers'][index]['reward']:.2f})"
+                 for figures in policies.values()]
+        lines.append(f"| {answer['prompt']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if sft:
+        if dpo["reward_mean"] > sft["reward_mean"]:
+            lines += [f"Result: DPO raised the held-out mean reward over the SFT policy's: {sft['reward_mean']:.3f} "
+                      f"-> {dpo['reward_mean']:.3f}.", ""]
+        else:
+            lines += [f"Result: DPO did NOT raise the held-out mean reward over the SFT policy's: "
+                      f"{sft['reward_mean']:.3f} (SFT), {dpo['reward_mean']:.3f} (DPO).", ""]
     return lines
 
 
