@@ -308,7 +308,7 @@ class ExperienceMaker:
     def sample(self, prompt_ids, prompt_mask) -> tuple:
         """One generation batch: (answer ids, log-probs, entropy), each [rows, answer width] on the CPU,
         log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token, over the
-        temperature: recorded step by step (SampledTokenStatistics), or with --no_chunked_loss from the
+        temperature: recorded step by step (SampledTokenStatistics), or without --chunked_loss from the
         stack of every step's logits, [rows, answer width, vocabulary] float32."""
         generator, prompt_width = self.model.generator(), prompt_ids.shape[1]
         # Under ZeRO-3 every rank keeps stepping until all are done: each step gathers weights.

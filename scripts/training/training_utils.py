@@ -212,12 +212,15 @@ class CausalLMTrainingArguments(ToolkitTrainingArguments):
     """The toolkit's training arguments plus the option of the stages that train a language-model head
     (pretraining, SFT, PPO's actor)."""
 
+    # Off by default for now: on the tiny Qwen3 fixture (tests/test_family_stages.py) an SFT run with it trains an
+    # adapter that no longer ends its turns, which the full-logits path does; until that difference is explained,
+    # the chunked path is opt-in.
     chunked_loss: bool = field(
-        default=True,
+        default=False,
         metadata={"help": "Compute the loss and log-probabilities from the hidden states over chunks of positions, "
                           "never holding float32 logits of the whole batch and vocabulary (PPO: also each sampled "
                           "token's log-prob and entropy as it is generated). Used where it equals the model's own "
-                          "loss (checked on the first batch); --no_chunked_loss: the full logits, as transformers "
+                          "loss (checked on the first batch); off: the full logits, as transformers "
                           "computes them."},
     )
 
