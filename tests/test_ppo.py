@@ -12,11 +12,14 @@ import torch
 
 from helpers.commands import REPO, TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
 from helpers.corpora import CHINESE, ENGLISH
+from helpers.generation_probe import recorded
 from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history
 
 PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
 RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
+GENERATION_PROBE = os.path.join(REPO, "tests", "helpers", "generation_probe.py")
+GENERATION_RECORD = "generation_batches.jsonl"
 MARKER = "很好"
 STEP_KEYS = {"reward_mean", "reward_std", "score_mean", "kl", "entropy", "response_length", "policy_clipfrac",
              "value_loss", "policy_loss", "approx_kl", "time_generation", "time_training", "kl_coef"}
@@ -180,14 +183,26 @@ def test_ptx_loss_is_mixed_into_the_actor_loss(short_runs):
     assert "ptx_loss" not in first_plain
 
 
-def test_deepspeed_zero2_and_zero3_two_processes(tiny_model_dir, reward_adapter, prompt_file, tmp_path):
-    runs = {}
+@pytest.fixture(scope="module")
+def zero_stage_runs(tiny_model_dir, reward_adapter, prompt_file, tmp_path_factory):
+    """Three iterations on two processes under ZeRO-2 and under ZeRO-3: {config: (output dir, stdout)}. The ZeRO-3
+    run samples each generation batch a second time per layer (helpers/generation_probe.py, GENERATION_RECORD)."""
+    root, runs = tmp_path_factory.mktemp("ppo_zero_stages"), {}
     for config in ("ds_zero2_no_offload", "ds_zero3_no_offload"):
-        out = tmp_path / config
+        out = root / config
         args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, max_steps=3, save_strategy="steps",
                         save_steps=2, per_device_generation_batch_size=4, per_device_training_batch_size=4,
                         deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
-        assert_ok(run_script(args, nproc=2, script=PPO_SCRIPT))
+        probe = [GENERATION_PROBE, "--record", str(root / GENERATION_RECORD)] if "zero3" in config else None
+        result = run_script(args, nproc=2, script=PPO_SCRIPT, wrapper=probe)
+        assert_ok(result)
+        runs[config] = (out, result.stdout)
+    return runs
+
+
+def test_deepspeed_zero2_and_zero3_two_processes(zero_stage_runs):
+    runs = {}
+    for config, (out, _) in zero_stage_runs.items():
         runs[config] = out
         steps = step_logs(out)
         assert len(steps) == 3 and all(STEP_KEYS <= set(e) for e in steps)
@@ -200,6 +215,23 @@ def test_deepspeed_zero2_and_zero3_two_processes(tiny_model_dir, reward_adapter,
         assert state["iteration"] == 2
     # Partitioning is an implementation detail: both stages train the same numbers.
     assert_same_steps(step_logs(runs["ds_zero2_no_offload"]), step_logs(runs["ds_zero3_no_offload"]), tolerance=1e-4)
+
+
+def test_zero3_generation_gathers_the_actor_once_per_batch_and_samples_what_per_layer_gathering_samples(
+        zero_stage_runs):
+    """The tiny actor fits the device: each generation batch gathers its weights once (the all-gathers of one
+    zero3.gathered of every actor parameter), not every layer at every generated token, and draws the same answers,
+    log-probs and entropies as the per-layer path from the same random state."""
+    out, stdout = zero_stage_runs["ds_zero3_no_offload"]
+    assert "generation under ZeRO-3: parameters gathered once per batch" in stdout
+    batches = recorded(str(out.parent / GENERATION_RECORD))
+    assert sorted(batch["rank"] for batch in batches) == [0, 0, 0, 1, 1, 1]  # 3 iterations of one batch, 2 ranks
+    for batch in batches:
+        # At most what fetching every parameter once costs (fewer where some were still held from the last phase).
+        assert 0 < batch["gathers"] <= batch["one_gather"], batch
+        # Per layer: the two decoder layers' weights (at least) are fetched again at every generated token.
+        assert batch["steps"] >= 2 and batch["per_layer_gathers"] >= 2 * batch["steps"] + batch["one_gather"], batch
+        assert batch["same_tokens"] and batch["logprob_diff"] <= 1e-5 and batch["entropy_diff"] <= 1e-5, batch
 
 
 RESUMED = {"max_steps": 4, "save_strategy": "steps", "save_steps": 1, "enable_ema": True, "ema_beta": 0.5,
@@ -308,6 +340,29 @@ def test_ppo_bad_input_is_refused_cleanly(case, tiny_model_dir, reward_adapter, 
     args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, **overrides)
     # One case as a real process (the whole contract), the others in-process through run_cli.
     check_refused(refuse(PPO_SCRIPT, args, in_process=case != "tokenizer_mismatch"), expected)
+    assert not out.exists()
+
+
+def test_separate_placement_under_zero3_is_refused_where_the_whole_frozen_roles_do_not_fit(
+        tiny_model_dir, reward_adapter, prompt_file, tmp_path, monkeypatch):
+    """Without --shared_base the reference and reward models are loaded whole into every process: under ZeRO-3,
+    with 1 MB free (the tiny roles take about 1 MB in float32: more than half of it), the run is refused before
+    anything is written, pointing to --shared_base."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    import ppo_policy
+
+    monkeypatch.setattr(ppo_policy, "free_memory_bytes", lambda device: 10**6)
+    out = tmp_path / "out"
+    args = ppo_args(tiny_model_dir, reward_adapter, prompt_file, out, shared_base="false",
+                    deepspeed=os.path.join(REPO, "ds_configs", "ds_zero3_no_offload.json"))
+    try:
+        result = refuse(PPO_SCRIPT, args, in_process=True)
+    finally:
+        unset_hf_deepspeed_config()  # a ZeRO-3 config registers itself process-wide: not for the tests that follow
+    check_refused(result, "--shared_base false under ZeRO-3: the frozen reference and reward models take 0.00")
+    assert "more than half its share of the available CPU memory (0.001 GB" in result.stderr
+    assert "use --shared_base true" in result.stderr
     assert not out.exists()
 
 

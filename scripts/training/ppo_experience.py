@@ -7,9 +7,10 @@ Shapes: B rows (prompts), P the prompt width (prompts are left-padded to it), A 
 (answers are right-padded to it), T = P + A. Per-token tensors cover the answer only, [B, A], and
 are 0 on padding."""
 
+import logging
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +30,9 @@ from ppo_utils import (
     masked_mean,
     penalised_scores,
 )
+from zero3 import free_memory_bytes, full_size_bytes, gathered_for_generation, is_zero3_partitioned, on_every_rank
+
+logger = logging.getLogger(__name__)
 
 # What the Trainer's compute_loss reads of each micro-batch (plus prompt_length and ptx_input_ids).
 TRAINING_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "old_values", "advantages",
@@ -275,15 +279,25 @@ class SampledTokenStatistics(LogitsProcessor):
         return torch.stack(self.logprobs[:width], dim=1), torch.stack(self.entropies[:width], dim=1)
 
 
+# --generation_gather auto gathers the actor once per generation batch when its whole weights take at most
+# this share of what the device has free: the rest is left to the KV cache, the logits and the other roles.
+GENERATION_GATHER_SHARE = 0.5
+
+
 class ExperienceMaker:
     """Experience from prompts with the four roles of a PPOPolicy: sampling by the actor, then no-grad
     passes of the reference, critic and reward model, then reward shaping and advantages
-    (shape_experience). args is the run's PPOArguments."""
+    (shape_experience). args is the run's PPOArguments. deepspeed_engine: returns the Trainer's
+    DeepSpeed engine (None before it exists); under ZeRO-3 generation goes through its hooks."""
 
-    def __init__(self, model, args, pad_id: int, answer_end_id: int, after_turn_end_ids: list, max_answer_len: int):
+    def __init__(self, model, args, pad_id: int, answer_end_id: int, after_turn_end_ids: list, max_answer_len: int,
+                 deepspeed_engine=None):
         self.model, self.args = model, args
         self.pad_id, self.answer_end_id = pad_id, answer_end_id
         self.after_turn_end_ids, self.max_answer_len = list(after_turn_end_ids), max_answer_len
+        self.deepspeed_engine = deepspeed_engine or (lambda: None)
+        self.actor_fits_device = None  # --generation_gather auto's choice, made once (all ranks agree)
+        self.logged_gather_modes = set()
 
     def make(self, prompt_rows: list, seed: int, kl_coef: float, times: Optional[PhaseTimes] = None) -> Experience:
         """Sample answers to prompt_rows (token ids) with the given seed, score and shape them;
@@ -305,16 +319,44 @@ class ExperienceMaker:
             eos_token_id=self.answer_end_id, pad_token_id=self.pad_id, use_cache=True,
         )
 
+    def gathers_once_per_batch(self, generator) -> bool:
+        """Whether one generation batch runs on the actor's weights gathered once (ZeRO-3, --generation_gather
+        per_batch, or auto where the whole actor fits: GENERATION_GATHER_SHARE of the device's free memory)
+        rather than layer by layer at every token. Outside ZeRO-3 nothing is partitioned: False."""
+        engine = self.deepspeed_engine()
+        if engine is None or not is_zero3_partitioned(generator.parameters()):
+            return False
+        mode, size = self.args.generation_gather, full_size_bytes(generator.parameters())
+        if mode == "auto" and self.actor_fits_device is None:
+            free = free_memory_bytes(self.args.device)
+            self.actor_fits_device = on_every_rank(size <= GENERATION_GATHER_SHARE * free, self.args.device)
+        once = mode == "per_batch" or (mode == "auto" and self.actor_fits_device)
+        if (mode, once) not in self.logged_gather_modes:
+            self.logged_gather_modes.add((mode, once))
+            if once:
+                logger.info("generation under ZeRO-3: parameters gathered once per batch (%.3g GB)", size / 1e9)
+            else:
+                why = "the model does not fit one device" if mode == "auto" else "--generation_gather per_layer"
+                logger.info("generation under ZeRO-3: parameters gathered per layer, every token: %s (%.3g GB "
+                            "whole)", why, size / 1e9)
+        return once
+
     def sample(self, prompt_ids, prompt_mask) -> tuple:
         """One generation batch: (answer ids, log-probs, entropy), each [rows, answer width] on the CPU,
         log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token, over the
         temperature: recorded step by step (SampledTokenStatistics), or without --chunked_loss from the
-        stack of every step's logits, [rows, answer width, vocabulary] float32."""
+        stack of every step's logits, [rows, answer width, vocabulary] float32. Under ZeRO-3 the actor's
+        weights are gathered once for the batch (gathers_once_per_batch), or else layer by layer at
+        every step, every rank stepping until all are done (synced_gpus)."""
         generator, prompt_width = self.model.generator(), prompt_ids.shape[1]
-        # Under ZeRO-3 every rank keeps stepping until all are done: each step gathers weights.
+        once = self.gathers_once_per_batch(generator)
         options = {"input_ids": prompt_ids, "attention_mask": prompt_mask, "return_dict_in_generate": True,
                    "generation_config": self.generation_config(),
-                   "synced_gpus": is_deepspeed_zero3_enabled() and self.args.world_size > 1}
+                   "synced_gpus": not once and is_deepspeed_zero3_enabled() and self.args.world_size > 1}
+        with gathered_for_generation(self.deepspeed_engine(), generator) if once else nullcontext():
+            return self.sample_with(generator, options, prompt_width)
+
+    def sample_with(self, generator, options: dict, prompt_width: int) -> tuple:
         if self.args.chunked_loss:
             with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
                 output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))

@@ -15,12 +15,26 @@ from safetensors.torch import load_file, save_file
 
 from chunked_loss import token_logprobs
 from cli import InputError
-from model_utils import ModelArguments, keep_trainable_float32, load_model, log_trainable, outside_zero3_init
+from model_utils import (
+    DTYPES,
+    ModelArguments,
+    checkpoint_dtype,
+    empty_model,
+    frozen_precision,
+    keep_trainable_float32,
+    load_model,
+    log_trainable,
+    outside_zero3_init,
+)
 from ppo_utils import last_position, length_chunks, logprobs_from_logits, positions_from_mask
+from zero3 import free_memory_bytes, on_every_rank
 
 logger = logging.getLogger(__name__)
 
 SCORE_KEY_SUFFIX = "score.weight"
+# Separate placement under ZeRO-3 refuses frozen reference + reward models that, whole, take more than this share of
+# a process's free device memory or of its share of the CPU memory (check_frozen_roles_fit).
+FROZEN_ROLES_SHARE = 0.5
 
 
 def backbone_of(causal_or_classifier):
@@ -418,6 +432,41 @@ def load_frozen(model_dir: str, adapter_dir: Optional[str], task: str, model_arg
     flag = "--actor_lora_model" if task == "causal_lm" else "--reward_lora_model"
     return load_model(role_model_args(model_args, model_dir, adapter_dir), training_args, tokenizer, task,
                       config=config, trainable=False, adapter_flag=flag)
+
+
+def frozen_role_bytes(model_args, training_args, model_dir: str, config, task: str, tokenizer) -> int:
+    """Bytes of a frozen role loaded whole: its parameters (counted on the empty skeleton, embeddings grown to the
+    tokenizer; a folded adapter adds none) in the dtype load_frozen loads it in."""
+    role_args = frozen_precision(role_model_args(model_args, model_dir, None), training_args)
+    dtype = DTYPES[role_args.torch_dtype]
+    if dtype == "auto":
+        dtype = checkpoint_dtype(model_dir)
+    skeleton = empty_model(role_args, config, task, tokenizer)
+    return sum(p.numel() for p in skeleton.parameters()) * dtype.itemsize
+
+
+def check_frozen_roles_fit(model_args, training_args, tokenizer, configs: dict) -> None:
+    """Separate placement under ZeRO-3: the frozen reference and reward models never enter the engine, so every
+    process loads them whole into its CPU memory and keeps them whole on its device. Refused (before any write)
+    where they take more than FROZEN_ROLES_SHARE of either, pointing to --shared_base, where they are adapters on
+    the actor's partitioned base. All ranks agree, so all refuse together."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    size = (frozen_role_bytes(model_args, training_args, model_args.actor_model_name_or_path, configs["actor"],
+                              "causal_lm", tokenizer)
+            + frozen_role_bytes(model_args, training_args, model_args.reward_model_name_or_path, configs["reward"],
+                                "reward", tokenizer))
+    for device in dict.fromkeys([torch.device("cpu"), training_args.device]):
+        free = free_memory_bytes(device)
+        if not on_every_rank(size <= FROZEN_ROLES_SHARE * free, training_args.device):
+            memory = "share of the available CPU memory" if device.type == "cpu" else f"free {device.type} memory"
+            raise InputError(f"--shared_base false under ZeRO-3: the frozen reference and reward models take "
+                             f"{size / 1e9:.3g} GB whole on every process, more than half its {memory} "
+                             f"({free / 1e9:.3g} GB; they are not partitioned); use --shared_base true (the roles "
+                             "as adapters on the actor's partitioned base; the reward model as --reward_lora_model "
+                             "on the actor's base)")
 
 
 def load_separate_policy(model_args, training_args, tokenizer, configs: dict) -> SeparatePolicy:

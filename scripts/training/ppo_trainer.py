@@ -75,7 +75,8 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.maker = ExperienceMaker(self.model, self.args, pad_id,
                                      tokenizer.eos_token_id if answer_end_id is None else answer_end_id,
-                                     after_turn_end_ids, data_args.max_answer_seq_len)
+                                     after_turn_end_ids, data_args.max_answer_seq_len,
+                                     deepspeed_engine=lambda: self.deepspeed)
         self.stream = ExperienceStream(self.make_iteration)
         self.ema = ActorEMA(self.model, self.args.ema_beta)
         self.train_stats, self.experience_stats = SumStats(), {}

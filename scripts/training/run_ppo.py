@@ -62,6 +62,7 @@ from model_utils import (  # noqa: E402
 from ppo_policy import (  # noqa: E402
     SCORE_KEY_SUFFIX,
     actor_model_args,
+    check_frozen_roles_fit,
     critic_model_args,
     load_separate_policy,
     load_shared_policy,
@@ -219,6 +220,13 @@ class PPOArguments(CausalLMTrainingArguments):
     critic_zero_stage: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
     enable_hybrid_engine: bool = field(
         default=False, metadata={"help": "DeepSpeed-Chat: accepted; the actor generates with its training weights."}
+    )
+    generation_gather: str = field(
+        default="auto",
+        metadata={"help": "ZeRO-3: gather the actor's weights once per generation batch (per_batch), or layer by "
+                          "layer at every generated token (per_layer: slow, for an actor too big for one device); "
+                          "auto: per_batch when the whole actor takes at most half the device's free memory.",
+                  "choices": ["auto", "per_batch", "per_layer"]},
     )
 
     def __post_init__(self):
@@ -412,6 +420,8 @@ def main():
     resume_checkpoint = resolve_resume_checkpoint(training_args, model_args, data_args)
     tokenizer, configs, shared = check_models(model_args, data_args)
     check_role_loading(model_args, training_args, tokenizer, configs)
+    if not shared:
+        check_frozen_roles_fit(model_args, training_args, tokenizer, configs)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     choose_pad_token(tokenizer, chat_template)
