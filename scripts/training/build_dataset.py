@@ -21,7 +21,7 @@ from chat_templates import save_template_kwargs
 from checkpoint_state import CheckpointCompletion
 from cli import InputError
 from conversation_tokenizer import ConversationTokenizer
-from data_cache import build_or_load_cached, cache_key, file_fingerprint, tokenizer_fingerprint
+from data_cache import FingerprintMemo, build_or_load_cached, cache_key, tokenizer_fingerprint
 from data_splits import phase_part
 from pair_segments import PAIR_CHOSEN, PAIR_PADDING, PAIR_PREFIX, PAIR_REJECTED
 from records import find_pretraining_files, preference_of, read_conversations, read_documents, records_of
@@ -141,10 +141,11 @@ def build_pretraining_blocks(
     The cache key covers each file's content, the tokenizer, the block size and
     PRETRAINING_CACHE_VERSION, so a changed file or tokenizer never reuses stale blocks."""
     files = find_pretraining_files(dataset_dir)
+    memo = FingerprintMemo(cache_dir)
     key = cache_key(
         {
             "version": PRETRAINING_CACHE_VERSION,
-            "files": [(os.path.basename(path), file_fingerprint(path)) for path in files],
+            "files": [(os.path.basename(path), memo(path)) for path in files],
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "block_size": block_size,
         }
@@ -164,7 +165,7 @@ def build_pretraining_blocks(
                     block_size)
         blocks.save_to_disk(tmp_dir)
 
-    blocks, hit = build_or_load_cached(cache_dir, f"pt-{key}", build, check)
+    blocks, hit = build_or_load_cached(cache_dir, f"pt-{key}", build, check, memo)
     logger.info("pretraining blocks: cache %s (%s, %d blocks)", "hit" if hit else "miss, built", key, len(blocks))
     return blocks
 
@@ -212,6 +213,18 @@ class SavePeftModelCallback(CheckpointCompletion):
 # ----------------------------------------------------------------------------- supervised data
 
 SFT_CACHE_VERSION = "sft-2"
+PREPARE_DATA_ONLY_HELP = (
+    "Build (or check) the tokenized data cache these arguments need, print its entries and exit, without a process "
+    "group or the model: run it as one process per node (python, not torchrun) before the training launch, whose "
+    "ranks then load the cache instead of waiting at a barrier (--ddp_timeout) while one process tokenizes.")
+
+
+def check_prepare_data_only(data_args) -> None:
+    """--prepare_data_only is one process (per node): under a launcher (WORLD_SIZE > 1), the training arguments,
+    parsed next, would start the process group it does without, and every rank would wait on every other."""
+    if data_args.prepare_data_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise InputError("--prepare_data_only runs as one process per node (python script.py ...), not under "
+                         "torchrun or deepspeed: it builds the data cache without a process group")
 
 
 @dataclass
@@ -253,6 +266,10 @@ class ConversationDataArguments:
     data_cache_dir: Optional[str] = field(default=None, metadata={"help": "Where tokenized data is cached."})
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train samples."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval samples."})
+    prepare_data_only: bool = field(default=False, metadata={"help": PREPARE_DATA_ONLY_HELP})
+
+    def __post_init__(self):
+        check_prepare_data_only(self)
 
 
 # Conversations or pairs per shard of parallel tokenization: enough to amortise the hand-off.
@@ -301,10 +318,11 @@ def build_sft_dataset(
     """Conversations of every file -> tokenized, masked samples, cached. With data_split, each
     file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part.
     num_proc processes tokenize (--preprocessing_num_workers); the result does not depend on it."""
+    memo = FingerprintMemo(cache_dir)
     key = cache_key(
         {
             "version": SFT_CACHE_VERSION,
-            "files": [(os.path.abspath(p), file_fingerprint(p), p in unsplit_files) for p in files],
+            "files": [(os.path.abspath(p), memo(p), p in unsplit_files) for p in files],
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "template": template,
             "template_kwargs": template_kwargs or {},
@@ -332,7 +350,7 @@ def build_sft_dataset(
                              f"(all dropped by --max_seq_length {max_length})")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
 
-    dataset, hit = build_or_load_cached(cache_dir, f"sft-{key}", build, check)
+    dataset, hit = build_or_load_cached(cache_dir, f"sft-{key}", build, check, memo)
     logger.info("supervised samples: cache %s (%s, %d samples)", "hit" if hit else "miss, built", key, len(dataset))
     return dataset
 
@@ -367,6 +385,22 @@ def pack_samples(dataset: Dataset, max_length: int) -> Dataset:
     logger.info("packed %d samples into %d rows of at most %d tokens (%.1f%% of row capacity used)",
                 len(dataset), len(bins), max_length, 100.0 * lengths.sum() / max(len(bins) * max_length, 1))
     return Dataset.from_dict(rows)
+
+
+PACKING_CACHE_VERSION = "packed-1"
+
+
+def cached_packed_rows(dataset: Dataset, max_length: int, cache_dir: str) -> Dataset:
+    """pack_samples(dataset, max_length), cached beside the samples: packed once (the main process, first), then
+    loaded by the other ranks and by later runs. The key is the samples' datasets fingerprint (their cache entry's,
+    moved by the held-out split and --max_train_samples selections) and max_length. Not part of the run's record
+    of its data (note_data): the samples' entry is, and those selections are part of the run's identity."""
+    key = cache_key({"version": PACKING_CACHE_VERSION, "samples": dataset._fingerprint, "max_length": max_length})
+    packed, hit = build_or_load_cached(cache_dir, f"packed-{key}",
+                                       lambda tmp_dir: pack_samples(dataset, max_length).save_to_disk(tmp_dir),
+                                       record=False)
+    logger.info("packed rows: cache %s (%s, %d rows)", "hit" if hit else "miss, built", key, len(packed))
+    return packed
 
 
 # Attention implementations whose masks transformers builds from position_ids (masking_utils finds
@@ -458,10 +492,11 @@ def build_preference_dataset(
     """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to the
     end of its answer's turn: the score is read there), cached. A pair whose prompt alone fills
     max_length is refused: it cannot be scored on its answers. num_proc processes tokenize."""
+    memo = FingerprintMemo(cache_dir)
     key = cache_key(
         {
             "version": PREFERENCE_CACHE_VERSION,
-            "files": [(os.path.abspath(p), file_fingerprint(p)) for p in files],
+            "files": [(os.path.abspath(p), memo(p)) for p in files],
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "template": template,
             "template_kwargs": template_kwargs or {},
@@ -483,7 +518,7 @@ def build_preference_dataset(
             raise InputError(f"no preference pair left in {', '.join(files)}")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
 
-    dataset, hit = build_or_load_cached(cache_dir, f"pairs-{key}", build, check)
+    dataset, hit = build_or_load_cached(cache_dir, f"pairs-{key}", build, check, memo)
     logger.info("preference pairs: cache %s (%s, %d pairs)", "hit" if hit else "miss, built", key, len(dataset))
     return dataset
 

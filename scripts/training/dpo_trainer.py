@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from build_dataset import DataCollatorForPreferencePairs
-from data_cache import build_or_load_cached, cache_key, file_fingerprint
+from data_cache import FingerprintMemo, build_or_load_cached, cache_key
 from dpo_losses import REFERENCE_FREE, nll_loss, nll_weight, preference_loss, sequence_log_probs
 from pair_segments import PAIR_CHOSEN, PAIR_PREFIX
 from training_utils import ResumableTrainer
@@ -148,13 +148,13 @@ class DPOTrainer(ResumableTrainer):
         return output
 
 
-def reference_model_fingerprint(model_args) -> dict:
-    """What the reference log-probs depend on: the weights (and folded adapter) by content, the dtype
-    and quantization."""
+def reference_model_fingerprint(model_args, memo: FingerprintMemo) -> dict:
+    """What the reference log-probs depend on: the weights (and folded adapter) by content (memo: read once per
+    node, then stat), the dtype and quantization."""
     def fingerprints(directory):
         if not directory:
             return None
-        return sorted((name, file_fingerprint(os.path.join(directory, name))) for name in os.listdir(directory)
+        return sorted((name, memo(os.path.join(directory, name))) for name in os.listdir(directory)
                       if name.endswith((".safetensors", ".bin", ".json")))
 
     return {"model": fingerprints(model_args.model_name_or_path), "adapter": fingerprints(model_args.peft_path),
@@ -166,9 +166,6 @@ def with_reference_logps(dataset: Dataset, model, collator, training_args, model
     """The dataset plus the reference log-probs of each pair's answers (REFERENCE_COLUMNS), computed
     once with the adapter disabled and cached next to the tokenized pairs (the key covers the pairs
     and the reference model); every rank reads the one cached copy."""
-    key = cache_key({"version": REFERENCE_CACHE_VERSION, "pairs": dataset._fingerprint,
-                     "reference": reference_model_fingerprint(model_args)})
-
     def build(tmp_dir):
         loader = DataLoader(dataset, batch_size=training_args.per_device_eval_batch_size, collate_fn=collator)
         device, columns = training_args.device, []
@@ -181,6 +178,9 @@ def with_reference_logps(dataset: Dataset, model, collator, training_args, model
         Dataset.from_dict(dict(zip(REFERENCE_COLUMNS, table.tolist()))).save_to_disk(tmp_dir)
 
     with training_args.main_process_first(desc="reference log-probs"):
-        reference, hit = build_or_load_cached(cache_dir, f"dpo-ref-{key}", build)
+        memo = FingerprintMemo(cache_dir)
+        key = cache_key({"version": REFERENCE_CACHE_VERSION, "pairs": dataset._fingerprint,
+                         "reference": reference_model_fingerprint(model_args, memo)})
+        reference, hit = build_or_load_cached(cache_dir, f"dpo-ref-{key}", build, memo=memo)
     logger.info("reference log-probs: cache %s (%s, %d pairs)", "hit" if hit else "miss, built", key, len(reference))
     return concatenate_datasets([dataset, reference], axis=1)

@@ -20,12 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transformers import set_seed  # noqa: E402
 
 from build_dataset import (  # noqa: E402
+    PREPARE_DATA_ONLY_HELP,
     DataCollatorForPretraining,
     SavePeftModelCallback,
     build_pretraining_blocks,
+    check_prepare_data_only,
 )
 from cli import run_cli  # noqa: E402
-from data_cache import data_cache_dir  # noqa: E402
+from data_cache import data_cache_dir, report_prepared_data  # noqa: E402
 from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
 from model_utils import ModelArguments, load_model  # noqa: E402
 from training_utils import (  # noqa: E402
@@ -56,6 +58,10 @@ class DataArguments:
     preprocessing_num_workers: int = field(default=1, metadata={"help": "Processes used to tokenize."})
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train blocks."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval blocks."})
+    prepare_data_only: bool = field(default=False, metadata={"help": PREPARE_DATA_ONLY_HELP})
+
+    def __post_init__(self):
+        check_prepare_data_only(self)
 
 
 # (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
@@ -73,6 +79,8 @@ def main():
             data_args.preprocessing_num_workers,
             check=held_out_check(data_args.validation_split_percentage, training_args.seed, "blocks"),
         )
+    if data_args.prepare_data_only:
+        return report_prepared_data()
     train_dataset, eval_dataset = split_validation(blocks, data_args.validation_split_percentage, training_args.seed)
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)

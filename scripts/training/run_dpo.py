@@ -25,7 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled  # noqa: E402
 
 from build_dataset import SavePeftModelCallback  # noqa: E402
 from cli import InputError, run_cli  # noqa: E402
-from data_cache import data_cache_dir  # noqa: E402
+from data_cache import data_cache_dir, report_prepared_data  # noqa: E402
 from dpo_losses import LOSS_TYPES, REFERENCE_FREE  # noqa: E402
 from dpo_trainer import DataCollatorForAnswerLogps, DPOTrainer, with_reference_logps  # noqa: E402
 from model_utils import ModelArguments, load_model  # noqa: E402
@@ -98,6 +98,8 @@ def main():
         ARGUMENT_CLASSES, task="answer_logits", fold_adapter=True)
     check_reference(model_args, training_args)
     train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
+    if data_args.prepare_data_only:  # the reference log-probs (--precompute_ref_log_probs) need the model
+        return report_prepared_data()
 
     # The reference is base + --peft_path: that adapter is folded into the base, a new LoRA trains on top.
     model = load_model(model_args, training_args, tokenizer, task="answer_logits", config=config,

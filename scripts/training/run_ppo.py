@@ -47,7 +47,7 @@ from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from checkpoint_state import note_data  # noqa: E402
 from cli import InputError, parse_args, run_cli  # noqa: E402
 from conversation_tokenizer import ConversationTokenizer  # noqa: E402
-from data_cache import cache_key, data_cache_dir, tokenizer_fingerprint  # noqa: E402
+from data_cache import cache_key, data_cache_dir, report_prepared_data, tokenizer_fingerprint  # noqa: E402
 from model_files import check_adapter_fits_base, checkpoint_weight_names, has_tokenizer, safetensors_names  # noqa: E402
 from model_utils import (  # noqa: E402
     ModelArguments,
@@ -417,7 +417,8 @@ def main():
     training_args.mapped_flags += model_args.mapped_flags
     setup_logging(training_args)
     check_held_out_data(data_args, training_args, "prompts")
-    resume_checkpoint = resolve_resume_checkpoint(training_args, model_args, data_args)
+    resume_checkpoint = None if data_args.prepare_data_only else resolve_resume_checkpoint(training_args, model_args,
+                                                                                         data_args)
     tokenizer, configs, shared = check_models(model_args, data_args)
     check_role_loading(model_args, training_args, tokenizer, configs)
     if not shared:
@@ -442,6 +443,8 @@ def main():
                 data_args.unsupervised_dataset_dir, tokenizer,
                 data_args.max_prompt_seq_len + data_args.max_answer_seq_len, data_cache_dir(data_args.data_cache_dir),
                 data_args.preprocessing_num_workers)
+    if data_args.prepare_data_only:  # the prompts are tokenized in memory at each launch: only ptx data is cached
+        return report_prepared_data()
     set_seed(training_args.seed)
 
     logger.info("placement: %s", "shared base (one frozen base, one adapter per role)" if shared else "separate models")

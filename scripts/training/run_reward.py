@@ -31,7 +31,7 @@ from build_dataset import (  # noqa: E402
 )
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from cli import InputError, run_cli  # noqa: E402
-from data_cache import data_cache_dir  # noqa: E402
+from data_cache import data_cache_dir, report_prepared_data  # noqa: E402
 from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
 from model_utils import (  # noqa: E402
     MASKABLE_ATTENTION,
@@ -169,6 +169,8 @@ def main():
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES,
                                                                                            task="reward")
     train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
+    if data_args.prepare_data_only:
+        return report_prepared_data()
     model = load_model(model_args, training_args, tokenizer, task="reward", config=config)
     share_prefix = shares_pair_prefix(model, training_args)
     trainer = RewardTrainer(

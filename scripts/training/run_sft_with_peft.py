@@ -24,12 +24,12 @@ from build_dataset import (  # noqa: E402
     DataCollatorForSupervisedDataset,
     SavePeftModelCallback,
     build_sft_dataset,
+    cached_packed_rows,
     check_packing_attention,
-    pack_samples,
 )
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
 from cli import InputError, run_cli  # noqa: E402
-from data_cache import data_cache_dir  # noqa: E402
+from data_cache import data_cache_dir, report_prepared_data  # noqa: E402
 from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
 from model_utils import ModelArguments, choose_pad_token, load_model  # noqa: E402
 from records import find_record_files  # noqa: E402
@@ -105,13 +105,15 @@ def main():
     pad_id = choose_pad_token(tokenizer, chat_template)  # before loading: the model config takes it
     set_seed(training_args.seed)
 
-    with training_args.main_process_first(desc="tokenize the supervised data"):
+    with training_args.main_process_first(desc="tokenize and pack the supervised data"):
         train_dataset, eval_dataset = build_datasets(data_args, tokenizer, chat_template, max_length,
                                                      training_args.seed)
-    train_dataset = first_samples(train_dataset, data_args.max_train_samples)
+        train_dataset = first_samples(train_dataset, data_args.max_train_samples)
+        if training_args.packing:
+            train_dataset = cached_packed_rows(train_dataset, max_length, data_cache_dir(data_args.data_cache_dir))
+    if data_args.prepare_data_only:
+        return report_prepared_data()
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
-    if training_args.packing:
-        train_dataset = pack_samples(train_dataset, max_length)
     logger.info("train rows: %d, eval samples: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
 
     model = load_model(model_args, training_args, tokenizer, config=config)

@@ -232,6 +232,7 @@ class DeepSpeedChatDataArguments(ConversationDataArguments):
     max_seq_len: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat's --max_seq_length."})
 
     def __post_init__(self):
+        super().__post_init__()
         self.mapped_flags = []
         map_flags(self, {"max_seq_len": lambda length: ("max_seq_length", length)}, self.mapped_flags)
 
@@ -324,7 +325,9 @@ def start_run(argument_classes: tuple, task: str = "causal_lm", fold_adapter: bo
     map_half_weights_on_cpu(model_args, training_args)
     setup_logging(training_args)
     check_held_out_data(data_args, training_args)
-    resume_checkpoint = resolve_resume_checkpoint(training_args, model_args, data_args)
+    # --prepare_data_only trains nothing: no resume point to decide (a checkpoint's process count would differ).
+    resume_checkpoint = None if data_args.prepare_data_only else resolve_resume_checkpoint(training_args, model_args,
+                                                                                         data_args)
     tokenizer = load_tokenizer(model_args)
     config = load_model_config(model_args)
     check_model_inputs(model_args, config, tokenizer)
