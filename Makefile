@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_CPU_VERSION := 2.13.0
 
-.PHONY: install vendor-models lint test demo bench clean
+.PHONY: install vendor-models lint test demo bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,11 +55,19 @@ test: lint $(STAMP) $(VENDOR_STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo/run_demo.py $(if $(QUICK),--quick,)
 
-# Every benchmarks/bench_*.py in turn (each prints its table and writes outputs/bench/*.json);
+# On a machine with a CUDA GPU: LoRA SFT throughput and MFU, QLoRA, the chunked loss's peak memory and PPO's
+# iteration split at 1B and 7B shapes (benchmarks/bench_gpu.py; outputs/bench/gpu.json). Without a GPU it says so
+# and exits 2; `make gpu-check ARGS=--cpu_smoke` runs its code paths on tiny shapes on the CPU.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/bench_gpu.py $(ARGS)
+
+# Every benchmarks/bench_*.py but bench_gpu.py (make gpu-check) in turn (each prints its table and writes
+# outputs/bench/*.json);
 # requirements-bench.txt holds the baselines they compare against (TRL).
 bench: $(STAMP)
 	$(PIP) install -q -r requirements-bench.txt
-	@set -e; for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script; done
+	@set -e; for script in benchmarks/bench_*.py; do \
+		if [ $$script = benchmarks/bench_gpu.py ]; then continue; fi; echo "== $$script"; $(PY) $$script; done
 
 clean:
 	rm -rf outputs .cache .pytest_cache
