@@ -3,6 +3,9 @@
 import json
 import os
 import random
+import re
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,6 +74,7 @@ def test_shared_prefix_rows_give_the_scores_and_gradients_of_separate_rows(atten
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model_args = ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0,
                                 attn_implementation=attention)
+    torch.manual_seed(0)  # the new score head and the LoRA B draws below: the same whatever ran before
     model = load_model(model_args, ToolkitTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"),
                        tokenizer, task="reward")
     assert model.config._attn_implementation == attention
@@ -166,20 +170,110 @@ def test_learns_a_marker_preference_and_reloads_exactly(tiny_model_dir, marker_f
         assert abs(plain(row).logits.item() - score_sequences(merged, row, torch.ones_like(row)).item()) <= 1e-5
 
 
+def stage_reward_adapter(model_dir, adapter_dir):
+    """A reward adapter (LoRA with non-zero updates + score head) and its tokenizer saved as run_reward.py saves
+    them: the stage's chat template and pad token (not EOS, which ends every row). Returns the tokenizer."""
+    from build_dataset import save_adapter
+    from chat_templates import parse_template_kwargs, use_template
+    from model_utils import ModelArguments, choose_pad_token, load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    choose_pad_token(tokenizer, use_template("human_assistant", tokenizer, parse_template_kwargs(None, None)))
+    model = load_model(ModelArguments(model_name_or_path=model_dir, torch_dtype="float32", lora_dropout=0.0), None,
+                       tokenizer, task="reward")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    save_adapter(model, tokenizer, str(adapter_dir), True)
+    return tokenizer
+
+
+def test_merged_reward_model_scores_as_base_plus_adapter_and_a_failed_merge_publishes_nothing(
+        tiny_model_dir, tmp_path):
+    """--merge_on_save's merge (the streaming LoRA merge in a child process) scores padded rows as peft's base +
+    adapter does, loaded by transformers' own classifier and by PPO's reward loader; config.json is a one-label
+    sequence classifier with the stage's pad token in the base's dtype, the tokenizer and chat template beside
+    it. A merge that fails (a damaged adapter) stops with the merge's own message and leaves no rm_merged_model:
+    neither a partial one nor the earlier run's, merged from another adapter."""
+    from peft import PeftModel
+
+    from cli import ReportedError
+    from model_utils import ModelArguments, load_model, score_sequences
+    from run_ppo import check_reward_source
+    from run_reward import save_merged
+
+    out = tmp_path / "out"
+    tokenizer = stage_reward_adapter(tiny_model_dir, out / "rm_lora_model")
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    stage_args = SimpleNamespace(output_dir=str(out))
+    save_merged(ModelArguments(model_name_or_path=tiny_model_dir), stage_args)
+    merged_dir = out / "rm_merged_model"
+
+    config = json.loads((merged_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+    assert config["pad_token_id"] == tokenizer.pad_token_id
+    with open(os.path.join(tiny_model_dir, "config.json"), encoding="utf-8") as handle:
+        assert config["dtype"] == json.load(handle)["dtype"] == "float32"
+    merged_tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    assert merged_tokenizer.chat_template == tokenizer.chat_template and "Assistant:" in tokenizer.chat_template
+    assert merged_tokenizer.pad_token_id == tokenizer.pad_token_id
+
+    rows = [tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+            for text in ("我们 今天 学习 the quick fox", "北京 天气 很好", "人民 日报 经济 发展 科学 技术 jumps over")]
+    width = max(len(row) for row in rows)
+    input_ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32,
+                                                              pad_token_id=tokenizer.pad_token_id)
+    reference = PeftModel.from_pretrained(base, out / "rm_lora_model").eval()
+    plain = AutoModelForSequenceClassification.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    check_reward_source(str(merged_dir), None, "--reward_model_name_or_path")
+    ppo_reward = load_model(ModelArguments(model_name_or_path=str(merged_dir), torch_dtype="float32"), None,
+                            tokenizer, task="reward", trainable=False)
+    with torch.no_grad():
+        expected = reference(input_ids=input_ids, attention_mask=mask).logits.squeeze(-1)
+        scores = [plain(input_ids=input_ids, attention_mask=mask).logits.squeeze(-1),
+                  score_sequences(ppo_reward, input_ids, mask)]
+    assert expected.std() > 1e-3  # the rows score differently
+    for score in scores:
+        assert (score - expected).abs().max().item() <= 1e-4, (score, expected)
+
+    weights = out / "rm_lora_model" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ReportedError) as failure:
+        save_merged(ModelArguments(model_name_or_path=tiny_model_dir), stage_args)
+    message = str(failure.value)  # the merge's own reason (its one line on stderr) and how to redo it
+    assert re.search(rf"rm_merged_model: merging .* failed \(exit status 2: {re.escape(str(weights))}: ", message)
+    assert failure.value.exit_status == 1 and "merge_llama_with_lora.py --base_model" in message
+    assert sorted(os.listdir(out)) == ["rm_lora_model"]
+
+
 @pytest.mark.parametrize("config", ["ds_zero2_no_offload", "ds_zero3_no_offload"])
 def test_reward_deepspeed_two_processes(config, tiny_model_dir, marker_files, tmp_path):
+    """Two ranks train and save; --merge_on_save merges only once every rank has finished and the process group
+    is destroyed, in a separate process (no rank waits at a barrier bounded by --ddp_timeout meanwhile)."""
     train, valid = marker_files
     out = tmp_path / "out"
     args = tiny_rm_args(tiny_model_dir, out, tmp_path / "cache", data_path=train, validation_file=valid,
-                        max_steps=4, save_steps=4, max_eval_samples=16,
+                        max_steps=4, save_steps=4, max_eval_samples=16, merge_on_save=True,
                         deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
-    assert_ok(run_script(args, nproc=2, script=RM_SCRIPT))
+    result = run_script(args, nproc=2, script=RM_SCRIPT)
+    assert_ok(result)
     losses = [e["loss"] for e in log_history(out) if "loss" in e]
     assert len(losses) == 4 and all(0 < loss < 5 for loss in losses)
     weights = adapter_weights(out / "rm_lora_model")
     score = next(v for k, v in weights.items() if "score" in k)
     assert score.shape == (1, 64)
     assert "eval_accuracy" in json.loads((out / "eval_results.json").read_text())
+    output = result.stdout
+    destroyed = output.index("every rank has finished: process group destroyed")
+    assert destroyed < output.index("merging in a separate process") < output.index("merged 1 adapter(s) into")
+    assert output.count("merged 1 adapter(s) into") == 1
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "rm_merged_model")
+    assert merged.config.pad_token_id == AutoTokenizer.from_pretrained(out / "rm_lora_model").pad_token_id
+    assert merged.score.weight.shape == (1, 64)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_process", "zero2_two_processes"])
@@ -232,6 +326,22 @@ def test_reward_bad_input_is_refused_cleanly(case, bad, expected, tiny_model_dir
     args = tiny_rm_args(tiny_model_dir, out, cache, data_path=data)
     check_refused(refuse(RM_SCRIPT, args, in_process=case != "missing_chosen"), expected)
     assert not out.exists()
+
+
+def test_merge_on_save_into_a_base_without_safetensors_is_refused_before_training(tiny_model_dir, tmp_path):
+    """The merge reads safetensors: a .bin-only base is refused before anything is trained or written."""
+    from safetensors.torch import load_file
+
+    base = tmp_path / "bin_base"  # the tiny model with its weights as an older checkpoint's pytorch_model.bin
+    shutil.copytree(tiny_model_dir, base, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(os.path.join(tiny_model_dir, "model.safetensors")), base / "pytorch_model.bin")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(GOOD_PAIR, ensure_ascii=False) + "\n")
+    out = tmp_path / "out"
+    args = tiny_rm_args(str(base), out, tmp_path / "cache", data_path=data, merge_on_save=True)
+    check_refused(refuse(RM_SCRIPT, args, in_process=True),
+                  f"{base}: --merge_on_save merges into safetensors weights and this --model_name_or_path has none")
+    assert not out.exists() and not (tmp_path / "cache").exists()
 
 
 def test_identical_pairs_are_dropped_and_counted(tiny_tokenizer_dir, tmp_path, caplog):

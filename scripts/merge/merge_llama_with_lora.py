@@ -10,7 +10,8 @@ fan_in_fan_out layers and embeddings), with scaling = alpha / r, or alpha / sqrt
 and r / alpha taken per module from rank_pattern / alpha_pattern. Whole tensors an adapter saved
 (modules_to_save: embeddings, lm_head, a score head) replace the base's, which is how an
 extended vocabulary arrives: the embedding rows come from the adapter and config.json's
-vocab_size follows.
+vocab_size follows. A score head makes the result a sequence classifier (a reward model) whose
+pad_token_id is that of the tokenizer copied beside it.
 
 Memory: the base's safetensors files are read with plain reads, never mapped or loaded whole,
 and every output tensor is computed and written in row chunks of at most --chunk_mb of float32,
@@ -675,6 +676,43 @@ def tokenizer_size(directory: str) -> Optional[int]:
     return max(ids) + 1 if ids else None
 
 
+def tokenizer_pad_id(directory: str) -> Optional[int]:
+    """The id of the pad token that directory's tokenizer_config.json (or special_tokens_map.json) names,
+    looked up in its tokenizer.json; None where any of them is missing."""
+    pad_token = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(directory, name)
+        if pad_token is None and os.path.isfile(path):
+            pad_token = read_json(path, name).get("pad_token")
+    if isinstance(pad_token, dict):  # a serialized AddedToken
+        pad_token = pad_token.get("content")
+    path = os.path.join(directory, "tokenizer.json")
+    if not isinstance(pad_token, str) or not os.path.isfile(path):
+        return None
+    data = read_json(path, "tokenizer.json")
+    for token in data.get("added_tokens") or []:
+        if token.get("content") == pad_token:
+            return token.get("id")
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        return vocab.get(pad_token)
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs in id order
+        return next((i for i, entry in enumerate(vocab) if entry and entry[0] == pad_token), None)
+    return None
+
+
+def plan_classifier_pad_token(plan: MergePlan, tokenizer_dir: str) -> None:
+    """transformers' sequence classifiers score each row at its last token that is not config.json's
+    pad_token_id: it must be the pad token of the tokenizer copied beside the model (the one the adapter was
+    trained with), not the base's, or rows are read at the wrong position (or, without one, refused)."""
+    pad_id = tokenizer_pad_id(tokenizer_dir)
+    if pad_id is None or plan.config.get("pad_token_id") == pad_id:
+        return
+    plan.notes.append(f"pad_token_id {plan.config.get('pad_token_id')} -> {pad_id} "
+                      f"(the pad token of the tokenizer from {tokenizer_dir})")
+    plan.config["pad_token_id"] = pad_id
+
+
 def choose_tokenizer(base_path: str, adapter_paths: list) -> tuple:
     """(directory, files): the last adapter's tokenizer (it may carry an extended vocabulary and
     the chat template training used), else the base's."""
@@ -842,6 +880,8 @@ def main(argv=None) -> None:
     workspace = Workspace()
     plan = plan_merge(base, adapters, workspace)
     check_tokenizer_fits(tokenizer_dir, tokens, plan, base)
+    if plan.sequence_classification and tokenizer_names:
+        plan_classifier_pad_token(plan, tokenizer_dir)
     layout = shard_layout(plan, base, max_shard_size)
     total = sum(tensor.nbytes for _, tensors in layout for tensor in tensors)
     warn_about_leftovers(args.output_dir)

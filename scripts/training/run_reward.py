@@ -8,12 +8,15 @@ pair scores above the rejected one.
         --output_dir OUT --do_train --deepspeed ds_configs/ds_zero2_no_offload.json ...
 
 Writes checkpoint-N/ (resumable), OUT/rm_lora_model/ (adapter + score head + tokenizer) and,
-with --merge_on_save, OUT/rm_merged_model/ (a plain model the PPO stage loads as reward/critic).
+with --merge_on_save, OUT/rm_merged_model/ (a plain model the PPO stage loads as reward/critic),
+merged by scripts/merge/merge_llama_with_lora.py in a separate process once every rank is done.
 """
 
-import dataclasses
 import logging
 import os
+import shlex
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 
@@ -30,13 +33,13 @@ from build_dataset import (  # noqa: E402
     build_preference_dataset,
 )
 from chat_templates import parse_template_kwargs, use_template  # noqa: E402
-from cli import InputError, run_cli  # noqa: E402
+from cli import InputError, ReportedError, in_process_group, leave_process_group, run_cli  # noqa: E402
 from data_cache import data_cache_dir, report_prepared_data  # noqa: E402
 from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
+from model_files import checkpoint_shapes  # noqa: E402
 from model_utils import (  # noqa: E402
     MASKABLE_ATTENTION,
     ModelArguments,
-    checkpoint_dtype,
     choose_pad_token,
     load_model,
     score_pairs,
@@ -53,6 +56,9 @@ from training_utils import (  # noqa: E402
 )
 
 logger = logging.getLogger(__name__)
+
+MERGE_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "merge",
+                          "merge_llama_with_lora.py")
 
 
 @dataclass
@@ -123,15 +129,53 @@ def build_datasets(data_args: RewardDataArguments, tokenizer, chat_template, max
     return split_validation(train, data_args.validation_split_percentage, seed, "pairs")
 
 
-def save_merged(model_args, training_args, tokenizer, config) -> None:
-    """Base + trained adapter merged into a plain sequence classifier (main process, CPU, in float32,
-    so each weight is rounded once), saved in the base's dtype with the tokenizer and its pad token."""
-    trained = dataclasses.replace(model_args, peft_path=os.path.join(training_args.output_dir, "rm_lora_model"),
-                                  torch_dtype="float32", load_in_kbits=16)
-    merged = load_model(trained, None, tokenizer, task="reward", config=config, trainable=False)
+def check_mergeable(model_args, training_args) -> None:
+    """--merge_on_save reads the base's safetensors files: a base without any is refused before training, not
+    after it."""
+    base = model_args.model_name_or_path
+    if training_args.merge_on_save and not model_args.full_finetuning and not checkpoint_shapes(base):
+        raise InputError(f"{base}: --merge_on_save merges into safetensors weights and this --model_name_or_path has "
+                         "none (pytorch_model*.bin?): re-save it with save_pretrained, or drop --merge_on_save")
+
+
+def merge_after_every_rank(model_args, training_args) -> None:
+    """--merge_on_save once the run is complete on every rank: the other ranks end (their last barrier), the main
+    process destroys the process group and only then merges (save_merged), so that no rank waits at a barrier
+    bounded by --ddp_timeout however long the merge of a large base takes."""
+    is_main = training_args.should_save
+    if in_process_group():
+        if not is_main:
+            leave_process_group()  # the last barrier, then this process ends
+        torch.distributed.barrier()  # every rank's adapter, metrics and state are on disk
+        torch.distributed.destroy_process_group()
+        logger.info("every rank has finished: process group destroyed")
+    if is_main:
+        save_merged(model_args, training_args)
+
+
+def save_merged(model_args, training_args) -> None:
+    """OUT/rm_merged_model: the base + OUT/rm_lora_model folded by the streaming LoRA merge in a child process
+    (tensor by tensor in bounded memory, in float32 rounded once to the base's dtype; the adapter's tokenizer
+    and pad token; built in a temporary sibling and renamed into place when complete), replacing the one an
+    earlier run left. A failed merge stops the run (exit status 1) with the merge's reason and the command that
+    redoes it."""
+    adapter = os.path.join(training_args.output_dir, "rm_lora_model")
     target = os.path.join(training_args.output_dir, "rm_merged_model")
-    merged.to(checkpoint_dtype(model_args.model_name_or_path)).save_pretrained(target)
-    tokenizer.save_pretrained(target)
+    if os.path.isdir(target):
+        logger.info("removing %s: merged from an earlier run's adapter", target)
+        shutil.rmtree(target)
+    command = [sys.executable, MERGE_TOOL, "--base_model", model_args.model_name_or_path, "--lora_model", adapter,
+               "--output_dir", target]
+    logger.info("merging in a separate process: %s", shlex.join(command))
+    # Not a rank: its refusal goes to stderr, where it is read here, not to a launcher's per-rank error file.
+    env = {name: value for name, value in os.environ.items() if name != "TORCHELASTIC_ERROR_FILE"}
+    merge = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True, check=False)
+    sys.stderr.write(merge.stderr)
+    if merge.returncode != 0:
+        reason = ([line for line in merge.stderr.splitlines() if line.strip()] or ["no message"])[-1]
+        raise ReportedError(f"{target}: merging {adapter} into {model_args.model_name_or_path} failed (exit status "
+                            f"{merge.returncode}: {reason.removeprefix('error: ')}); nothing was written there. The "
+                            f"trained adapter is complete: merge it with {shlex.join(command)}")
     logger.info("merged reward model written to %s", target)
 
 
@@ -168,6 +212,7 @@ def shares_pair_prefix(model, training_args) -> bool:
 def main():
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES,
                                                                                            task="reward")
+    check_mergeable(model_args, training_args)
     train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
     if data_args.prepare_data_only:
         return report_prepared_data()
@@ -185,8 +230,8 @@ def main():
         callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("rm_lora_model")],
     )
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
-    if training_args.merge_on_save and not model_args.full_finetuning and training_args.should_save:
-        save_merged(model_args, training_args, tokenizer, config)
+    if training_args.merge_on_save and not model_args.full_finetuning:
+        merge_after_every_rank(model_args, training_args)
 
 
 if __name__ == "__main__":
