@@ -293,3 +293,68 @@ def test_ppo_training_pass_equals_the_full_logits(tiny_model_dir, small_chunks):
         torch.testing.assert_close(chunked_gradients[name], gradient, atol=1e-5, rtol=1e-4)
     assert largest >= answers.numel() * vocab_size * 4
     assert chunked_largest <= 5 * vocab_size * 4
+
+
+# ----------------------------------------------------------------------------- a real family's head
+
+
+# As test_family_stages' learnable Qwen3 copy: the final norm scaled so that the logits span a trained model's range
+# (hundreds), where float32 rounding in a loss over 151k logits shows.
+QWEN3_NORM_SCALE = 32
+
+
+def float64_loss_and_gradients(model, batch: dict, num_items_in_batch):
+    """The causal-LM loss and gradients computed in float64 throughout: the reference both float32 paths are
+    measured against (transformers' own loss upcasts half-precision logits to float32, and so casts float64 down)."""
+    from training_utils import without_labels
+
+    model.double()
+    model.zero_grad()
+    logits = model(**without_labels(batch)).logits
+    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    (loss / num_items_in_batch).backward()
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.float()
+    return (loss / num_items_in_batch).detach(), gradients
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value.double() - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("adapter", [{}, {"modules_to_save": "embed_tokens,lm_head"}],
+                         ids=["lora", "trained_tied_embeddings"])
+def test_chunked_loss_on_qwen3s_tied_head(adapter, family_model_dir, tmp_path, small_chunks):
+    """Qwen3 (tied embeddings, a 151k vocabulary; with --modules_to_save one trained copy shared by both ends) at
+    a trained model's logit range, the fixture on which test_family_stages' SFT runs: the chunked loss and every
+    gradient equal transformers' own, and are at least as close as transformers' own to the float64 loss."""
+    from training_utils import build_trainer
+
+    args = training_args(tmp_path, True)
+    model, tokenizer = lora_model(family_model_dir("qwen3"), args, **adapter)
+    with torch.no_grad():
+        model.get_base_model().get_decoder().norm.weight.mul_(QWEN3_NORM_SCALE)
+        for name, param in model.named_parameters():  # LoRA A gets a gradient only where B is not zero
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(1))
+    vocab_size = model.config.vocab_size
+    small_chunks(vocab_size)
+    trainer = build_trainer(model, args, tokenizer, None, None, None, [])
+    batch = sft_batch(vocab_size, packed=False)
+    counted = (batch["labels"][:, 1:] != -100).sum()
+    reference_loss, reference = float64_loss_and_gradients(model, batch, counted)
+    results = {}
+    for chunked in (False, True):
+        trainer.args.chunked_loss, trainer.chunked_loss_exact = chunked, None
+        results[chunked] = loss_and_gradients(trainer, batch, counted)
+    assert trainer.chunked_loss_exact is True
+    (loss, gradients, _), (chunked_loss_value, chunked_gradients, _) = results[False], results[True]
+    torch.testing.assert_close(chunked_loss_value, loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_loss_value.double(), reference_loss, atol=0, rtol=1e-6)
+    assert chunked_gradients.keys() == gradients.keys() == reference.keys() and len(gradients) >= 8
+    for name, gradient in gradients.items():
+        # Measured: transformers' own 6e-6..9e-6 from float64 (its float32 cross-entropy over 151k logits of
+        # magnitude ~100), the chunked one 6e-7..5e-6.
+        assert relative_error(chunked_gradients[name], gradient.double()) < 5e-5, name
+        assert relative_error(chunked_gradients[name], reference[name]) <= relative_error(gradient, reference[name])
