@@ -40,6 +40,9 @@ def test_loss_falls_and_eval_perplexity_falls(tiny_model_dir, pretrain_dir, tmp_
         assert (adapter / "adapter_model.safetensors").is_file()
         assert (adapter / "tokenizer_config.json").is_file()
         assert not (adapter / "pt_lora_model").exists()
+    # A checkpoint's adapter directory links the Trainer's copy of the same bytes instead of a second copy.
+    assert os.path.samefile(out / "checkpoint-15" / "pt_lora_model" / "adapter_model.safetensors",
+                            out / "checkpoint-15" / "adapter_model.safetensors")
     final = adapter_weights(out / "pt_lora_model")
     last_checkpoint = adapter_weights(out / "checkpoint-30" / "pt_lora_model")
     assert all(torch.equal(final[key], last_checkpoint[key]) for key in final)
@@ -66,6 +69,9 @@ def test_deepspeed_two_processes(config, tiny_model_dir, varied_pretrain_dir, tm
     adapters = sorted(str(p.parent.relative_to(out)) for p in out.rglob("adapter_model.safetensors"))
     assert adapters == ["checkpoint-3", "checkpoint-3/pt_lora_model", "checkpoint-6",
                         "checkpoint-6/pt_lora_model", "pt_lora_model"]
+    linked = [os.path.samefile(out / step / "pt_lora_model" / "adapter_model.safetensors",
+                               out / step / "adapter_model.safetensors") for step in ("checkpoint-3", "checkpoint-6")]
+    assert linked == [True, True]
     weights = adapter_weights(out / "pt_lora_model")
     lora_a = weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     assert lora_a.shape == (8, 64)

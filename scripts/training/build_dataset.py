@@ -4,6 +4,7 @@ cache from data_cache.py, the answer masks from conversation_tokenizer.py."""
 
 import logging
 import os
+import shutil
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import chain
@@ -23,6 +24,7 @@ from cli import InputError
 from conversation_tokenizer import ConversationTokenizer
 from data_cache import FingerprintMemo, build_or_load_cached, cache_key, tokenizer_fingerprint
 from data_splits import phase_part
+from model_files import link_identical_files
 from pair_segments import PAIR_CHOSEN, PAIR_PADDING, PAIR_PREFIX, PAIR_REJECTED
 from records import find_pretraining_files, preference_of, read_conversations, read_documents, records_of
 from zero3 import gathered
@@ -203,7 +205,13 @@ class SavePeftModelCallback(CheckpointCompletion):
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
         checkpoint_dir = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        save_adapter(model, processing_class, os.path.join(checkpoint_dir, self.adapter_dir_name), args.should_save)
+        adapter_dir = os.path.join(checkpoint_dir, self.adapter_dir_name)
+        if args.should_save and os.path.isdir(adapter_dir):
+            # Rewritten in place, a file hard-linked to the Trainer's copy would change that copy too.
+            shutil.rmtree(adapter_dir)
+        save_adapter(model, processing_class, adapter_dir, args.should_save)
+        if args.should_save:
+            link_identical_files(adapter_dir, checkpoint_dir)
         super().on_save(args, state, control, **kwargs)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
