@@ -1,10 +1,10 @@
 """Benchmark: the memory of one PPO iteration at a large vocabulary, with and without full-vocabulary
 float32 logits (issue 15, item 3).
 
-* before - run_ppo.py --chunked_loss false (the default): generate(output_logits=True) keeps every step's logits and
+* before - run_ppo.py --chunked_loss false: generate(output_logits=True) keeps every step's logits and
            stacks them ([B, A, V] float32, twice while stacking) for the sampled tokens' log-probs and
            entropy; the reference's and the actor's log-probs come from [B, A, V] logits.
-* after  - run_ppo.py --chunked_loss true: each sampled token's log-prob and
+* after  - run_ppo.py --chunked_loss true (the default): each sampled token's log-prob and
            entropy are recorded as it is sampled (one step's [B, V] at a time); log-probs come from
            the hidden states over chunks of positions (scripts/training/chunked_loss.py), the
            actor's head checkpointed chunk by chunk for the backward pass.

@@ -349,7 +349,10 @@ def test_chunked_loss_on_qwen3s_tied_head(adapter, family_model_dir, tmp_path, s
         trainer.args.chunked_loss, trainer.chunked_loss_exact = chunked, None
         results[chunked] = loss_and_gradients(trainer, batch, counted)
     assert trainer.chunked_loss_exact is True
-    (loss, gradients, _), (chunked_loss_value, chunked_gradients, _) = results[False], results[True]
+    (loss, gradients, largest), (chunked_loss_value, chunked_gradients, chunked_largest) = results[False], results[True]
+    # Chunks of 5 positions with the tied trained copy too (whose peft wrapper reports the hidden size as its
+    # out_features): never the whole batch's logits.
+    assert chunked_largest <= 5 * vocab_size * 4 < largest
     torch.testing.assert_close(chunked_loss_value, loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked_loss_value.double(), reference_loss, atol=0, rtol=1e-6)
     assert chunked_gradients.keys() == gradients.keys() == reference.keys() and len(gradients) >= 8
@@ -358,3 +361,24 @@ def test_chunked_loss_on_qwen3s_tied_head(adapter, family_model_dir, tmp_path, s
         # magnitude ~100), the chunked one 6e-7..5e-6.
         assert relative_error(chunked_gradients[name], gradient.double()) < 5e-5, name
         assert relative_error(chunked_gradients[name], reference[name]) <= relative_error(gradient, reference[name])
+
+
+def test_head_width_is_the_vocabulary_for_every_kind_of_head():
+    """A plain head, peft's trained copy of a tied lm_head (whose out_features is the hidden size) and of an untied
+    one, and a ZeRO-3-partitioned weight (empty, its shape in ds_shape): each chunk is sized by the vocabulary."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    widths = {}
+    for tied in (True, False):
+        config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+        model = get_peft_model(LlamaForCausalLM(config), LoraConfig(
+            target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"], ensure_weight_tying=tied))
+        widths["tied copy" if tied else "untied copy"] = chunked_loss.head_width(model.get_output_embeddings())
+    plain = torch.nn.Linear(32, 1000, bias=False)
+    widths["plain"] = chunked_loss.head_width(plain)
+    plain.weight.data, plain.weight.ds_shape = torch.empty(0), torch.Size([1000, 32])
+    widths["partitioned"] = chunked_loss.head_width(plain)
+    assert widths == {"tied copy": 1000, "untied copy": 1000, "plain": 1000, "partitioned": 1000}
+    assert chunked_loss.chunk_positions(plain) == chunked_loss.LOGITS_PER_CHUNK // 1000

@@ -12,6 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import estimate_memory as em
+from chunked_loss import causal_lm_loss
 from helpers.commands import check_refused, run_in_process
 
 SCRIPT = em.__file__
@@ -125,9 +126,10 @@ def test_quantized_base_bytes_are_what_bitsandbytes_stores(tiny_config_dir, kbit
     assert counts.trainable == counts_for(tiny_config_dir).trainable  # the same LoRA on a quantized base
 
 
-def saved_bytes_per_token(layers: int, checkpointing: bool, vocab_size: int = TINY["vocab_size"]) -> float:
+def saved_bytes_per_token(layers: int, checkpointing: bool, vocab_size: int = TINY["vocab_size"],
+                          chunked: bool = False) -> float:
     """What autograd keeps for backward after one forward of a tiny bf16 Llama with LoRA (all-linear,
-    dropout 0.05), per token; the weights themselves left out."""
+    dropout 0.05) and its loss (transformers' own, or the chunked loss), per token; the weights left out."""
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY, "num_hidden_layers": layers, "vocab_size": vocab_size}, attn_implementation="sdpa")
     model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16),
@@ -148,7 +150,11 @@ def saved_bytes_per_token(layers: int, checkpointing: bool, vocab_size: int = TI
     batch, length = 2, 32
     ids = torch.randint(vocab_size, (batch, length))
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        model(input_ids=ids, labels=ids, use_cache=False)
+        if chunked:
+            outputs = model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            causal_lm_loss(outputs.hidden_states[-1], model.get_output_embeddings(), ids)
+        else:
+            model(input_ids=ids, labels=ids, use_cache=False)
     return sum(kept.values()) / (batch * length)
 
 
@@ -160,6 +166,21 @@ def test_activation_rule_matches_what_autograd_keeps():
     assert per_checkpoint == em.CHECKPOINT_BYTES_PER_HIDDEN * TINY["hidden_size"]
     per_vocab_entry = (saved_bytes_per_token(1, True, vocab_size=600) - saved_bytes_per_token(1, True)) / 300
     assert per_vocab_entry == 4  # the fp32 log-softmax, one of LOGIT_BYTES' three tensors
+
+
+def test_chunked_loss_keeps_no_logits_for_backward_and_the_estimate_holds_one_chunk():
+    """The chunked loss (training's default) keeps nothing per token and vocabulary entry for backward (each
+    chunk's logits are recomputed there), so the estimate's loss term is one chunk's, whatever the tokens."""
+    per_vocab_entry = (saved_bytes_per_token(1, True, vocab_size=600, chunked=True)
+                       - saved_bytes_per_token(1, True, chunked=True)) / 300
+    assert per_vocab_entry == 0
+    config = LlamaConfig(**{**TINY, "vocab_size": 32_000})
+    chunk = (em.LOGITS_PER_CHUNK // 32_000) * em.LOGIT_BYTES * 32_000
+    for tokens in (1024, 8192):
+        full = em.activation_bytes(config, 8, tokens, checkpointing=True, chunked_loss=False)
+        chunked = em.activation_bytes(config, 8, tokens, checkpointing=True, chunked_loss=True)
+        assert full - chunked == tokens * em.LOGIT_BYTES * 32_000 - chunk
+    assert em.loss_bytes(32_000, 100, chunked_loss=True) == 100 * em.LOGIT_BYTES * 32_000  # less than a chunk
 
 
 def test_smallest_fit_takes_the_fewest_gpus_that_fit():

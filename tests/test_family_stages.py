@@ -76,7 +76,9 @@ TRAINING_OPTIONS = {"per_device_train_batch_size": 4, "learning_rate": 1e-2, "wa
                     "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no", "seed": 42,
                     "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0, "torch_dtype": "float32",
                     "report_to": "none", "dataloader_num_workers": 0}
-SFT_STEPS = 12
+# Enough steps for every prompt's answer to end its turn (5 of 5 on Qwen3 and Phi-3.5 at 24 steps; at 12, one or
+# none of Qwen3's, as float32 rounding fell): the turn-end test below then does not hang on rounding luck.
+SFT_STEPS = 24
 PPO_STEP_KEYS = ("reward_mean", "score_mean", "kl", "policy_loss", "value_loss", "loss")
 
 

@@ -24,9 +24,22 @@ LOGITS_PER_CHUNK = 1 << 24
 IGNORE_INDEX = -100
 
 
+def head_width(head) -> int:
+    """The head's output width, the vocabulary: its weight's rows (under ZeRO-3 the partitioned weight's ds_shape),
+    or out_features where the weight is a quantized pack. Not out_features first: peft's ModulesToSaveWrapper of a
+    tied lm_head (--modules_to_save embed_tokens,lm_head with ensure_weight_tying) reports the hidden size there,
+    which made each chunk vocabulary/hidden times too wide."""
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        shape = tuple(getattr(weight, "ds_shape", None) or weight.shape)
+        if len(shape) == 2:
+            return shape[0]
+    return getattr(head, "out_features", None) or 1
+
+
 def chunk_positions(head) -> int:
-    """Positions per chunk for a head of its output width (out_features of nn.Linear and of peft's wrappers)."""
-    return max(1, LOGITS_PER_CHUNK // max(1, getattr(head, "out_features", None) or 1))
+    """Positions per chunk for a head of its output width."""
+    return max(1, LOGITS_PER_CHUNK // max(1, head_width(head)))
 
 
 def _chunk_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from chunked_loss import LOGITS_PER_CHUNK  # noqa: E402
 from cli import InputError, parse_args, read_json, run_cli  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,8 +93,9 @@ BNB_4BIT_CODE_BYTES = 16 * FP32_BYTES
 LAYER_BYTES_PER = {"hidden": 60, "intermediate": 14, "kv": 4, "heads": 4, "rank": 28, "fixed": 8}
 # Activation checkpointing keeps only each layer's 16-bit input: 2 bytes per hidden unit per layer.
 CHECKPOINT_BYTES_PER_HIDDEN = 2
-# The loss per vocabulary entry: 16-bit logits, the fp32 copy transformers' loss makes and its fp32
-# log-softmax, which cross-entropy keeps for backward (the 4 bytes autograd was seen to keep).
+# The loss per logit: 16-bit logits, the fp32 copy the loss makes and its fp32 log-softmax, which
+# cross-entropy keeps for backward (the 4 bytes autograd was seen to keep). transformers' loss holds them for
+# every token at once; --chunked_loss (training's default) for one chunk of LOGITS_PER_CHUNK at a time.
 LOGIT_BYTES = 2 + FP32_BYTES + FP32_BYTES
 
 
@@ -119,6 +121,9 @@ class EstimateArguments:
         metadata={"help": "Precision of the frozen weights and activations (the run's --bf16/--fp16).",
                   "choices": list(TRAINING_DTYPES)})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per GPU per step."})
+    chunked_loss: bool = field(
+        default=True, metadata={"help": "As in training (its default): the loss holds one chunk of logits at a "
+                                        "time; false: transformers' loss over every token's logits."})
     max_seq_length: int = field(default=1024, metadata={"help": "Tokens per sequence (--block_size in pt)."})
     fit_table: bool = field(
         default=False,
@@ -329,13 +334,20 @@ def layer_activation_bytes(config, lora_rank: int) -> int:
             + LAYER_BYTES_PER["rank"] * lora_rank + LAYER_BYTES_PER["fixed"])
 
 
-def activation_bytes(config, lora_rank: int, tokens: int, checkpointing: bool) -> int:
+def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
+    """The loss's logits, their fp32 copy and log-softmax (LOGIT_BYTES each): for every token, or with the
+    chunked loss for the positions of one chunk (chunked_loss.chunk_positions)."""
+    positions = min(tokens, max(1, LOGITS_PER_CHUNK // vocab_size)) if chunked_loss else tokens
+    return positions * LOGIT_BYTES * vocab_size
+
+
+def activation_bytes(config, lora_rank: int, tokens: int, checkpointing: bool, chunked_loss: bool = True) -> int:
     """Per-GPU activation bytes for `tokens` tokens (batch x sequence length) of a Llama-family model.
 
     With activation checkpointing: each decoder layer's 16-bit input (2 x layers x tokens x hidden
     bytes), plus one layer's activations while it is recomputed in backward, plus the loss over the
-    vocabulary: the 16-bit logits, their fp32 copy and the fp32 log-softmax kept for backward, alive
-    together. Without it, every layer's activations are kept. An upper bound: the loss and a
+    vocabulary (loss_bytes): the 16-bit logits, their fp32 copy and the fp32 log-softmax kept for backward,
+    alive together. Without it, every layer's activations are kept. An upper bound: the loss and a
     layer's recompute do not peak at the same time."""
     per_layer = layer_activation_bytes(config, lora_rank)
     layers = config.num_hidden_layers
@@ -343,7 +355,7 @@ def activation_bytes(config, lora_rank: int, tokens: int, checkpointing: bool) -
         kept = CHECKPOINT_BYTES_PER_HIDDEN * config.hidden_size * layers + per_layer
     else:
         kept = per_layer * layers
-    return tokens * (kept + LOGIT_BYTES * config.vocab_size)
+    return tokens * kept + loss_bytes(config.vocab_size, tokens, chunked_loss)
 
 
 def fits(total_bytes: float, card_gib: int) -> bool:
@@ -376,8 +388,8 @@ def describe_model(config, args: EstimateArguments, counts: ParameterCounts) -> 
 def report_lines(config, args: EstimateArguments, counts: ParameterCounts) -> list:
     """The per-config table for this model and GPU count."""
     tokens = args.per_device_train_batch_size * args.max_seq_length
-    with_ckpt = activation_bytes(config, args.lora_rank, tokens, checkpointing=True)
-    without = activation_bytes(config, args.lora_rank, tokens, checkpointing=False)
+    with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
+    without = activation_bytes(config, args.lora_rank, tokens, False, args.chunked_loss)
     cards = " ".join(f"{card:>3}G" for card in CARDS_GIB)
     lines = describe_model(config, args, counts) + [
         "",
@@ -414,7 +426,7 @@ def smallest_fit(counts: ParameterCounts, config, args: EstimateArguments, card_
     GPUs, then the fastest config, that fits the card; offloading configs only when offload, the
     others otherwise; None if nothing fits up to the largest of GPU_COUNTS."""
     tokens = args.per_device_train_batch_size * args.max_seq_length
-    act = activation_bytes(config, args.lora_rank, tokens, checkpointing=True)
+    act = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
     configs = [z for z in shipped_zero_configs() if (z.offload_optimizer or z.offload_param) == offload]
     for total in GPU_COUNTS:
         per_node, nodes = min(total, GPUS_PER_NODE), max(1, total // GPUS_PER_NODE)

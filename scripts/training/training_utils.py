@@ -212,11 +212,10 @@ class CausalLMTrainingArguments(ToolkitTrainingArguments):
     """The toolkit's training arguments plus the option of the stages that train a language-model head
     (pretraining, SFT, PPO's actor)."""
 
-    # Off by default for now: after 12 steps on the tiny Qwen3 fixture (tests/test_family_stages.py) only the
-    # full-logits run ends a turn, by its float32 rounding (the first Adam step turns one near-zero gradient's
-    # flipped sign into a whole learning-rate step); the chunked run ends none, as a float64 run does.
+    # On by default: where it is used (the first batch checks the head alone reproduces the model's logits) its
+    # loss and gradients equal transformers' to float32 rounding, and lie at least as close to a float64 loss.
     chunked_loss: bool = field(
-        default=False,
+        default=True,
         metadata={"help": "Compute the loss and log-probabilities from the hidden states over chunks of positions, "
                           "never holding float32 logits of the whole batch and vocabulary (PPO: also each sampled "
                           "token's log-prob and entropy as it is generated). Used where it equals the model's own "
