@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import estimate_memory as em
-from chunked_loss import causal_lm_loss
+from chunked_loss import LOGITS_PER_CHUNK, causal_lm_loss
 from helpers.commands import check_refused, run_in_process
 
 SCRIPT = em.__file__
@@ -175,7 +175,7 @@ def test_chunked_loss_keeps_no_logits_for_backward_and_the_estimate_holds_one_ch
                        - saved_bytes_per_token(1, True, chunked=True)) / 300
     assert per_vocab_entry == 0
     config = LlamaConfig(**{**TINY, "vocab_size": 32_000})
-    chunk = (em.LOGITS_PER_CHUNK // 32_000) * em.LOGIT_BYTES * 32_000
+    chunk = (LOGITS_PER_CHUNK // 32_000) * em.LOGIT_BYTES * 32_000
     for tokens in (1024, 8192):
         full = em.activation_bytes(config, 8, tokens, checkpointing=True, chunked_loss=False)
         chunked = em.activation_bytes(config, 8, tokens, checkpointing=True, chunked_loss=True)

@@ -37,9 +37,14 @@ def head_width(head) -> int:
     return getattr(head, "out_features", None) or 1
 
 
+def positions_per_chunk(width: int) -> int:
+    """Positions per chunk for a head `width` logits wide (estimate_memory sizes its loss term with it)."""
+    return max(1, LOGITS_PER_CHUNK // max(1, width))
+
+
 def chunk_positions(head) -> int:
     """Positions per chunk for a head of its output width."""
-    return max(1, LOGITS_PER_CHUNK // max(1, head_width(head)))
+    return positions_per_chunk(head_width(head))
 
 
 def _chunk_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:

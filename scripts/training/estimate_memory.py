@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from chunked_loss import LOGITS_PER_CHUNK  # noqa: E402
+from chunked_loss import positions_per_chunk  # noqa: E402
 from cli import InputError, parse_args, read_json, run_cli  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,7 +95,7 @@ LAYER_BYTES_PER = {"hidden": 60, "intermediate": 14, "kv": 4, "heads": 4, "rank"
 CHECKPOINT_BYTES_PER_HIDDEN = 2
 # The loss per logit: 16-bit logits, the fp32 copy the loss makes and its fp32 log-softmax, which
 # cross-entropy keeps for backward (the 4 bytes autograd was seen to keep). transformers' loss holds them for
-# every token at once; --chunked_loss (training's default) for one chunk of LOGITS_PER_CHUNK at a time.
+# every token at once; --chunked_loss (training's default) for one chunk of positions at a time.
 LOGIT_BYTES = 2 + FP32_BYTES + FP32_BYTES
 
 
@@ -336,8 +336,8 @@ def layer_activation_bytes(config, lora_rank: int) -> int:
 
 def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
     """The loss's logits, their fp32 copy and log-softmax (LOGIT_BYTES each): for every token, or with the
-    chunked loss for the positions of one chunk (chunked_loss.chunk_positions)."""
-    positions = min(tokens, max(1, LOGITS_PER_CHUNK // vocab_size)) if chunked_loss else tokens
+    chunked loss for the positions of one chunk."""
+    positions = min(tokens, positions_per_chunk(vocab_size)) if chunked_loss else tokens
     return positions * LOGIT_BYTES * vocab_size
 
 
