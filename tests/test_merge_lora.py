@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from chat_templates import saved_template_kwargs
 from helpers.commands import REPO, assert_ok, check_refused, refuse, run_in_process, run_script, script_env
 from helpers.merge_tools import TOLERANCE, load_merged, logits_of, lora, merge, tiny_llama
 from helpers.tiny_runs import tiny_pt_args
@@ -26,6 +27,7 @@ SCRIPT = os.path.join(MERGE_DIR, "merge_llama_with_lora.py")
 sys.path.insert(0, MERGE_DIR)
 
 import merge_llama_with_lora as merge_lora  # noqa: E402
+from model_files import TEMPLATE_KWARGS_FILE  # noqa: E402
 
 # An intermediate interpreter runs the measured child: a child forked from pytest itself would
 # count pytest's pages in its ru_maxrss until it execs.
@@ -214,6 +216,7 @@ def test_chained_adapters_on_sharded_base(tmp_path, tiny_tokenizer_dir, extended
                lora_alpha=16, use_rslora=True)
     sft.save_pretrained(str(second))
     AutoTokenizer.from_pretrained(extended_tokenizer_dir).save_pretrained(str(second))
+    (second / TEMPLATE_KWARGS_FILE).write_text('{"enable_thinking": false}')  # as SFT saves --enable_thinking false
     input_ids = torch.tensor([[1, 7, 99, 400, 401, 402, 403, 250, 2]])
     reference = logits_of(sft.merge_and_unload(), input_ids)
 
@@ -231,6 +234,7 @@ def test_chained_adapters_on_sharded_base(tmp_path, tiny_tokenizer_dir, extended
                          for entry in merge_lora.read_safetensors_header(str(out / name)).values())
         assert index["metadata"]["total_size"] == data_bytes
         assert json.loads((out / "config.json").read_text())["vocab_size"] == 404
+        assert saved_template_kwargs(str(out)) == {"enable_thinking": False}  # chat renders as training did
     assert sorted(n for n in os.listdir(mirrored) if n.endswith(".safetensors")) == sorted(base_files)
     sizes = [os.path.getsize(resharded / n) for n in os.listdir(resharded) if n.endswith(".safetensors")]
     assert len(sizes) >= 3 and max(sizes) <= 100_000 + 64 * 1024  # a tensor larger than the limit gets its own file

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from cli import InputError, read_json
+from model_files import TEMPLATE_KWARGS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,6 @@ def use_template(requested: Optional[str], tokenizer, template_kwargs: Optional[
     tokenizer.chat_template = chat_template.text
     tokenizer.chat_template_kwargs = chat_template.kwargs
     return chat_template
-
-
-TEMPLATE_KWARGS_FILE = "chat_template_kwargs.json"
 
 
 def save_template_kwargs(tokenizer, directory: str) -> None:

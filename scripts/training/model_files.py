@@ -19,7 +19,10 @@ from cli import InputError, read_json
 # tokenizer_config.json alone names a class but holds no vocabulary to load.
 TOKENIZER_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
-# Every file a Hugging Face tokenizer directory may hold (what a merge copies with it).
+# The chat template's keyword arguments training used (enable_thinking, ...), saved beside the tokenizer.
+TEMPLATE_KWARGS_FILE = "chat_template_kwargs.json"
+# Every file a Hugging Face tokenizer directory may hold, and ours (what a merge copies with it: the merged
+# model then renders prompts as the adapter did).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
@@ -30,6 +33,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "vocab.json",
     "merges.txt",
+    TEMPLATE_KWARGS_FILE,
 )
 
 
