@@ -51,19 +51,15 @@ def full_logits_logps(model, sequences, starts):
     return torch.stack(sums)
 
 
-def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(tiny_model_dir, tiny_tokenizer_dir,
-                                                                              tmp_path):
-    """Pairs built by the reward stage's pipeline (shared prompt, answers sharing their first token, an
-    answer extending the other): one row per pair and two rows per pair give each answer the log-prob of
-    the sequence run alone through the full LM head, and the same DPO loss and LoRA gradients."""
+def answer_logps_model(model_dir, tokenizer, tmp_path, chunked: bool):
+    """The DPO stage's policy (task answer_logps, a LoRA whose B is made non-zero, as after training) and three
+    pairs built by the reward stage's pipeline (shared prompt, answers sharing their first token, an answer
+    extending the other)."""
     from build_dataset import build_preference_dataset
     from chat_templates import named_template
-    from dpo_losses import preference_loss
-    from dpo_trainer import DataCollatorForAnswerLogps, answer_logps
     from model_utils import ModelArguments, load_model
     from training_utils import ToolkitTrainingArguments
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     data = tmp_path / "pairs.jsonl"
     records = [{"prompt": "北京 上海 天气 很好 人民 日报", "chosen": "我们 今天 学习", "rejected": "我们 经济"},
                {"prompt": "the quick fox", "chosen": "科学", "rejected": "科学 技术 发展"},
@@ -71,19 +67,41 @@ def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(ti
     data.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records))
     pairs = build_preference_dataset([str(data)], tokenizer, named_template("human_assistant", tokenizer), 256,
                                      str(tmp_path / "cache"))
-    features = [pairs[i] for i in range(len(pairs))]
-    model = load_model(ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0),
+    model = load_model(ModelArguments(model_name_or_path=model_dir, torch_dtype="float32", lora_dropout=0.0),
                        ToolkitTrainingArguments(output_dir="unused", use_cpu=True, report_to="none"), tokenizer,
-                       task="answer_logits")
+                       task="answer_logps")
+    model.get_base_model().chunked_loss = chunked
     with torch.no_grad():  # a trained-looking adapter: LoRA B starts at zero
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.1)
+    return model, [pairs[i] for i in range(len(pairs))]
+
+
+def own_forward_logps(model, features):
+    """Each answer's log-prob by the model's own forward on its sequence alone (full logits, log_softmax)."""
     with torch.no_grad():
-        expected = full_logits_logps(model, [f["chosen_input_ids"] for f in features]
-                                     + [f["rejected_input_ids"] for f in features],
-                                     [f["chosen_answer_start"] for f in features]
-                                     + [f["rejected_answer_start"] for f in features])
+        return full_logits_logps(model, [f["chosen_input_ids"] for f in features]
+                                 + [f["rejected_input_ids"] for f in features],
+                                 [f["chosen_answer_start"] for f in features]
+                                 + [f["rejected_answer_start"] for f in features])
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(chunked, tiny_model_dir,
+                                                                              tiny_tokenizer_dir, tmp_path,
+                                                                              monkeypatch):
+    """One row per pair and two rows per pair give each answer the log-prob of the sequence run alone through
+    the full LM head, and the same DPO loss and LoRA gradients; with the chunked loss in chunks of 3
+    positions (so that answers span chunks)."""
+    import chunked_loss
+    from dpo_losses import preference_loss
+    from dpo_trainer import DataCollatorForAnswerLogps, answer_logps
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model, features = answer_logps_model(tiny_model_dir, tokenizer, tmp_path, chunked)
+    monkeypatch.setattr(chunked_loss, "LOGITS_PER_CHUNK", 3 * model.get_output_embeddings().weight.shape[0])
+    expected = own_forward_logps(model, features)
     results = {}
     for share_prefix in (False, True):
         model.zero_grad()
@@ -95,6 +113,7 @@ def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(ti
         losses.mean().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[share_prefix] = (sums.detach(), losses.mean().item(), grads, batch["input_ids"].numel())
+    assert model.get_base_model().answer_head_exact
     (sums, loss, grads, tokens), (shared_sums, shared_loss, shared_grads, shared_tokens) = results.values()
     torch.testing.assert_close(sums, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared_sums, expected, atol=1e-5, rtol=1e-5)
@@ -103,6 +122,30 @@ def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(ti
     for name, grad in grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4)
     assert shared_tokens < tokens
+
+
+def test_answer_log_probs_of_a_soft_capping_gemma2_are_its_own(family_model_dir, tmp_path):
+    """Gemma-2 soft-caps its logits after the head (30 tanh(logits / 30)): the answers' log-probs come from its
+    own forward, in both layouts, not from the head alone, which here differs from it by more than 0.01."""
+    from dpo_trainer import DataCollatorForAnswerLogps, answer_logps
+
+    model_dir = family_model_dir("gemma2")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model, features = answer_logps_model(model_dir, tokenizer, tmp_path, chunked=True)
+    with torch.no_grad():  # logits of a trained model's size, where the cap bends them
+        model.get_output_embeddings().weight.mul_(50)
+    assert model.config.final_logit_softcapping == 30.0
+    expected = own_forward_logps(model, features)
+    for share_prefix in (False, True):
+        batch = DataCollatorForAnswerLogps(tokenizer.pad_token_id, 1, share_prefix=share_prefix)(features)
+        with torch.no_grad():
+            sums, _ = answer_logps(model.eval(), batch)
+        torch.testing.assert_close(sums, expected, atol=1e-4, rtol=1e-5)
+    assert model.get_base_model().answer_head_exact is False
+    model.get_base_model().answer_head_exact = True  # what the head alone would give
+    with torch.no_grad():
+        head_only, _ = answer_logps(model, batch)
+    assert (head_only - expected).abs().max() > 1e-2
 
 
 def dpo_run(tiny_model_dir, pair_files, out, cache, **overrides):
@@ -251,6 +294,25 @@ def test_policy_from_base_plus_sft_adapter_has_that_model_as_reference(sft_then_
     assert "folding the adapter" in result.stdout
     first = next(e for e in log_history(sft_then_dpo["out"]) if "loss" in e)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["logps/chosen"] < 0
+
+
+def test_qlora_dpo_on_a_4bit_base_plus_sft_adapter_starts_at_log_2_and_trains(sft_then_dpo, tiny_model_dir,
+                                                                              pair_files, data_cache, tmp_path):
+    """--load_in_kbits 4 with --peft_path: the SFT adapter is folded into the 4-bit base (policy and reference
+    alike, so the first loss is log 2; the first batch's log-probs differ from the float32 run's on the same
+    batch, so the base is quantized), and the new LoRA on the quantized layers trains."""
+    out = tmp_path / "out"
+    result = dpo_run(tiny_model_dir, pair_files, out, data_cache, peft_path=sft_then_dpo["sft"], load_in_kbits=4,
+                     max_steps=3, logging_steps=1, save_strategy="no", max_eval_samples=8)
+    assert_ok(result)
+    assert "folding the adapter" in result.stdout
+    losses = [entry for entry in log_history(out) if "loss" in entry]
+    assert losses[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and len(losses) == 3
+    float32_first = next(e for e in log_history(sft_then_dpo["out"]) if "loss" in e)
+    assert abs(losses[0]["logps/chosen"] - float32_first["logps/chosen"]) > 1e-3
+    assert losses[-1]["rewards/margins"] != 0 and all(math.isfinite(e["loss"]) for e in losses)
+    weights = adapter_weights(out / "dpo_lora_model")
+    assert any(name.endswith("lora_B.weight") and weights[name].abs().sum() > 0 for name in weights)
 
 
 def test_chat_and_server_load_the_merged_dpo_model_and_the_dpo_adapter_on_the_merged_sft_model(

@@ -100,12 +100,23 @@ def causal_lm_loss(hidden: torch.Tensor, head, labels: Optional[torch.Tensor] = 
     return -logprobs.sum() * weight / denominator
 
 
+def head_gives_logits(head, outputs) -> bool:
+    """Whether the head applied to a forward's last hidden states gives the logits that forward returned, at the
+    last position (a forward run with output_hidden_states, with or without logits_to_keep=1): False where the
+    model soft-caps or scales its logits after the head (Gemma-2's final_logit_softcapping, say)."""
+    if not outputs.hidden_states:
+        return False
+    recomputed = head(outputs.hidden_states[-1][:, -1:]).float()
+    returned = outputs.logits[:, -1:].float()
+    return recomputed.shape == returned.shape and torch.allclose(recomputed, returned, rtol=1e-4, atol=1e-5)
+
+
 @torch.no_grad()
 def head_reproduces_logits(model, model_inputs: dict) -> bool:
     """Whether the chunked loss equals the model's own: its forward takes logits_to_keep (so that it can
     skip the full logits), and its output embeddings applied to hidden_states[-1] give the logits its
-    forward returns (no soft-capping or scaling after the head). model: the unwrapped (peft) causal LM;
-    checked on model_inputs (no labels) in eval mode, where dropout cannot make the two differ."""
+    forward returns (head_gives_logits). model: the unwrapped (peft) causal LM; checked on model_inputs
+    (no labels) in eval mode, where dropout cannot make the two differ."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = model.get_output_embeddings()
     if head is None or "logits_to_keep" not in inspect.signature(base.forward).parameters:
@@ -113,11 +124,6 @@ def head_reproduces_logits(model, model_inputs: dict) -> bool:
     was_training = model.training
     model.eval()
     try:
-        outputs = model(**model_inputs, output_hidden_states=True, logits_to_keep=1)
-        if not outputs.hidden_states:
-            return False
-        recomputed = head(outputs.hidden_states[-1][:, -1:]).float()
-        return recomputed.shape == outputs.logits.shape and torch.allclose(recomputed, outputs.logits.float(),
-                                                                           rtol=1e-4, atol=1e-5)
+        return head_gives_logits(head, model(**model_inputs, output_hidden_states=True, logits_to_keep=1))
     finally:
         model.train(was_training)

@@ -112,11 +112,9 @@ def nll_weight(loss_type: str, rpo_alpha: float) -> float:
     return (1.0 if loss_type == "orpo" else 0.0) + (rpo_alpha or 0.0)
 
 
-def sequence_log_probs(answer_logits, answer_targets, answer_owner, num_sequences: int) -> tuple:
-    """(sum of log-probabilities, token count) per sequence, from the logits of answer positions only:
-    answer_logits [T, V] predicts answer_targets [T], token t belonging to sequence answer_owner[t]."""
-    logits = answer_logits.float()
-    token_logps = logits.gather(-1, answer_targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+def sequence_log_probs(token_logps, answer_owner, num_sequences: int) -> tuple:
+    """(sum of log-probabilities, token count) per sequence: token_logps [T] are the log-probabilities of
+    answer tokens, token t belonging to sequence answer_owner[t]."""
     sums = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
     sums = sums.index_add(0, answer_owner, token_logps)
     counts = torch.bincount(answer_owner, minlength=num_sequences).to(token_logps.dtype)

@@ -1,6 +1,7 @@
 """The DPO stage's batches and Trainer: preference pairs as the reward stage lays them out (one row
-per pair with the shared prefix once, or two rows), each answer's log-probability summed from the
-logits of its own tokens only, the loss of dpo_losses, and TRL's metric names.
+per pair with the shared prefix once, or two rows), each answer's log-probability summed over its own
+tokens (the model's head runs on answer positions only: model_utils.answer_logps_forward), the loss of
+dpo_losses, and TRL's metric names.
 
 Reference: the same model with its LoRA adapter disabled (peft's disable_adapter, under no_grad),
 or the log-probabilities computed once before training (precomputed_reference_logps) and carried
@@ -27,7 +28,8 @@ REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 # TRL's names, logged on train and (eval_ prefixed) on eval.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-REFERENCE_CACHE_VERSION = "dpo-ref-1"
+# 2: log-probs of a model that changes its logits after the head (Gemma-2) from its own full forward.
+REFERENCE_CACHE_VERSION = "dpo-ref-2"
 
 
 class DataCollatorForAnswerLogps(DataCollatorForPreferencePairs):
@@ -70,12 +72,10 @@ class DataCollatorForAnswerLogps(DataCollatorForPreferencePairs):
 
 def answer_logps(model, batch: dict) -> tuple:
     """(summed log-probabilities, token counts) of the batch's answers, chosen ones then rejected."""
-    inputs = {name: value for name, value in batch.items()
-              if name not in ("answer_targets", "answer_owner") + REFERENCE_COLUMNS}
-    logits = model(**inputs).logits
+    inputs = {name: value for name, value in batch.items() if name not in ("answer_owner",) + REFERENCE_COLUMNS}
     rows = batch["input_ids"].shape[0]
     sequences = 2 * rows if "pair_segments" in batch else rows
-    return sequence_log_probs(logits, batch["answer_targets"], batch["answer_owner"], sequences)
+    return sequence_log_probs(model(**inputs).token_logps, batch["answer_owner"], sequences)
 
 
 def reference_logps(model, unwrapped_model, batch: dict):

@@ -7,6 +7,7 @@ any weight is loaded, the pad-token rule, and the reward model's pooled forward.
 import copy
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import math
@@ -24,9 +25,11 @@ from transformers import (
     BitsAndBytesConfig,
 )
 from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from transformers.utils import ModelOutput
 
 from chat_templates import special_token_texts
+from chunked_loss import head_gives_logits, token_logprobs
 from cli import InputError, read_json
 from conversation_tokenizer import ConversationTokenizer
 from model_files import check_adapter_fits_base, checkpoint_shapes
@@ -481,13 +484,13 @@ def empty_model(model_args: ModelArguments, config, task: str, tokenizer):
 
 def task_model_class(task: str, config):
     """The class a task loads: the causal LM; for "reward" the checkpoint's sequence classifier
-    with one output (config.num_labels set to 1); for "answer_logits" the causal LM whose head
-    runs on answer positions only."""
+    with one output (config.num_labels set to 1); for "answer_logps" the causal LM that returns its
+    answer tokens' log-probabilities, its head run on answer positions only."""
     if task == "reward":
         config.num_labels = 1
         return reward_model_class(config)
-    if task == "answer_logits":
-        return answer_logits_model_class(config)
+    if task == "answer_logps":
+        return answer_logps_model_class(config)
     return AutoModelForCausalLM
 
 
@@ -793,29 +796,71 @@ def score_pairs(model, batch: dict) -> tuple:
     return model(**inputs).logits.squeeze(-1).float().chunk(2)
 
 
-def answer_logits_forward(self, input_ids=None, attention_mask=None, position_ids=None, pair_segments=None,
-                          answer_index=None, **kwargs):
-    """With answer_index (flat indices into the batch's [rows * width] positions), the LM head runs on
-    those positions only and the logits come back as [len(answer_index), vocab]: no vocabulary-wide
-    work on prompt or padding positions. pair_segments: shared-prefix pair rows with their position
-    ids, masked as the reward model masks them. Without answer_index, the model's own forward."""
+@dataclass
+class AnswerLogps(ModelOutput):
+    """answer_logps_forward's output: the log-probability of each answer token, float32 [len(answer_index)]."""
+
+    token_logps: Optional[torch.FloatTensor] = None
+
+
+def head_alone_gives_logits(model, input_ids) -> bool:
+    """Whether the output embeddings applied to the last hidden states give the model's own logits (no
+    soft-capping or scaling after the head), checked on one row. The model's own forward is called as a
+    function, not through the module, so it can run inside answer_logps_forward (under ZeRO-3 only the
+    submodules' gathering hooks run, as in any forward)."""
+    forward = super(type(model), model).forward
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
+    with torch.no_grad():
+        outputs = forward(input_ids=input_ids[:1], use_cache=False, output_hidden_states=True, **keep)
+    return head_gives_logits(model.get_output_embeddings(), outputs)
+
+
+def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids=None, pair_segments=None,
+                         answer_index=None, answer_targets=None, **kwargs):
+    """With answer_index (flat indices into the batch's [rows * width] positions) and answer_targets (the
+    token each of those positions predicts): AnswerLogps, each answer token's log-probability. The LM head
+    runs on those positions only, in chunks of positions recomputed in backward (self.chunked_loss,
+    chunked_loss.token_logprobs): no vocabulary-wide work on prompt or padding positions, no float32
+    [answer tokens, vocabulary] tensor kept. A model that changes its logits after the head (Gemma-2's
+    soft-capping; found on the first call) gets its own full forward instead. pair_segments: shared-prefix
+    pair rows with their position ids, masked as the reward model masks them. Without answer_index, the
+    model's own forward."""
+    own_forward = super(type(self), self).forward
     if answer_index is None:
-        return super(type(self), self).forward(input_ids=input_ids, attention_mask=attention_mask,
-                                               position_ids=position_ids, **kwargs)
+        return own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    if self.answer_head_exact is None:
+        self.answer_head_exact = head_alone_gives_logits(self, input_ids)
+        if not self.answer_head_exact:
+            logger.info("answer log-probs from the model's full logits: its forward changes the logits after "
+                        "the output embeddings")
     if pair_segments is not None:
         attention_mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
                                              self.get_input_embeddings().weight.dtype)
-    hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).last_hidden_state
-    return CausalLMOutputWithPast(logits=self.get_output_embeddings()(hidden.flatten(0, 1)[answer_index]))
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": False}
+    if not self.answer_head_exact:
+        return AnswerLogps(label_logps(own_forward(**inputs).logits.flatten(0, 1)[answer_index], answer_targets))
+    hidden = self.base_model(**inputs).last_hidden_state.flatten(0, 1)[answer_index]
+    head = self.get_output_embeddings()
+    if self.chunked_loss:
+        return AnswerLogps(token_logprobs(hidden, head, answer_targets))
+    return AnswerLogps(label_logps(head(hidden), answer_targets))
 
 
-def answer_logits_model_class(config):
-    """The checkpoint's own causal-LM class with answer_logits_forward, named as its base so a saved
-    config names a class transformers has."""
+def label_logps(logits, labels):
+    """log softmax(logits) at each label, in float32: logits [T, V], labels [T] -> [T]."""
+    logits = logits.float()
+    return logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def answer_logps_model_class(config):
+    """The checkpoint's own causal-LM class with answer_logps_forward, named as its base so a saved config
+    names a class transformers has. chunked_loss: set from --chunked_loss by the stage; answer_head_exact:
+    decided on the first call with answers."""
     mapping = AutoModelForCausalLM._model_mapping
     if type(config) not in mapping:
         raise InputError(f"{getattr(config, '_name_or_path', '')}: DPO needs an architecture transformers has a "
                          f"causal LM for; {type(config).__name__} has none here")
     base = mapping[type(config)]
-    return type(base.__name__, (base,), {"forward": answer_logits_forward, "__doc__": answer_logits_forward.__doc__})
+    return type(base.__name__, (base,), {"forward": answer_logps_forward, "__doc__": answer_logps_forward.__doc__,
+                                         "chunked_loss": True, "answer_head_exact": None})

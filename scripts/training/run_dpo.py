@@ -31,7 +31,7 @@ from dpo_trainer import DataCollatorForAnswerLogps, DPOTrainer, with_reference_l
 from model_utils import ModelArguments, load_model  # noqa: E402
 from run_reward import RewardDataArguments, prepared_pairs, shares_pair_prefix  # noqa: E402
 from training_utils import (  # noqa: E402
-    ToolkitTrainingArguments,
+    CausalLMTrainingArguments,
     padding_multiple,
     start_run,
     train_and_finish,
@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DPOArguments(ToolkitTrainingArguments):
-    """Training arguments plus the preference loss (names as TRL's DPOConfig / CPOConfig)."""
+class DPOArguments(CausalLMTrainingArguments):
+    """Training arguments (--chunked_loss: the answers' log-probabilities) plus the preference loss (names as
+    TRL's DPOConfig / CPOConfig)."""
 
     loss_type: str = field(
         default="sigmoid",
@@ -95,15 +96,17 @@ def check_reference(model_args, training_args) -> None:
 
 def main():
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
-        ARGUMENT_CLASSES, task="answer_logits", fold_adapter=True)
+        ARGUMENT_CLASSES, task="answer_logps", fold_adapter=True)
     check_reference(model_args, training_args)
     train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
     if data_args.prepare_data_only:  # the reference log-probs (--precompute_ref_log_probs) need the model
         return report_prepared_data()
 
     # The reference is base + --peft_path: that adapter is folded into the base, a new LoRA trains on top.
-    model = load_model(model_args, training_args, tokenizer, task="answer_logits", config=config,
+    model = load_model(model_args, training_args, tokenizer, task="answer_logps", config=config,
                        fold_adapter=True)
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm.chunked_loss = training_args.chunked_loss  # read by model_utils.answer_logps_forward
     share_prefix = shares_pair_prefix(model, training_args)
     collator = DataCollatorForAnswerLogps(tokenizer.pad_token_id, padding_multiple(training_args),
                                           share_prefix=share_prefix)

@@ -210,7 +210,7 @@ def map_half_weights_on_cpu(model_args, training_args) -> None:
 @dataclass
 class CausalLMTrainingArguments(ToolkitTrainingArguments):
     """The toolkit's training arguments plus the option of the stages that train a language-model head
-    (pretraining, SFT, PPO's actor)."""
+    (pretraining, SFT, PPO's actor, DPO's policy)."""
 
     # On by default: where it is used (the first batch checks the head alone reproduces the model's logits) its
     # loss and gradients equal transformers' to float32 rounding, and lie at least as close to a float64 loss.
@@ -218,9 +218,9 @@ class CausalLMTrainingArguments(ToolkitTrainingArguments):
         default=True,
         metadata={"help": "Compute the loss and log-probabilities from the hidden states over chunks of positions, "
                           "never holding float32 logits of the whole batch and vocabulary (PPO: also each sampled "
-                          "token's log-prob and entropy as it is generated). Used where it equals the model's own "
-                          "loss (checked on the first batch); off: the full logits, as transformers "
-                          "computes them."},
+                          "token's log-prob and entropy as it is generated; DPO: the answers' log-probabilities). "
+                          "Used where it equals the model's own loss (checked on the first batch); off: the full "
+                          "logits, as transformers computes them."},
     )
 
 
