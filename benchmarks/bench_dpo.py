@@ -44,6 +44,10 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=42, help="data: which pairs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44], help="training seeds")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every child")
+    parser.add_argument("--sides", nargs="+", default=["trl", "ours"], choices=["trl", "ours"],
+                        help="one side alone (no comparison): e.g. ours with and without an --ours_flags setting")
+    parser.add_argument("--ours_flags", nargs="*", default=[],
+                        help="more flags of ours, as --flag=value (e.g. --ours_flags=--chunked_loss=false)")
     parser.add_argument("--keep_work", default=None, help="keep the runs' outputs in this directory")
     parser.add_argument("--output", default="outputs/bench/dpo.json", help="JSON results (relative to the repo)")
     return parser.parse_args(argv)
@@ -82,7 +86,7 @@ def run_side(side: str, args, model_dir: str, files: dict, work: Path, seed: int
                    "--per_device_eval_batch_size", str(args.batch_size), "--beta", str(args.beta),
                    "--learning_rate", str(args.learning_rate), "--max_steps", str(args.steps),
                    "--seed", str(seed), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
-                   "--report_to", "none", "--dataloader_num_workers", "0"]
+                   "--report_to", "none", "--dataloader_num_workers", "0", *args.ours_flags]
     usage = run_measured(command, dict(env, BENCH_TIMING_FILE=str(timing_file)), work / f"log-{side}-{seed}.txt")
     row = side_row(side, seed, usage, out, timing_file, args.steps)
     if row["train_pairs"] != args.steps * args.batch_size or row["eval_pairs"] != args.eval_pairs:
@@ -131,8 +135,9 @@ def main(argv=None) -> dict:
         runs = []
         for index, seed in enumerate(args.seeds):  # alternate which side goes first: load drift hits both
             for side in (("trl", "ours") if index % 2 == 0 else ("ours", "trl")):
-                runs.append(run_side(side, args, model_dir, data["files"], work, seed, env))
-    comparison = compare(runs)
+                if side in args.sides:
+                    runs.append(run_side(side, args, model_dir, data["files"], work, seed, env))
+    comparison = compare(runs) if len(args.sides) == 2 else None
     print(comparison)
     report = {"benchmark": "dpo", "model": model_dir, "config": {**vars(args), **LORA, "lora_targets": LORA_TARGETS},
               "environment": environment("torch", "transformers", "peft", "trl", omp_num_threads=threads),
