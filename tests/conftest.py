@@ -136,3 +136,21 @@ def varied_pretrain_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("pt_varied")
     write_lines(root / "corpus.txt", generated_corpus(400, seed=5))
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def zero2_two_process_pretraining(tiny_model_dir, varied_pretrain_dir, tmp_path_factory):
+    """A ZeRO-2 pretraining job of two processes on one node, 6 steps saved every 3 (as test_pretraining's other
+    ZeRO configs run), each rank's blocks recorded (helpers/run_and_kill.py --record_batches): test_pretraining
+    checks it, and test_multinode compares the same job on two nodes with it (the same world size, ranks and
+    data, so the same weights)."""
+    from helpers.commands import KILL_WRAPPER, REPO, run_script
+    from helpers.tiny_runs import tiny_pt_args
+
+    root = tmp_path_factory.mktemp("zero2_two_process_pretraining")
+    out, record = root / "out", root / "batches"
+    args = tiny_pt_args(tiny_model_dir, varied_pretrain_dir, out, root / "cache", max_steps=6, save_steps=3,
+                        deepspeed=f"{REPO}/ds_configs/ds_zero2_no_offload.json")
+    result = run_script(args, nproc=2, wrapper=[KILL_WRAPPER, "--record_batches", str(record)])
+    return {"out": out, "record": record, "result": result}
+

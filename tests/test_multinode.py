@@ -46,21 +46,22 @@ def assert_both_ok(results) -> None:
         assert result.returncode == 0, f"node {node}: exit {result.returncode}\n{result.stderr[-5000:]}"
 
 
-def test_two_nodes_train_and_resume_after_one_node_is_killed(tiny_model_dir, varied_pretrain_dir, tmp_path):
+def test_two_nodes_train_and_resume_after_one_node_is_killed(tiny_model_dir, varied_pretrain_dir,
+                                                             zero2_two_process_pretraining, tmp_path):
+    """Killed on node 0 after step 4 and relaunched, the two-node job resumes from checkpoint-3 and ends with the
+    weights of the same job run uninterrupted as two processes on one node (world size, ranks and data alike)."""
     deepspeed = os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")
 
     def node_args(output_dir):
         return lambda node: tiny_pt_args(tiny_model_dir, varied_pretrain_dir, output_dir, tmp_path / f"cache{node}",
                                          max_steps=6, save_steps=3, deepspeed=deepspeed)
 
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    assert_both_ok(run_two_nodes(node_args(straight)))
-    # Both nodes prepared their data in their own cache (nothing shared but the output directory).
-    assert all(any((tmp_path / f"cache{node}").iterdir()) for node in (0, 1))
-
+    straight, crashed = zero2_two_process_pretraining["out"], tmp_path / "crashed"
     killed = run_two_nodes(node_args(crashed), node0_probes=("--kill_at_step", "4"))
     assert killed[0].returncode != 0 and killed[1].returncode != 0  # node 1 noticed, and did not hang
     assert (crashed / "checkpoint-3").is_dir() and not (crashed / "checkpoint-6").exists()
+    # Both nodes prepared their data in their own cache (nothing shared but the output directory).
+    assert all(any((tmp_path / f"cache{node}").iterdir()) for node in (0, 1))
 
     steps = tmp_path / "resumed_steps.jsonl"
     resumed = run_two_nodes(node_args(crashed), node0_probes=("--record_steps", str(steps)))

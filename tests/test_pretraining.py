@@ -49,13 +49,15 @@ def test_loss_falls_and_eval_perplexity_falls(tiny_model_dir, pretrain_dir, tmp_
 
 
 @pytest.mark.parametrize("config", ["ds_zero2_no_offload", "ds_zero3_no_offload", "ds_zero3_offload"])
-def test_deepspeed_two_processes(config, tiny_model_dir, varied_pretrain_dir, tmp_path):
-    out, record = tmp_path / "out", tmp_path / "batches"
-    args = tiny_pt_args(
-        tiny_model_dir, varied_pretrain_dir, out, tmp_path / "cache",
-        max_steps=6, save_steps=3, deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"),
-    )
-    result = run_script(args, nproc=2, wrapper=[KILL_WRAPPER, "--record_batches", str(record)])
+def test_deepspeed_two_processes(config, tiny_model_dir, varied_pretrain_dir, tmp_path, request):
+    if config == "ds_zero2_no_offload":  # the session's run, which test_multinode compares two nodes with
+        run = request.getfixturevalue("zero2_two_process_pretraining")
+        out, record, result = run["out"], run["record"], run["result"]
+    else:
+        out, record = tmp_path / "out", tmp_path / "batches"
+        args = tiny_pt_args(tiny_model_dir, varied_pretrain_dir, out, tmp_path / "cache", max_steps=6,
+                            save_steps=3, deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
+        result = run_script(args, nproc=2, wrapper=[KILL_WRAPPER, "--record_batches", str(record)])
     assert_ok(result)
 
     # Both ranks trained, on different blocks.
