@@ -49,8 +49,13 @@ def parse_args(argv=None):
     parser.add_argument("--ours_flags", nargs="*", default=[],
                         help="more flags of ours, as --flag=value (e.g. --ours_flags=--chunked_loss=false)")
     parser.add_argument("--keep_work", default=None, help="keep the runs' outputs in this directory")
-    parser.add_argument("--output", default="outputs/bench/dpo.json", help="JSON results (relative to the repo)")
-    return parser.parse_args(argv)
+    parser.add_argument("--output", default=None,
+                        help="JSON results (relative to the repo; default outputs/bench/dpo.json, or dpo_<side>.json "
+                             "for one side)")
+    args = parser.parse_args(argv)
+    if args.output is None:
+        args.output = "outputs/bench/dpo.json" if len(args.sides) == 2 else f"outputs/bench/dpo_{args.sides[0]}.json"
+    return args
 
 
 def first_step(out: Path) -> dict:

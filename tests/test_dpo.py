@@ -13,7 +13,7 @@ from helpers.commands import REPO, TRAINING, assert_ok, check_refused, refuse, r
 from helpers.kill_points import resume_proof
 from helpers.merge_tools import TOLERANCE
 from helpers.run_outputs import adapter_weights, log_history
-from helpers.tiny_runs import tiny_sft_args
+from helpers.tiny_runs import small_chunks_wrapper, tiny_sft_args
 from test_reward import GOOD_PAIR, marker_pairs
 
 DPO_SCRIPT = os.path.join(TRAINING, "run_dpo.py")
@@ -197,7 +197,9 @@ def test_first_step_is_log_2_and_precomputed_reference_trains_the_same(short_run
 
 def test_dpo_deepspeed_zero2_and_zero3_two_processes(tiny_model_dir, pair_files, data_cache, tmp_path):
     """A ZeRO-2 run and then a ZeRO-3 run, each on 2 ranks, one after the other in the same torchrun job
-    (helpers/run_in_sequence.py: one interpreter start and rendezvous for both)."""
+    (helpers/run_in_sequence.py: one interpreter start and rendezvous for both). The answers' log-probs run 3
+    positions a chunk, so the ranks' answers take different numbers of chunks: under ZeRO-3 each head call
+    gathers its weight from both ranks, and unequal counts used to hang the job."""
     train, valid = pair_files
     configs = ("ds_zero2_no_offload", "ds_zero3_no_offload")
     runs = []
@@ -205,7 +207,8 @@ def test_dpo_deepspeed_zero2_and_zero3_two_processes(tiny_model_dir, pair_files,
         runs += [":::"] * bool(runs) + tiny_dpo_args(
             tiny_model_dir, tmp_path / config, data_cache, data_path=train, validation_file=valid, max_steps=3,
             save_steps=3, max_eval_samples=8, deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
-    result = run_script(runs, nproc=2, script=DPO_SCRIPT, wrapper=[SEQUENCE_WRAPPER])
+    result = run_script(runs, nproc=2, script=DPO_SCRIPT, timeout=300,
+                        wrapper=small_chunks_wrapper(tiny_model_dir, 3) + [SEQUENCE_WRAPPER])
     assert_ok(result)
     assert (result.stdout + result.stderr).count("process 0 of 2") == len(configs)  # each run on both ranks
     for config in configs:

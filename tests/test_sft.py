@@ -19,7 +19,7 @@ from data_splits import phase_indices
 from helpers.commands import REPO, SFT_SCRIPT, assert_ok, check_refused, refuse, run_script
 from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history, losses_of
-from helpers.tiny_runs import tiny_sft_args
+from helpers.tiny_runs import small_chunks_wrapper, tiny_sft_args
 from records import conversation_of
 from sft_tasks import arithmetic_records
 
@@ -269,7 +269,9 @@ def test_sft_lowers_eval_loss_and_saves_template(tiny_model_dir, arithmetic_file
 
 def test_sft_deepspeed_zero2_and_zero3_two_processes_train_alike(tiny_model_dir, arithmetic_files, tmp_path):
     """Partitioning is an implementation detail: on the same data and seed, ZeRO-2 and ZeRO-3 log the same
-    losses, the loss falls, and each saves a full-shape adapter with the same weights."""
+    losses, the loss falls, and each saves a full-shape adapter with the same weights. The chunked loss runs
+    8 positions a chunk, so that a batch takes many chunks (under ZeRO-3 each rank calls the head as often as
+    the rank with the most, chunked_loss.token_logprobs)."""
     train_dir, _ = arithmetic_files
     runs = {}
     for config in ("ds_zero2_no_offload", "ds_zero3_no_offload"):
@@ -277,7 +279,8 @@ def test_sft_deepspeed_zero2_and_zero3_two_processes_train_alike(tiny_model_dir,
         args = tiny_sft_args(tiny_model_dir, out, tmp_path / "cache", dataset_dir=train_dir, template="chatml",
                              packing=True, max_steps=4, save_steps=4, lora_dropout=0.0,
                              deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
-        assert_ok(run_script(args, nproc=2, script=SFT_SCRIPT))
+        assert_ok(run_script(args, nproc=2, script=SFT_SCRIPT, timeout=300,
+                             wrapper=small_chunks_wrapper(tiny_model_dir, 8)))
         weights = adapter_weights(out / "sft_lora_model")
         assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (8, 64)
         runs[config] = (losses_of(out), weights)

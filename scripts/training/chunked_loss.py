@@ -55,28 +55,65 @@ def _chunk_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, temperatur
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def partitioned_across_ranks(head) -> bool:
+    """Whether calling the head is a collective: under DeepSpeed ZeRO-3 with several ranks each call gathers
+    its partitioned parameters from every rank, so every rank must call it as often as the others."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1 and any(hasattr(p, "ds_id") for p in head.parameters()))
+
+
+def max_across_ranks(value: int, device) -> int:
+    count = torch.tensor([value], device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return int(count.item())
+
+
+def agreed_across_ranks(flag: bool, head, device) -> bool:
+    """flag where every rank found it (a partitioned head: ranks taking different paths would wait forever on
+    each other's gathers), else this rank's own flag."""
+    if not partitioned_across_ranks(head):
+        return flag
+    return max_across_ranks(int(not flag), device) == 0
+
+
 def token_logprobs(hidden: torch.Tensor, head, labels: torch.Tensor, temperature: float = 1.0,
                    recompute_context: Optional[Callable] = None) -> torch.Tensor:
     """log softmax(head(hidden) / temperature) at each label: hidden [..., H], labels [...] (valid ids)
     -> [...] float32, chunk_positions(head) positions at a time.
 
+    Under ZeRO-3 every rank runs as many chunks as the rank with the most positions: the extra ones on one
+    position, weighted 0 in the result, so that each rank gathers the head's weight as often in the forward
+    and in the backward pass (different counts hang the job).
+
     recompute_context: torch checkpoint's context_fn, for a head whose behaviour depends on state
     that may change before the backward pass (the PPO policy's active adapter)."""
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if flat_labels.numel() == 0:
-        return flat_hidden.sum(-1).float().reshape(labels.shape)
     size = chunk_positions(head)
+    chunks = [(flat_hidden[start : start + size], flat_labels[start : start + size])
+              for start in range(0, flat_labels.numel(), size)]
+    padding = 0
+    if partitioned_across_ranks(head):
+        padding = max_across_ranks(len(chunks), flat_hidden.device) - len(chunks)
+    if padding:
+        # One position (of this rank's own, or a zero one joined to hidden's graph), run like a real chunk.
+        spare = (flat_hidden[:1], flat_labels[:1]) if chunks else (
+            flat_hidden.new_zeros(1, flat_hidden.shape[-1]) + flat_hidden.sum(), flat_labels.new_zeros(1))
     # No check of the recomputed tensors' shapes: under ZeRO-3 the head's weight is saved as the partitioned
     # parameter, released (empty) after each forward and gathered again by DeepSpeed before its backward.
     options = {"use_reentrant": False, "determinism_check": "none",
                **({"context_fn": recompute_context} if recompute_context else {})}
-    pieces = []
-    for start in range(0, flat_labels.numel(), size):
-        chunk = (head, flat_hidden[start : start + size], flat_labels[start : start + size], temperature)
+
+    def run(chunk_hidden, chunk_labels):
         # Checkpointed, a chunk keeps only its inputs for the backward pass, not its [chunk, V] logits.
-        pieces.append(checkpoint(_chunk_logprobs, *chunk, **options) if torch.is_grad_enabled()
-                      else _chunk_logprobs(*chunk))
-    return torch.cat(pieces).reshape(labels.shape)
+        if torch.is_grad_enabled():
+            return checkpoint(_chunk_logprobs, head, chunk_hidden, chunk_labels, temperature, **options)
+        return _chunk_logprobs(head, chunk_hidden, chunk_labels, temperature)
+
+    pieces = [run(*chunk) for chunk in chunks]
+    result = torch.cat(pieces) if pieces else flat_hidden.sum(-1).float()
+    for _ in range(padding):
+        result = result + 0.0 * run(*spare).sum()
+    return result.reshape(labels.shape)
 
 
 def causal_lm_loss(hidden: torch.Tensor, head, labels: Optional[torch.Tensor] = None,

@@ -29,7 +29,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.utils import ModelOutput
 
 from chat_templates import special_token_texts
-from chunked_loss import head_gives_logits, token_logprobs
+from chunked_loss import agreed_across_ranks, head_gives_logits, token_logprobs
 from cli import InputError, read_json
 from conversation_tokenizer import ConversationTokenizer
 from model_files import check_adapter_fits_base, checkpoint_shapes
@@ -805,14 +805,20 @@ class AnswerLogps(ModelOutput):
 
 def head_alone_gives_logits(model, input_ids) -> bool:
     """Whether the output embeddings applied to the last hidden states give the model's own logits (no
-    soft-capping or scaling after the head), checked on one row. The model's own forward is called as a
-    function, not through the module, so it can run inside answer_logps_forward (under ZeRO-3 only the
-    submodules' gathering hooks run, as in any forward)."""
+    soft-capping or scaling after the head), checked on one row in eval mode (dropout, of a LoRA on the head
+    say, would make the two differ). The model's own forward is called as a function, not through the module,
+    so it can run inside answer_logps_forward (under ZeRO-3 only the submodules' gathering hooks run, as in
+    any forward)."""
     forward = super(type(model), model).forward
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
-    with torch.no_grad():
-        outputs = forward(input_ids=input_ids[:1], use_cache=False, output_hidden_states=True, **keep)
-    return head_gives_logits(model.get_output_embeddings(), outputs)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = forward(input_ids=input_ids[:1], use_cache=False, output_hidden_states=True, **keep)
+            return head_gives_logits(model.get_output_embeddings(), outputs)
+    finally:
+        model.train(was_training)
 
 
 def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids=None, pair_segments=None,
@@ -829,7 +835,8 @@ def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids
     if answer_index is None:
         return own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     if self.answer_head_exact is None:
-        self.answer_head_exact = head_alone_gives_logits(self, input_ids)
+        self.answer_head_exact = agreed_across_ranks(head_alone_gives_logits(self, input_ids),
+                                                     self.get_output_embeddings(), input_ids.device)
         if not self.answer_head_exact:
             logger.info("answer log-probs from the model's full logits: its forward changes the logits after "
                         "the output embeddings")

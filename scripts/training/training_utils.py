@@ -25,7 +25,7 @@ from checkpoint_state import (
     run_identity,
     start_writing,
 )
-from chunked_loss import causal_lm_loss, head_reproduces_logits
+from chunked_loss import agreed_across_ranks, causal_lm_loss, head_reproduces_logits
 from cli import InputError, ReportedError, parse_args
 from model_files import checkpoint_problem, checkpoint_states, complete_checkpoints
 from model_utils import (
@@ -537,9 +537,11 @@ class CausalLMTrainer(ResumableTrainer):
                 and getattr(self.accelerator, "parallelism_config", None) is None):
             return False
         if self.chunked_loss_exact is None:
+            unwrapped = self.accelerator.unwrap_model(model)
             with self.accelerator.autocast():
-                self.chunked_loss_exact = head_reproduces_logits(self.accelerator.unwrap_model(model),
-                                                                 without_labels(inputs))
+                exact = head_reproduces_logits(unwrapped, without_labels(inputs))
+            self.chunked_loss_exact = agreed_across_ranks(exact, unwrapped.get_output_embeddings(),
+                                                          inputs["input_ids"].device)
             if not self.chunked_loss_exact:
                 logger.info("chunked loss off: this model's forward does not take logits_to_keep or changes the "
                             "logits after its output embeddings; transformers' loss over the full logits is used")

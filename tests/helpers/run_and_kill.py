@@ -7,7 +7,9 @@ product code:
                       step K, or in the middle of writing checkpoint-N; only in the run whose output_dir is NAME;
 --kill_after_save N   the same as --kill_at_step N for N a save step: right after checkpoint-N is complete;
 --record_batches DIR  append a hash of every training batch to DIR/rank<R>.txt, so a test can prove that ranks
-                      see different data.
+                      see different data;
+--logits_per_chunk N  chunked_loss.LOGITS_PER_CHUNK: chunks of a few positions on a tiny vocabulary, so that
+                      ranks with different token counts run different numbers of chunks.
 """
 
 import argparse
@@ -25,6 +27,7 @@ parser.add_argument("--kill_at_step", "--kill_after_save", type=int, default=Non
 parser.add_argument("--kill_mid_save", type=int, default=None)
 parser.add_argument("--kill_output", default=None)
 parser.add_argument("--record_batches", default=None)
+parser.add_argument("--logits_per_chunk", type=int, default=None)
 parser.add_argument("script")
 options, script_args = parser.parse_known_args()
 
@@ -42,6 +45,11 @@ if options.record_batches is not None:
 
 probes = Probes(options.record_steps, options.kill_at_step, options.kill_mid_save, options.kill_output)
 sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
+if options.logits_per_chunk is not None:  # the training scripts' module, whichever script runs them
+    sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "training"))
+    import chunked_loss
+
+    chunked_loss.LOGITS_PER_CHUNK = options.logits_per_chunk
 sys.argv = [options.script] + script_args
 with probes_installed(probes):
     runpy.run_path(options.script, run_name="__main__")

@@ -1,5 +1,8 @@
 """Arguments of short LoRA runs of the pretraining and SFT scripts on conftest's tiny model."""
 
+import json
+import os
+
 from helpers.commands import options_to_argv
 
 TINY_TRAINING_OPTIONS = {
@@ -34,3 +37,13 @@ def tiny_sft_args(model_dir, output_dir, cache_dir, **overrides) -> list:
     options = {"model_name_or_path": model_dir, "data_cache_dir": cache_dir, "output_dir": output_dir,
                "max_seq_length": 256, **TINY_TRAINING_OPTIONS, **overrides}
     return ["--do_train", "--use_cpu"] + options_to_argv(options)
+
+
+def small_chunks_wrapper(model_dir, positions: int) -> list:
+    """helpers/run_and_kill.py setting the chunked loss to `positions` positions a chunk on model_dir's
+    vocabulary (the tiny model's would otherwise fit a whole batch in one chunk)."""
+    from helpers.commands import KILL_WRAPPER
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+        vocabulary = json.load(handle)["vocab_size"]
+    return [KILL_WRAPPER, "--logits_per_chunk", str(positions * vocabulary)]
