@@ -153,4 +153,3 @@ def zero2_two_process_pretraining(tiny_model_dir, varied_pretrain_dir, tmp_path_
                         deepspeed=f"{REPO}/ds_configs/ds_zero2_no_offload.json")
     result = run_script(args, nproc=2, wrapper=[KILL_WRAPPER, "--record_batches", str(record)])
     return {"out": out, "record": record, "result": result}
-

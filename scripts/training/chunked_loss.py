@@ -47,12 +47,17 @@ def chunk_positions(head) -> int:
     return positions_per_chunk(head_width(head))
 
 
-def _chunk_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    # The same reduction as ppo_utils.logprobs_from_logits: the label's logit minus the logsumexp, in float32.
-    logits = head(hidden).float()
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at each label, in float32: [..., V] and [...] -> [...]. The same
+    reduction as ppo_utils.logprobs_from_logits: the label's logit minus the logsumexp."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    return label_logprobs(head(hidden), labels, temperature)
 
 
 def partitioned_across_ranks(head) -> bool:

@@ -29,7 +29,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.utils import ModelOutput
 
 from chat_templates import special_token_texts
-from chunked_loss import agreed_across_ranks, head_gives_logits, token_logprobs
+from chunked_loss import agreed_across_ranks, head_gives_logits, label_logprobs, token_logprobs
 from cli import InputError, read_json
 from conversation_tokenizer import ConversationTokenizer
 from model_files import check_adapter_fits_base, checkpoint_shapes
@@ -846,18 +846,12 @@ def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               "use_cache": False}
     if not self.answer_head_exact:
-        return AnswerLogps(label_logps(own_forward(**inputs).logits.flatten(0, 1)[answer_index], answer_targets))
+        return AnswerLogps(label_logprobs(own_forward(**inputs).logits.flatten(0, 1)[answer_index], answer_targets))
     hidden = self.base_model(**inputs).last_hidden_state.flatten(0, 1)[answer_index]
     head = self.get_output_embeddings()
     if self.chunked_loss:
         return AnswerLogps(token_logprobs(hidden, head, answer_targets))
-    return AnswerLogps(label_logps(head(hidden), answer_targets))
-
-
-def label_logps(logits, labels):
-    """log softmax(logits) at each label, in float32: logits [T, V], labels [T] -> [T]."""
-    logits = logits.float()
-    return logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    return AnswerLogps(label_logprobs(head(hidden), answer_targets))
 
 
 def answer_logps_model_class(config):

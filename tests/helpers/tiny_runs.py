@@ -3,7 +3,7 @@
 import json
 import os
 
-from helpers.commands import options_to_argv
+from helpers.commands import KILL_WRAPPER, options_to_argv
 
 TINY_TRAINING_OPTIONS = {
     "per_device_train_batch_size": 4,
@@ -42,8 +42,6 @@ def tiny_sft_args(model_dir, output_dir, cache_dir, **overrides) -> list:
 def small_chunks_wrapper(model_dir, positions: int) -> list:
     """helpers/run_and_kill.py setting the chunked loss to `positions` positions a chunk on model_dir's
     vocabulary (the tiny model's would otherwise fit a whole batch in one chunk)."""
-    from helpers.commands import KILL_WRAPPER
-
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
         vocabulary = json.load(handle)["vocab_size"]
     return [KILL_WRAPPER, "--logits_per_chunk", str(positions * vocabulary)]
