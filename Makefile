@@ -1,4 +1,5 @@
-# make test | make demo | make bench: each creates/reuses .venv and installs what it needs.
+# make test | make test-fast | make demo | make bench: each creates/reuses .venv and installs what it needs,
+# the lorakit package (src/) editable among it.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,19 +8,20 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_CPU_VERSION := 2.13.0
 
-.PHONY: install vendor-models lint test demo bench gpu-check clean
+.PHONY: install vendor-models lint test test-fast demo bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 # Without a GPU, install the CPU build of torch first: an unpinned torch pulls several GB of CUDA.
-$(STAMP): requirements.txt requirements-dev.txt | $(PY)
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml | $(PY)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 		if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; \
 		else $(PIP) install -q torch==$(TORCH_CPU_VERSION); fi; \
 	fi
 	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
+	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -49,8 +51,13 @@ vendor-models: $(VENDOR_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Everything (CI, the README's command). test-fast leaves out the tests marked slow (pytest.ini) and still runs every
+# stage once: the tier to run while working.
 test: lint $(STAMP) $(VENDOR_STAMP)
 	$(PY) -m pytest tests
+
+test-fast: lint $(STAMP) $(VENDOR_STAMP)
+	$(PY) -m pytest tests -m "not slow"
 
 demo: $(STAMP)
 	$(PY) scripts/demo/run_demo.py $(if $(QUICK),--quick,)

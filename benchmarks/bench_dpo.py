@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench_reward import LORA, LORA_TARGETS, make_pairs, print_data, run_measured, step_summary
-from measure import REPO, environment, quiet_offline_env, read_results, scratch_dir, use_project_scripts, write_json
+from measure import REPO, environment, quiet_offline_env, read_results, scratch_dir, write_json
 
 RUNNER = REPO / "benchmarks" / "trl_dpo_runner.py"
 RUN_DPO = REPO / "scripts" / "training" / "run_dpo.py"
@@ -128,11 +128,10 @@ def main(argv=None) -> dict:
         quiet_offline_env(TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore",
                           HF_DATASETS_CACHE=str(work / "hf_datasets_default"))
         env = dict(os.environ, PYTHONPATH=str(REPO / "benchmarks"))
-        use_project_scripts("training", "demo")
         import trl  # noqa: F401  (fail now without requirements-bench.txt)
         from transformers import AutoTokenizer
 
-        from prepare_default import prepare_model
+        from lorakit.demo.prepare_default import prepare_model
 
         model_dir = prepare_model(args.cache_dir)
         data = make_pairs(args, AutoTokenizer.from_pretrained(model_dir), work)

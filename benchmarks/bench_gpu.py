@@ -82,7 +82,6 @@ from measure import (
     quiet_offline_env,
     run_child_benchmark,
     scratch_dir,
-    use_project_scripts,
     write_json,
     write_jsonl,
 )
@@ -494,9 +493,8 @@ class PPOProbe(RunProbe):
 def synchronised_ppo_timers():
     """run_ppo's phase timers (PhaseTimes, PPOStepCallback) read the clock right after queued GPU work
     finishes; unsynchronised, a phase's kernels still running are billed to the next phase."""
-    use_project_scripts("training")
-    import ppo_experience
-    import ppo_trainer
+    from lorakit.rl import experience as ppo_experience
+    from lorakit.rl import ppo_trainer
 
     saved_timing = ppo_experience.PhaseTimes.timing
     callback = ppo_trainer.PPOStepCallback

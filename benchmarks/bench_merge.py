@@ -1,6 +1,6 @@
 """Benchmark: LoRA merge, ours (scripts/merge/merge_llama_with_lora.py) against peft (`make bench`).
 
-The base is SmolLM2-135M-Instruct (from scripts/demo/prepare_default.py: a PyPI wheel, converted
+The base is SmolLM2-135M-Instruct (from lorakit.demo.prepare_default: a PyPI wheel, converted
 once and cached under --cache_dir; nothing comes from a model hub), re-saved in --dtype as
 --shard_mb MB safetensors shards. Adapters are made with peft on it, r=16 on every linear layer
 (random non-zero A and B, so every update is real work), in two variants:
@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from measure import REPO, environment, print_table, scratch_dir, timed, use_project_scripts, write_json
+from measure import REPO, environment, print_table, scratch_dir, timed, write_json
 
 MERGE_SCRIPT = REPO / "scripts" / "merge" / "merge_llama_with_lora.py"
 RSS_TARGET = 0.5
@@ -219,10 +219,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     os.chdir(REPO)
     os.environ["HF_HUB_OFFLINE"] = "1"
-    use_project_scripts("demo")
     import transformers
 
-    from prepare_default import prepare_model
+    from lorakit.demo.prepare_default import prepare_model
 
     transformers.logging.set_verbosity_error()
     with scratch_dir("bench_merge-") as work:

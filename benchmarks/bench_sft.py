@@ -1,6 +1,6 @@
 """Benchmark: LoRA SFT on CPU, ours (scripts/training/run_sft_with_peft.py) against TRL's SFTTrainer (`make bench`).
 
-Model: SmolLM2-135M-Instruct in float32 (from scripts/demo/prepare_default.py: a PyPI wheel,
+Model: SmolLM2-135M-Instruct in float32 (from lorakit.demo.prepare_default: a PyPI wheel,
 converted once and cached under --cache_dir; nothing comes from a model hub).
 
 Data: --samples single-turn chat records in "messages" format, written once to one jsonl that both
@@ -84,7 +84,6 @@ from measure import (
     run_child_benchmark,
     scratch_dir,
     set_torch_threads,
-    use_project_scripts,
     write_json,
     write_jsonl,
 )
@@ -153,9 +152,8 @@ def first_clause(review: str) -> str:
 
 
 def make_records(count: int, seed: int) -> list:
-    use_project_scripts("demo")
-    from prepare_default import sentiment_reviews
-    from sft_tasks import arithmetic_records
+    from lorakit.demo.prepare_default import sentiment_reviews
+    from lorakit.demo.sft_tasks import arithmetic_records
 
     pos, neg = sentiment_reviews()
     pos = [r for r in pos if len(r) <= REVIEW_MAX_CHARS]

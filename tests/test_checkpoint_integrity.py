@@ -71,18 +71,18 @@ class SimulatedCrash(Exception):
 
 def test_a_save_cut_short_keeps_the_last_complete_checkpoint_and_the_rerun_resumes_from_it(straight, tmp_path,
                                                                                             monkeypatch):
-    import build_dataset
+    from lorakit.trainers import checkpoints
 
     root, args = straight
     out = tmp_path / "crashed"
-    write_adapter = build_dataset.save_adapter
+    write_adapter = checkpoints.save_adapter
 
     def crash_in_checkpoint_4(model, tokenizer, path, is_main_process):
         if "checkpoint-4" in path:
             raise SimulatedCrash  # after the Trainer's files and its --save_total_limit rotation, before the adapter
         write_adapter(model, tokenizer, path, is_main_process)
 
-    monkeypatch.setattr(build_dataset, "save_adapter", crash_in_checkpoint_4)
+    monkeypatch.setattr(checkpoints, "save_adapter", crash_in_checkpoint_4)
     with pytest.raises(SimulatedCrash):
         run_in_process(PT_SCRIPT, args(out))
     monkeypatch.undo()
@@ -192,6 +192,7 @@ def test_overwrite_removes_the_earlier_checkpoints_only_once_training_starts(str
     assert not [name for name in os.listdir(out) if name.startswith("checkpoint-")]
 
 
+@pytest.mark.slow
 def test_a_node_that_cannot_read_rank_zeros_checkpoint_makes_every_rank_refuse(straight, tiny_model_dir,
                                                                                pretrain_dir, tmp_path):
     """Two torchrun "nodes" on this machine, each in its own directory with its own relative --output_dir: node 0's

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import chunked_loss
+from lorakit.models import chunked_loss
 
 WIDTH = 20
 
@@ -44,7 +44,7 @@ def small_chunks(monkeypatch):
 
 
 def training_args(tmp_path, chunked: bool, **overrides):
-    from training_utils import CausalLMTrainingArguments
+    from lorakit.trainers.common import CausalLMTrainingArguments
 
     options = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": "none", "save_strategy": "no",
                "seed": 0, "disable_tqdm": True, "chunked_loss": chunked, **overrides}
@@ -54,7 +54,7 @@ def training_args(tmp_path, chunked: bool, **overrides):
 def lora_model(model_dir, args, **model_options):
     from transformers import AutoTokenizer, set_seed
 
-    from model_utils import ModelArguments, load_model
+    from lorakit.models.loader import ModelArguments, load_model
 
     set_seed(0)  # the same new LoRA weights each time
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -106,7 +106,7 @@ def test_chunked_loss_equals_transformers_loss_without_full_logits(adapter, pack
     <= 1e-5), with the Trainer's token count (num_items_in_batch) and with a per-batch mean; the
     full-logits way makes a [B, T, V] float32 tensor, the chunked one nothing vocabulary-wide over
     one chunk of 5 positions."""
-    from training_utils import build_trainer
+    from lorakit.trainers.common import build_trainer
 
     results = {}
     for chunked in (False, True):
@@ -139,7 +139,7 @@ def test_gradient_accumulation_trains_the_same_weights(tiny_model_dir, tmp_path,
     head trained: the same losses and weights with and without --chunked_loss."""
     from transformers import default_data_collator
 
-    from training_utils import build_trainer
+    from lorakit.trainers.common import build_trainer
 
     rows = []
     for index in range(8):
@@ -173,7 +173,7 @@ def test_a_head_that_does_not_give_the_logits_keeps_transformers_loss(tmp_path):
     check turns it off and the loss stays transformers' own."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from training_utils import build_trainer
+    from lorakit.trainers.common import build_trainer
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -193,7 +193,7 @@ def test_a_head_that_does_not_give_the_logits_keeps_transformers_loss(tmp_path):
 def experience_maker(model_dir, chunked: bool, temperature: float, top_k: int, top_p: float):
     from transformers import AutoModelForCausalLM
 
-    from ppo_experience import ExperienceMaker
+    from lorakit.rl.experience import ExperienceMaker
 
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     args = types.SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, world_size=1, chunked_loss=chunked)
@@ -208,7 +208,7 @@ def test_ppo_sampling_records_what_the_stacked_logits_give(temperature, top_k, t
     raw logits over the temperature (top-k/top-p and the first step's blocked end only shape sampling),
     answers ending at different steps; the stack is [B, A, V] float32, the recorder holds one step
     (generation itself never more than one step's [B, V])."""
-    from ppo_experience import answer_mask, left_pad
+    from lorakit.rl.experience import answer_mask, left_pad
 
     prompts = [[5, 17, 42, 9], [33, 8], [101, 7, 64, 12, 88, 3], [21]]
     prompt_ids, prompt_mask = left_pad(prompts, 6, 0)
@@ -238,7 +238,7 @@ def shared_policy(model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ppo_policy import SharedBasePolicy
+    from lorakit.rl.policy import SharedBasePolicy
 
     torch.manual_seed(0)
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -259,7 +259,7 @@ def test_ppo_training_pass_equals_the_full_logits(tiny_model_dir, small_chunks):
     """The PPO training pass on one shared base (actor log-probs over the temperature, critic values,
     ptx loss): the same outputs and gradients with the chunked head, which the backward pass recomputes
     under the actor's adapters although the critic ran after it, as with the full [B, A, V] logits."""
-    from ppo_experience import left_pad
+    from lorakit.rl.experience import left_pad
 
     policy = shared_policy(tiny_model_dir)
     policy.temperature = 0.8
@@ -306,7 +306,7 @@ QWEN3_NORM_SCALE = 32
 def float64_loss_and_gradients(model, batch: dict, num_items_in_batch):
     """The causal-LM loss and gradients computed in float64 throughout: the reference both float32 paths are
     measured against (transformers' own loss upcasts half-precision logits to float32, and so casts float64 down)."""
-    from training_utils import without_labels
+    from lorakit.trainers.common import without_labels
 
     model.double()
     model.zero_grad()
@@ -329,7 +329,7 @@ def test_chunked_loss_on_qwen3s_tied_head(adapter, family_model_dir, tmp_path, s
     """Qwen3 (tied embeddings, a 151k vocabulary; with --modules_to_save one trained copy shared by both ends) at
     a trained model's logit range, the fixture on which test_family_stages' SFT runs: the chunked loss and every
     gradient equal transformers' own, and are at least as close as transformers' own to the float64 loss."""
-    from training_utils import build_trainer
+    from lorakit.trainers.common import build_trainer
 
     args = training_args(tmp_path, True)
     model, tokenizer = lora_model(family_model_dir("qwen3"), args, **adapter)

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from cli import InputError, parse_args
-from model_utils import ModelArguments
-from training_utils import ToolkitTrainingArguments
+from lorakit.commands import module_of_script
+from lorakit.core.cli import InputError, parse_args
+from lorakit.models.loader import ModelArguments
+from lorakit.trainers.common import ToolkitTrainingArguments
 
 CONFIG = """\
 model_name_or_path: base
@@ -69,7 +70,7 @@ def test_every_training_script_takes_a_file_and_overrides(tmp_path, script, laun
 
     path = tmp_path / "run.yaml"
     path.write_text(CONFIG)
-    classes = importlib.import_module(script).ARGUMENT_CLASSES
+    classes = importlib.import_module(module_of_script(script + ".py")).ARGUMENT_CLASSES
     needed = ["--reward_model_name_or_path", "rm"] if script == "run_ppo" else []  # PPO's one required flag
     model_args, _, training_args = parse_args(classes, launcher + [str(path), "--learning_rate", "3e-4",
                                                                    "--lora_rank", "8", *needed])

@@ -1,9 +1,10 @@
-"""The code's shape, read from the source: imports point one way through the layers (README,
-"Architecture"), record reading and serving stay free of the training stack, and no function
-grows past a screen."""
+"""The code's shape, read from the source: one package whose layers import one way (docs/architecture: a directory
+is a layer), entry scripts that nobody imports, record reading and serving free of the training stack, no edit of
+the import path anywhere, and no function longer than a screen."""
 
 import ast
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -11,97 +12,191 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "src" / "lorakit"
 SCRIPTS = REPO / "scripts"
 
-# scripts/training, bottom to top: a module may import modules of its own layer or lower ones.
-LAYERS = {
-    "foundation": {"cli", "records", "chat_templates", "zero3", "ppo_utils", "model_files", "pair_segments",
-                   "dpo_losses", "checkpoint_state", "chunked_loss"},
-    "data": {"build_dataset", "data_cache", "data_splits", "conversation_tokenizer", "prompt_data"},
-    "model": {"model_utils", "ppo_policy"},
-    "trainer": {"training_utils", "ppo_trainer", "ppo_experience", "ppo_ema", "ppo_checkpoint", "dpo_trainer"},
-    "scripts": {"run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_ppo", "launch", "estimate_memory",
-                "run_dpo"},
+# The training stack, bottom to top: a module may import its own layer or a lower one, never a higher one.
+STACK = ["core", "records", "data", "models", "trainers", "rl"]
+# The layers apart from the stack, and what each may import (besides itself). The pipeline and the console script
+# reach the stages only as processes or through lorakit.commands' table, never by a static import.
+APART = {
+    "merge": {"core"},
+    "serve": {"core", "records", "models"},
+    "pipeline": {"core"},
+    "demo": set(STACK) | {"pipeline"},
 }
-ORDER = list(LAYERS)
-LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
-# The other script directories and the training layers each may reach.
-ALLOWED = {
-    "merge": {"foundation"},
-    "inference": {"foundation", "model"},
-    # Every stage runs as its own process; the pipeline reads the scripts' argument tables only.
-    "pipeline": {"foundation"},
-}
+# Modules at the package's top (lorakit.commands' table, the version, the console script) import no layer
+# statically, and every layer may import them.
 LONGEST_FUNCTION = 60
 
 
-def project_imports(path: Path, project_modules: set) -> set:
-    """Names of project modules a file imports, wherever in the file the import sits."""
-    imported = set()
+def imported_names(path: Path) -> set:
+    """Absolute module names a file imports, wherever in the file the import sits (`from a import b` counts as
+    a.b too, since b may be a module)."""
+    names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            imported.add(node.module.split(".")[0])
-    return imported & project_modules
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
 
 
-def modules_in(directory: str) -> dict:
-    return {path.stem: path for path in sorted((SCRIPTS / directory).glob("*.py"))}
+def layer_of(module: str):
+    """'lorakit.data.cache' -> 'data'; a top module (lorakit.commands, lorakit.__main__) -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in STACK + list(APART) else None
 
 
-def test_every_training_module_has_a_layer():
-    unplaced = set(modules_in("training")) - set(LAYER_OF)
-    assert not unplaced, f"place these modules in a layer of tests/test_code_structure.py LAYERS: {sorted(unplaced)}"
+def allowed_layers(layer: str) -> set:
+    if layer in STACK:
+        return set(STACK[:STACK.index(layer) + 1])
+    return APART[layer] | {layer}
 
 
-def test_training_imports_point_down():
-    training = modules_in("training")
-    upward = []
-    for name, path in training.items():
-        rank = ORDER.index(LAYER_OF[name])
-        for target in project_imports(path, set(training)):
-            if ORDER.index(LAYER_OF[target]) > rank:
-                upward.append(f"{name} ({LAYER_OF[name]}) imports {target} ({LAYER_OF[target]})")
-    assert not upward, "\n".join(upward)
+def module_name(path: Path, package_root: Path) -> str:
+    relative = path.relative_to(package_root.parent).with_suffix("")
+    parts = list(relative.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("directory", sorted(ALLOWED))
-def test_merge_and_inference_stay_off_the_training_stack(directory):
-    training = set(modules_in("training"))
+def upward_imports(package_root: Path) -> list:
+    """'importer (layer) imports target (layer)' for every import that breaks the layer rules."""
     wrong = []
-    for name, path in modules_in(directory).items():
-        for target in project_imports(path, training):
-            if LAYER_OF[target] not in ALLOWED[directory]:
-                wrong.append(f"{directory}/{name} imports {target} ({LAYER_OF[target]})")
+    for path in sorted(package_root.rglob("*.py")):
+        importer = module_name(path, package_root)
+        layer = layer_of(importer)
+        for target in sorted(name for name in imported_names(path) if name.startswith("lorakit.")):
+            target_layer = layer_of(target)
+            if target_layer is None:  # lorakit.commands, lorakit.__version__: import-free, open to every layer
+                continue
+            if layer is None or target_layer not in allowed_layers(layer):
+                wrong.append(f"{importer} ({layer or 'top'}) imports {target} ({target_layer})")
+    return wrong
+
+
+def test_every_package_directory_is_a_known_layer():
+    directories = {path.name for path in PACKAGE.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert directories == set(STACK) | set(APART), sorted(directories)
+
+
+def test_imports_point_down_the_layers():
+    assert not upward_imports(PACKAGE), "\n".join(upward_imports(PACKAGE))
+
+
+def test_a_planted_upward_import_is_caught(tmp_path):
+    """The rules can fail: a data module importing a trainer, and a model module importing RL code."""
+    root = tmp_path / "lorakit"
+    for layer in ("data", "models", "trainers", "rl"):
+        (root / layer).mkdir(parents=True)
+    (root / "data" / "bad.py").write_text("from lorakit.trainers.common import build_trainer\n")
+    (root / "models" / "also_bad.py").write_text("import lorakit.rl.ppo_math\n")
+    (root / "rl" / "fine.py").write_text("from lorakit.models import loader\nfrom lorakit.data import cache\n")
+    assert upward_imports(root) == [
+        "lorakit.data.bad (data) imports lorakit.trainers.common (trainers)",
+        "lorakit.data.bad (data) imports lorakit.trainers.common.build_trainer (trainers)",
+        "lorakit.models.also_bad (models) imports lorakit.rl.ppo_math (rl)",
+    ]
+
+
+def python_files(*roots: Path) -> list:
+    return [path for root in roots for path in sorted(root.rglob("*.py")) if ".cache" not in path.parts]
+
+
+def test_nothing_imports_an_entry_script():
+    """Entry scripts are run, never imported: no file imports a module named like one (their code is the
+    package's), and scripts/ is no package."""
+    entry_names = {path.stem for path in SCRIPTS.rglob("*.py")}
+    wrong = []
+    for path in python_files(REPO / "src", REPO / "tests", REPO / "benchmarks", SCRIPTS):
+        for name in imported_names(path):
+            if name.split(".")[0] in entry_names | {"scripts"}:
+                wrong.append(f"{path.relative_to(REPO)} imports {name}")
     assert not wrong, "\n".join(wrong)
+    assert not list(SCRIPTS.rglob("__init__.py"))
+
+
+def test_no_file_edits_the_import_path():
+    edits = []
+    for path in python_files(REPO / "src", REPO / "tests", REPO / "benchmarks", SCRIPTS):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+                edits.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not edits, "sys.path is used at " + ", ".join(edits)
+
+
+def test_every_entry_script_runs_its_package_module():
+    """Each script is its command's entry point and nothing else: it names the module lorakit.commands lists."""
+    from lorakit.commands import COMMANDS
+
+    for name, command in COMMANDS.items():
+        text = (REPO / command.script).read_text(encoding="utf-8")
+        assert f"from {command.module} import entry_point" in text, name
+        assert len(ast.parse(text).body) <= 4, f"{command.script} holds more than its entry point"
+
+
+def test_build_dataset_offers_the_card_names():
+    namespace = runpy.run_path(str(SCRIPTS / "training" / "build_dataset.py"))
+    from lorakit.data import build_dataset
+    from lorakit.trainers import checkpoints
+
+    assert namespace["DataCollatorForSupervisedDataset"] is build_dataset.DataCollatorForSupervisedDataset
+    assert namespace["SavePeftModelCallback"] is checkpoints.SavePeftModelCallback
+    for name in ("build_pretraining_blocks", "build_sft_dataset", "build_preference_dataset", "cached_packed_rows"):
+        assert namespace[name] is getattr(build_dataset, name)
+
+
+def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, **kwargs)
+
+
+def test_an_entry_script_without_the_package_says_how_to_install_it():
+    """Without site-packages (-S: no lorakit, no torch) a script gives one line, exit 2, no traceback."""
+    for script in ("training/run_sft_with_peft.py", "merge/merge_llama_with_lora.py", "run_pipeline.py"):
+        result = run_python("-S", str(SCRIPTS / script), "--help")
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: the lorakit package is not installed"), result.stderr
+        assert "make install" in lines[0]
+
+
+def test_console_script_lists_and_runs_the_commands():
+    from lorakit.commands import COMMANDS
+
+    listing = run_python("-m", "lorakit", "--help")
+    assert listing.returncode == 0 and all(f"  {name} " in listing.stdout for name in COMMANDS), listing.stdout
+    unknown = run_python("-m", "lorakit", "sfft")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: lorakit has no command 'sfft'")
+    merge_help = run_python("-m", "lorakit", "merge", "--help")
+    assert merge_help.returncode == 0 and "--lora_model" in merge_help.stdout, merge_help.stderr[-2000:]
 
 
 def loaded_modules(*imports: str) -> set:
-    """Top-level modules loaded, in a fresh interpreter, by importing these script modules."""
-    paths = [str(SCRIPTS / d) for d in ("training", "inference", "merge")]
-    code = (f"import sys; sys.path[:0] = {paths!r}; " + "; ".join(f"import {m}" for m in imports)
-            + "; print(' '.join(sorted({name.split('.')[0] for name in sys.modules})))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    """Modules loaded, in a fresh interpreter, by importing these modules."""
+    code = "; ".join(f"import {m}" for m in imports) + "; import sys; print(' '.join(sorted(sys.modules)))"
+    result = run_python("-c", code)
     assert result.returncode == 0, result.stderr[-2000:]
     return set(result.stdout.split())
 
 
 def test_record_reading_is_torch_free():
-    loaded = loaded_modules("records", "cli", "chat_templates")
-    assert not loaded & {"torch", "transformers", "datasets", "pyarrow"}, sorted(loaded)
+    loaded = loaded_modules("lorakit.records", "lorakit.records.readers", "lorakit.core.cli",
+                            "lorakit.records.chat_templates")
+    assert not {name.split(".")[0] for name in loaded} & {"torch", "transformers", "datasets", "pyarrow"}
 
 
 def test_serving_does_not_load_the_training_data_layer_or_trainer():
-    loaded = loaded_modules("openai_api_server")
+    loaded = loaded_modules("lorakit.serve.openai_api")
     assert "fastapi" in loaded and "torch" in loaded  # the server itself did load
-    assert not loaded & {"build_dataset", "datasets", "pyarrow", "training_utils", "ppo_trainer"}, sorted(loaded)
+    assert not loaded & {"lorakit.data.build_dataset", "datasets", "pyarrow", "lorakit.trainers.common",
+                         "lorakit.rl.ppo_trainer"}, sorted(loaded)
 
 
-def long_functions(root: Path) -> list:
+def long_functions(*roots: Path) -> list:
     found = []
-    for path in sorted(root.rglob("*.py")):
+    for path in python_files(*roots):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
@@ -111,4 +206,15 @@ def long_functions(root: Path) -> list:
 
 
 def test_no_function_longer_than_a_screen():
-    assert not long_functions(SCRIPTS), "\n".join(long_functions(SCRIPTS))
+    assert not long_functions(REPO / "src", SCRIPTS), "\n".join(long_functions(REPO / "src", SCRIPTS))
+
+
+@pytest.mark.parametrize("module", ["lorakit.trainers.sft", "lorakit.trainers.pt", "lorakit.trainers.reward",
+                                    "lorakit.trainers.dpo", "lorakit.rl.ppo"])
+def test_training_arguments_pickle_under_their_package_path(module):
+    """The Trainer pickles the arguments into training_args.bin by their class's module path: the package's,
+    the same whether the stage runs from its script, `lorakit NAME` or in-process."""
+    import importlib
+
+    classes = importlib.import_module(module).ARGUMENT_CLASSES
+    assert all(cls.__module__.startswith("lorakit.") for cls in classes), [cls.__module__ for cls in classes]

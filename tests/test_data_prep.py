@@ -12,13 +12,18 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-import build_dataset
-import data_cache
-from build_dataset import build_preference_dataset, build_pretraining_blocks, build_sft_dataset, pack_samples
-from chat_templates import named_template
 from helpers.commands import SFT_SCRIPT, assert_ok, run_in_process, run_script
 from helpers.corpora import generated_corpus
 from helpers.tiny_runs import tiny_sft_args
+from lorakit.data import build_dataset
+from lorakit.data import cache as data_cache
+from lorakit.data.build_dataset import (
+    build_preference_dataset,
+    build_pretraining_blocks,
+    build_sft_dataset,
+    pack_samples,
+)
+from lorakit.records.chat_templates import named_template
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +134,8 @@ def test_a_racily_clean_file_is_hashed_again(tokenizer, tmp_path):
 
 
 def test_packed_rows_are_cached_with_the_samples(tokenizer, tmp_path, monkeypatch):
-    from build_dataset import cached_packed_rows
-    from data_splits import first_samples, split_validation
+    from lorakit.data.build_dataset import cached_packed_rows
+    from lorakit.data.splits import first_samples, split_validation
 
     paths = multi_file_corpus(tmp_path / "data", "sft")
     cache = str(tmp_path / "cache")
@@ -156,6 +161,7 @@ def weightless_copy(model_dir, target) -> str:
     return str(target)
 
 
+@pytest.mark.slow
 def test_prepare_data_only_builds_the_cache_a_launch_then_hits(tiny_model_dir, tmp_path, monkeypatch):
     data_dir, cache, out = tmp_path / "data", tmp_path / "cache", tmp_path / "out"
     multi_file_corpus(data_dir, "sft")

@@ -20,6 +20,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers.commands import REPO
 from helpers.run_outputs import adapter_weights
 
@@ -57,6 +59,7 @@ def verdicts(markdown: str) -> dict:
     return {row[0]: row[-1] == "yes" for row in rows}
 
 
+@pytest.mark.slow
 def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     out = tmp_path / "demo"
     result = subprocess.run([sys.executable, DEMO, "--quick", "--cache_dir", CACHE, "--output_dir", str(out)],

@@ -55,10 +55,10 @@ def answer_logps_model(model_dir, tokenizer, tmp_path, chunked: bool):
     """The DPO stage's policy (task answer_logps, a LoRA whose B is made non-zero, as after training) and three
     pairs built by the reward stage's pipeline (shared prompt, answers sharing their first token, an answer
     extending the other)."""
-    from build_dataset import build_preference_dataset
-    from chat_templates import named_template
-    from model_utils import ModelArguments, load_model
-    from training_utils import ToolkitTrainingArguments
+    from lorakit.data.build_dataset import build_preference_dataset
+    from lorakit.models.loader import ModelArguments, load_model
+    from lorakit.records.chat_templates import named_template
+    from lorakit.trainers.common import ToolkitTrainingArguments
 
     data = tmp_path / "pairs.jsonl"
     records = [{"prompt": "北京 上海 天气 很好 人民 日报", "chosen": "我们 今天 学习", "rejected": "我们 经济"},
@@ -94,9 +94,9 @@ def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(ch
     """One row per pair and two rows per pair give each answer the log-prob of the sequence run alone through
     the full LM head, and the same DPO loss and LoRA gradients; with the chunked loss in chunks of 3
     positions (so that answers span chunks)."""
-    import chunked_loss
-    from dpo_losses import preference_loss
-    from dpo_trainer import DataCollatorForAnswerLogps, answer_logps
+    from lorakit.models import chunked_loss
+    from lorakit.models.dpo_losses import preference_loss
+    from lorakit.trainers.dpo_trainer import DataCollatorForAnswerLogps, answer_logps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model, features = answer_logps_model(tiny_model_dir, tokenizer, tmp_path, chunked)
@@ -124,10 +124,11 @@ def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(ch
     assert shared_tokens < tokens
 
 
+@pytest.mark.slow
 def test_answer_log_probs_of_a_soft_capping_gemma2_are_its_own(family_model_dir, tmp_path):
     """Gemma-2 soft-caps its logits after the head (30 tanh(logits / 30)): the answers' log-probs come from its
     own forward, in both layouts, not from the head alone, which here differs from it by more than 0.01."""
-    from dpo_trainer import DataCollatorForAnswerLogps, answer_logps
+    from lorakit.trainers.dpo_trainer import DataCollatorForAnswerLogps, answer_logps
 
     model_dir = family_model_dir("gemma2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -195,6 +196,7 @@ def test_first_step_is_log_2_and_precomputed_reference_trains_the_same(short_run
     assert live_losses == pytest.approx(pre_losses, abs=1e-5) and live_losses[-1] < live_losses[0]
 
 
+@pytest.mark.slow
 def test_dpo_deepspeed_zero2_and_zero3_two_processes(tiny_model_dir, pair_files, data_cache, tmp_path):
     """A ZeRO-2 run and then a ZeRO-3 run, each on 2 ranks, one after the other in the same torchrun job
     (helpers/run_in_sequence.py: one interpreter start and rendezvous for both). The answers' log-probs run 3
@@ -234,6 +236,7 @@ def dpo_resume(tiny_model_dir, pair_files, data_cache, tmp_path_factory):
     return resume_proof(1, DPO_SCRIPT, args_for, root, seed="dpo", total=SHORT_RUN["max_steps"], save_steps=2)
 
 
+@pytest.mark.slow
 def test_dpo_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_equals_uninterrupted_and_merges(
         dpo_resume, tiny_model_dir, tmp_path):
     dpo_resume.check_processes_after_random_kills()
@@ -247,10 +250,12 @@ def test_dpo_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_eq
     assert (merged / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_dpo_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(dpo_resume):
     dpo_resume.check_process_after_mid_save_kill()
 
 
+@pytest.mark.slow
 def test_dpo_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(dpo_resume):
     dpo_resume.check_process_after_end_kill()
     dpo_resume.check_bit_identical("dpo_lora_model", run_name="ended")
@@ -327,7 +332,7 @@ def test_chat_and_server_load_the_merged_dpo_model_and_the_dpo_adapter_on_the_me
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from inference_utils import (
+    from lorakit.serve.inference import (
         ChatGenerator,
         SamplingSettings,
         chat_template_of,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dpo_losses import (
+from lorakit.models.dpo_losses import (
     log1mexp,
     nll_loss,
     nll_weight,

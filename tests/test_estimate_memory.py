@@ -2,6 +2,7 @@
 figures are DeepSpeed's own estimators on it plus the frozen base counted by hand, the activation rule
 matches what autograd keeps, and bad input is one line."""
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -11,11 +12,11 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import estimate_memory as em
-from chunked_loss import LOGITS_PER_CHUNK, causal_lm_loss
-from helpers.commands import check_refused, run_in_process
+from helpers.commands import REPO, check_refused, run_in_process
+from lorakit.models import estimate_memory as em
+from lorakit.models.chunked_loss import LOGITS_PER_CHUNK, causal_lm_loss
 
-SCRIPT = em.__file__
+SCRIPT = os.path.join(REPO, "scripts", "training", "estimate_memory.py")
 TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

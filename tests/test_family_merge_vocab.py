@@ -89,7 +89,7 @@ def reviews(tmp_path_factory):
     """(train_file(count) -> a file of the first `count` lines, held-out file, held-out lines): real Chinese
     product reviews, deduplicated, positive and negative interleaved; the last HELD_OUT lines are never trained
     on."""
-    from prepare_default import sentiment_reviews
+    from lorakit.demo.prepare_default import sentiment_reviews
 
     positive, negative = sentiment_reviews()
     lines = [line for pair in zip(positive, negative) for line in pair]
@@ -125,6 +125,7 @@ def round_trips(tokenizer, lines: list, encoded: list) -> list:
 
 
 @pytest.mark.parametrize("family", sorted(VOCAB_CASES))
+@pytest.mark.slow
 def test_vocabulary_extension(family, reviews, tmp_path):
     """Extending this family's real tokenizer with Chinese pieces: fewer tokens on held-out reviews, original
     ids, special tokens and round-trips kept."""

@@ -243,7 +243,7 @@ def test_sft_with_the_family_template_learns_and_saves_it(name, own_template_sft
 def test_pretraining_and_sft_train_and_save(name, other_family_runs):
     """Each stage trains (finite losses, LoRA B moved) and saves its adapter, the SFT one with the template it
     trained with: the family's own, or chatml for GPT-2."""
-    from chat_templates import named_template
+    from lorakit.records.chat_templates import named_template
 
     runs = other_family_runs[name]
     for stage, adapter, steps in (("pt", "pt_lora_model", 3), ("sft", "sft_lora_model", 4)):
@@ -275,7 +275,7 @@ def test_saved_pad_token_lets_transformers_read_the_score_where_we_do(name, rewa
     with EOS <|eot_id|>; padding with EOS would make a merged model read one token early elsewhere)."""
     from transformers import AutoTokenizer
 
-    from conversation_tokenizer import ConversationTokenizer
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(reward_runs[name] / "rm_lora_model")
     conversation = [{"role": "user", "content": "Rate this."}, {"role": "assistant", "content": "Fine."}]
@@ -287,6 +287,7 @@ def test_saved_pad_token_lets_transformers_read_the_score_where_we_do(name, rewa
 
 
 @pytest.mark.parametrize("name, placement", [("qwen2.5", "shared"), ("llama3", "shared"), ("qwen2.5", "separate")])
+@pytest.mark.slow
 def test_ppo_iterations_log_finite_reward_and_kl(name, placement, ppo_runs):
     """PPO from the SFT adapter against the reward adapter runs its iterations and saves actor and critic."""
     out, log = ppo_runs[name, placement]
@@ -302,6 +303,7 @@ def test_ppo_iterations_log_finite_reward_and_kl(name, placement, ppo_runs):
         assert_trained_adapter(out / adapter)
 
 
+@pytest.mark.slow
 def test_ppo_placements_give_the_same_iterations(ppo_runs):
     """One base with an adapter per role, or a model per role: the same PPO iterations on Qwen2.5."""
     shared, separate = ([entry for entry in log_history(ppo_runs["qwen2.5", placement][0]) if "loss" in entry]
@@ -330,7 +332,7 @@ def random_reward_model(family_dir: str):
     """The family's model with a random score head, pooled as the reward stage pools."""
     from transformers import AutoConfig
 
-    from model_utils import reward_model_class
+    from lorakit.models.loader import reward_model_class
 
     config = AutoConfig.from_pretrained(family_dir, num_labels=1)
     torch.manual_seed(0)
@@ -339,8 +341,8 @@ def random_reward_model(family_dir: str):
 
 def assert_pooled_at_row_ends(batch: dict, rows: list, share_prefix: bool) -> None:
     """The position each layout pools is the last token of each row: chosen rows then rejected ones."""
-    from pair_segments import PAIR_CHOSEN, PAIR_REJECTED
-    from ppo_utils import last_position
+    from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_REJECTED
+    from lorakit.models.positions import last_position
 
     if share_prefix:
         segments = batch["pair_segments"]
@@ -354,9 +356,9 @@ def assert_pooled_at_row_ends(batch: dict, rows: list, share_prefix: bool) -> No
 def closed_rollout(tokenizer, template: str, rows: list) -> tuple:
     """(ids, mask) of the pair's answers as PPO holds them: a left-padded prompt, each answer up to its
     turn-end token, generate's padding after it, then closed by append_turn_end."""
-    from conversation_tokenizer import ConversationTokenizer
-    from ppo_experience import answer_mask, append_turn_end, left_pad
-    from prompt_data import tokenize_prompts
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
+    from lorakit.data.prompts import tokenize_prompts
+    from lorakit.rl.experience import answer_mask, append_turn_end, left_pad
 
     answers_tokenizer = ConversationTokenizer(tokenizer, template, 512)
     end_id, tail = answers_tokenizer.answer_end_id(), answers_tokenizer.after_turn_end_ids()
@@ -381,9 +383,9 @@ def test_scores_are_read_at_the_end_of_the_rendered_turn(name, variant, family_m
     """The reward stage's rows are the rendered conversations, and both of its layouts pool each at its last
     token (ChatML's "\n" after <|im_end|>, Llama-3's <|eot_id|>); PPO's answers, which end with the turn-end
     token, closed by append_turn_end, are exactly those rows and score the same, whatever the pad token."""
-    from build_dataset import DataCollatorForPreferencePairs
-    from conversation_tokenizer import ConversationTokenizer
-    from model_utils import score_pairs, score_sequences
+    from lorakit.data.build_dataset import DataCollatorForPreferencePairs
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
+    from lorakit.models.loader import score_pairs, score_sequences
 
     tokenizer = pair_tokenizer(family_model_dir(name), variant)
     assert (tokenizer.pad_token is None) == (name == "llama3")
@@ -490,7 +492,7 @@ def serving(args: list):
     uvicorn.run is replaced by a server the block can stop. Yields the base URL."""
     import uvicorn
 
-    import openai_api_server
+    from lorakit.serve import openai_api as openai_api_server
 
     servers, port = [], free_port()
 

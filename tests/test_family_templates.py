@@ -7,11 +7,11 @@ prompt."""
 import pytest
 from transformers import AutoTokenizer
 
-from chat_templates import named_template, parse_template_kwargs
-from cli import InputError
-from conversation_tokenizer import ConversationTokenizer
 from helpers.families import family_tokenizer_dir
-from records import conversation_of
+from lorakit.core.cli import InputError
+from lorakit.data.conversation_tokenizer import ConversationTokenizer
+from lorakit.records.chat_templates import named_template, parse_template_kwargs
+from lorakit.records.readers import conversation_of
 
 # The token each family's template closes an assistant turn with.
 TURN_END = {"llama3": "<|eot_id|>", "qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "mistral": "</s>",

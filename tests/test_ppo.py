@@ -102,6 +102,7 @@ def max_difference(first_dir, second_dir):
     return max((first[k] - second[k]).abs().max().item() for k in first)
 
 
+@pytest.mark.slow
 def test_held_out_reward_rises_while_kl_stays_bounded(tiny_model_dir, reward_adapter, prompt_file, tmp_path):
     out = tmp_path / "out"
     # 30 iterations of 32 answers, 2 PPO epochs: 60 optimizer steps; 32 held-out prompts
@@ -153,6 +154,7 @@ def short_runs(tiny_model_dir, reward_adapter, prompt_file, pretrain_dir, tmp_pa
     return runs
 
 
+@pytest.mark.slow
 def test_shared_base_and_separate_models_give_the_same_iterations(short_runs):
     shared, separate = step_logs(short_runs["shared"]), step_logs(short_runs["separate"])
     assert len(shared) == 2 and shared[0]["value_loss"] > 0 and shared[1]["kl"] != 0
@@ -161,6 +163,7 @@ def test_shared_base_and_separate_models_give_the_same_iterations(short_runs):
     assert max_difference(short_runs["shared"] / "ppo_lora_model", short_runs["separate"] / "ppo_lora_model") < 1e-5
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_recomputes_each_role_under_its_own_adapter(short_runs):
     # The shared base switches adapters between the actor and critic passes of one step; the
     # backward recomputation of a checkpointed layer must replay the role that ran it.
@@ -169,6 +172,7 @@ def test_gradient_checkpointing_recomputes_each_role_under_its_own_adapter(short
         assert max_difference(short_runs["shared"] / name, short_runs["checkpointed"] / name) < 1e-6, name
 
 
+@pytest.mark.slow
 def test_ptx_loss_is_mixed_into_the_actor_loss(short_runs):
     plain, mixed = step_logs(short_runs["shared"]), step_logs(short_runs["ptx"])
     first_plain, first_mixed = plain[0], mixed[0]
@@ -200,6 +204,7 @@ def zero_stage_runs(tiny_model_dir, reward_adapter, prompt_file, tmp_path_factor
     return runs
 
 
+@pytest.mark.slow
 def test_deepspeed_zero2_and_zero3_two_processes(zero_stage_runs):
     runs = {}
     for config, (out, _) in zero_stage_runs.items():
@@ -217,6 +222,7 @@ def test_deepspeed_zero2_and_zero3_two_processes(zero_stage_runs):
     assert_same_steps(step_logs(runs["ds_zero2_no_offload"]), step_logs(runs["ds_zero3_no_offload"]), tolerance=1e-4)
 
 
+@pytest.mark.slow
 def test_zero3_generation_gathers_the_actor_once_per_batch_and_samples_what_per_layer_gathering_samples(
         zero_stage_runs):
     """The tiny actor fits the device: each generation batch gathers its weights once (the all-gathers of one
@@ -267,6 +273,7 @@ def uninterrupted(ppo_resume):
 
 
 @pytest.mark.parametrize("proof", ["ppo_resume", "ppo_zero3_resume"])
+@pytest.mark.slow
 def test_resume_after_kills_at_random_iterations_runs_only_the_remaining_ones_and_continues_identically(proof,
                                                                                                        request):
     """Each rerun ran only the iterations after the last checkpoint (its own step log, iteration counter
@@ -282,10 +289,12 @@ def test_resume_after_kills_at_random_iterations_runs_only_the_remaining_ones_an
         proof.check_bit_identical(name)
 
 
+@pytest.mark.slow
 def test_ppo_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(ppo_resume):
     ppo_resume.check_process_after_mid_save_kill()
 
 
+@pytest.mark.slow
 def test_ppo_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(ppo_resume):
     ppo_resume.check_process_after_end_kill()
     for name in ("ppo_lora_model", "actor_ema", "critic"):
@@ -350,7 +359,7 @@ def test_separate_placement_under_zero3_is_refused_where_the_whole_frozen_roles_
     anything is written, pointing to --shared_base."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    import ppo_policy
+    from lorakit.rl import policy as ppo_policy
 
     monkeypatch.setattr(ppo_policy, "free_memory_bytes", lambda device: 10**6)
     out = tmp_path / "out"
@@ -369,8 +378,8 @@ def test_separate_placement_under_zero3_is_refused_where_the_whole_frozen_roles_
 def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from chat_templates import named_template
-    from prompt_data import read_prompts, tokenize_prompts
+    from lorakit.data.prompts import read_prompts, tokenize_prompts
+    from lorakit.records.chat_templates import named_template
 
     path = os.path.join(REPO, "data", "ppo_sample", "prompts.jsonl")
     prompts = read_prompts([path], None, 3, 42)
@@ -397,8 +406,8 @@ def test_length_grouped_passes_equal_one_pass_over_the_padded_batch(tiny_model_d
     answer token, and the same gradients."""
     from transformers import AutoModelForCausalLM
 
-    from ppo_experience import left_pad
-    from ppo_policy import PPOPolicy, backbone_of
+    from lorakit.rl.experience import left_pad
+    from lorakit.rl.policy import PPOPolicy, backbone_of
 
     class OneModelPolicy(PPOPolicy):
         def __init__(self, causal_lm):
@@ -449,11 +458,11 @@ def test_generated_answers_are_scored_where_the_reward_model_was_trained_to_read
     An answer cut at the length limit, without EOS, is scored where it stops."""
     from transformers import AutoTokenizer
 
-    from chat_templates import named_template
-    from conversation_tokenizer import ConversationTokenizer
-    from ppo_experience import answer_mask, append_turn_end, left_pad
-    from ppo_utils import positions_from_mask
-    from prompt_data import tokenize_prompts
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
+    from lorakit.data.prompts import tokenize_prompts
+    from lorakit.models.positions import positions_from_mask
+    from lorakit.records.chat_templates import named_template
+    from lorakit.rl.experience import answer_mask, append_turn_end, left_pad
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     template, eos = named_template("chatml", tokenizer), tokenizer.eos_token_id
@@ -493,7 +502,7 @@ def test_training_and_evaluation_measure_reward_and_kl_alike():
     out here by hand; evaluation's row weights drop the rows that only fill its last batch."""
     from types import SimpleNamespace
 
-    from ppo_experience import Rollout, RolloutScores, evaluation_metrics, shape_experience, training_metrics
+    from lorakit.rl.experience import Rollout, RolloutScores, evaluation_metrics, shape_experience, training_metrics
 
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 1], [1, 1, 0]])
     rollout = Rollout(input_ids=torch.zeros(3, 5, dtype=torch.long), attention_mask=torch.ones(3, 5, dtype=torch.long),
@@ -555,8 +564,8 @@ def test_qlora_ppo_trains_on_a_4bit_base_with_the_shared_flag_names(tiny_model_d
     (["--reward_model_name_or_path", "r"], "--actor_model_name_or_path is required"),
 ])
 def test_ppo_refuses_a_flag_given_under_both_names(argv, expected):
-    from cli import InputError, parse_args
-    from run_ppo import PPOArguments, PPOModelArguments
+    from lorakit.core.cli import InputError, parse_args
+    from lorakit.rl.ppo import PPOArguments, PPOModelArguments
 
     with pytest.raises(InputError, match=expected):
         parse_args((PPOModelArguments, PPOArguments), argv + ["--output_dir", "o", "--use_cpu"])

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from ppo_utils import (
+from lorakit.models.positions import last_position, positions_from_mask
+from lorakit.rl.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     advantages_and_returns,
@@ -15,7 +16,6 @@ from ppo_utils import (
     entropy_from_logits,
     gae_advantages_and_returns,
     kl_penalty_rewards,
-    last_position,
     length_chunks,
     logprobs_from_logits,
     make_kl_controller,
@@ -24,7 +24,6 @@ from ppo_utils import (
     masked_whiten,
     penalised_scores,
     policy_loss,
-    positions_from_mask,
     value_loss,
 )
 

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from model_files import checkpoint_shapes
-from model_utils import ModelArguments, load_model, load_model_config
-from training_utils import ToolkitTrainingArguments
+from lorakit.core.model_files import checkpoint_shapes
+from lorakit.models.loader import ModelArguments, load_model, load_model_config
+from lorakit.trainers.common import ToolkitTrainingArguments
 
 # One AdamW step moves each weight by about the learning rate: far below bfloat16's resolution
 # (2^-8 of a weight) and float16's (2^-11) at the tiny model's weights, far above float32's.
@@ -62,7 +62,7 @@ def stored_tensors(model_dir) -> dict:
 def test_merged_reward_model_is_saved_in_the_base_dtype(bf16_model_dir, tokenizer, reward_adapter_dir, tmp_path):
     """The stage's merge (the streaming merge tool, in a child process; its scores are checked against base +
     adapter in tests/test_reward.py) keeps a bfloat16 base's dtype, score head included."""
-    from run_reward import save_merged
+    from lorakit.trainers.reward import save_merged
 
     assert stored_dtypes(bf16_model_dir) == {"BF16"}
     out = tmp_path / "reward"
@@ -76,7 +76,7 @@ def test_merged_reward_model_is_saved_in_the_base_dtype(bf16_model_dir, tokenize
 
 
 def ppo_arguments(tmp_path, actor_dir, reward_adapter_dir, shared_base):
-    from run_ppo import PPOArguments, PPOModelArguments
+    from lorakit.rl.ppo import PPOArguments, PPOModelArguments
 
     model_args = PPOModelArguments(actor_model_name_or_path=actor_dir, reward_model_name_or_path=actor_dir,
                                    reward_lora_model=reward_adapter_dir, lora_dropout=0.0, shared_base=shared_base)
@@ -95,7 +95,7 @@ def answer_batch(tokenizer) -> tuple:
 
 
 def test_ppo_frozen_roles_run_in_the_training_precision(tiny_model_dir, tokenizer, reward_adapter_dir, tmp_path):
-    from ppo_policy import load_separate_policy
+    from lorakit.rl.policy import load_separate_policy
 
     assert stored_dtypes(tiny_model_dir) == {"F32"}
     model_args, training_args, configs = ppo_arguments(tmp_path, tiny_model_dir, reward_adapter_dir, shared_base=False)
@@ -159,7 +159,7 @@ def test_trained_copies_stay_float32_and_a_tiny_update_survives(half_dtype, bf16
 
 def test_ppo_value_head_stays_float32_and_a_tiny_update_survives(bf16_model_dir, tokenizer, reward_adapter_dir,
                                                                  tmp_path):
-    from ppo_policy import load_shared_policy
+    from lorakit.rl.policy import load_shared_policy
 
     model_args, training_args, configs = ppo_arguments(tmp_path, bf16_model_dir, reward_adapter_dir, shared_base=True)
     policy = load_shared_policy(model_args, training_args, tokenizer, configs)

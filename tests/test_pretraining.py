@@ -49,6 +49,7 @@ def test_loss_falls_and_eval_perplexity_falls(tiny_model_dir, pretrain_dir, tmp_
 
 
 @pytest.mark.parametrize("config", ["ds_zero2_no_offload", "ds_zero3_no_offload", "ds_zero3_offload"])
+@pytest.mark.slow
 def test_deepspeed_two_processes(config, tiny_model_dir, varied_pretrain_dir, tmp_path, request):
     if config == "ds_zero2_no_offload":  # the session's run, which test_multinode compares two nodes with
         run = request.getfixturevalue("zero2_two_process_pretraining")
@@ -131,8 +132,8 @@ def test_extended_vocabulary_trains_new_rows(tiny_model_dir, extended_tokenizer_
 def test_new_rows_start_at_mean(tiny_model_dir, extended_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from model_utils import ModelArguments, load_model
-    from training_utils import ToolkitTrainingArguments
+    from lorakit.models.loader import ModelArguments, load_model
+    from lorakit.trainers.common import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(extended_tokenizer_dir)
     model_args = ModelArguments(model_name_or_path=tiny_model_dir, tokenizer_name_or_path=extended_tokenizer_dir,
@@ -153,8 +154,8 @@ def test_new_rows_start_at_mean(tiny_model_dir, extended_tokenizer_dir, tmp_path
 def test_new_rows_start_at_their_pieces_mean_with_subword_init(tiny_model_dir, extended_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from model_utils import ModelArguments, load_model
-    from training_utils import ToolkitTrainingArguments
+    from lorakit.models.loader import ModelArguments, load_model
+    from lorakit.trainers.common import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(extended_tokenizer_dir)
     base_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -196,6 +197,7 @@ def pretraining_resume(request, tiny_model_dir, pretrain_dir, tmp_path_factory):
                         save_steps=2)
 
 
+@pytest.mark.slow
 def test_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_and_equals_uninterrupted(pretraining_resume):
     """Each rerun resumed (its own step log starts after the last checkpoint, not at step 1) and the adapter is
     bit-identical to the uninterrupted run's (dropout's RNG included)."""
@@ -204,16 +206,19 @@ def test_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_and_eq
     pretraining_resume.check_bit_identical("pt_lora_model")
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(pretraining_resume):
     pretraining_resume.check_process_after_mid_save_kill()
 
 
 @pytest.mark.parametrize("pretraining_resume", [1], indirect=True, ids=["one_process"])
+@pytest.mark.slow
 def test_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(pretraining_resume):
     pretraining_resume.check_process_after_end_kill()
     pretraining_resume.check_bit_identical("pt_lora_model", run_name="ended")
 
 
+@pytest.mark.slow
 def test_continue_adapter_with_gradient_checkpointing(tiny_model_dir, pretrain_dir, tmp_path):
     cache = tmp_path / "cache"
     common = {"validation_split_percentage": 0, "learning_rate": 1e-2, "save_strategy": "no"}

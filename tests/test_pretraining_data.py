@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from build_dataset import build_pretraining_blocks
-from cli import InputError
-from data_splits import split_validation
+from lorakit.core.cli import InputError
+from lorakit.data.build_dataset import build_pretraining_blocks
+from lorakit.data.splits import split_validation
 
 
 def blocks_digest(blocks) -> str:
@@ -61,7 +61,7 @@ def test_cache_hits_and_misses(tokenizer, extended_tokenizer_dir, tmp_path, capl
 
     def build(tok, block_size=16):
         caplog.clear()
-        with caplog.at_level("INFO", logger="build_dataset"):
+        with caplog.at_level("INFO", logger="lorakit.data.build_dataset"):
             blocks = build_pretraining_blocks(str(data), tok, block_size, str(cache))
         return blocks, "cache hit" in caplog.text
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from cli import InputError
-from records import (
+from lorakit.core.cli import InputError
+from lorakit.records.readers import (
     ANSWER,
     PROMPT,
     conversation_of,

@@ -28,8 +28,8 @@ def tiny_rm_args(model_dir, output_dir, cache_dir, **overrides):
 def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_model_dir, tiny_tokenizer_dir):
     from peft import PeftModel
 
-    from model_utils import ModelArguments, load_model, score_sequences
-    from training_utils import ToolkitTrainingArguments
+    from lorakit.models.loader import ModelArguments, load_model, score_sequences
+    from lorakit.trainers.common import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model_args = ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0)
@@ -67,9 +67,9 @@ def test_shared_prefix_rows_give_the_scores_and_gradients_of_separate_rows(atten
     masked from the chosen one) scores both answers as two padded rows do, with the same
     gradients, and holds fewer tokens. Pairs: a long shared prompt, an answer that extends the
     other, and two sequences that differ from their first token."""
-    from build_dataset import DataCollatorForPreferencePairs
-    from model_utils import ModelArguments, load_model, score_pairs
-    from training_utils import ToolkitTrainingArguments
+    from lorakit.data.build_dataset import DataCollatorForPreferencePairs
+    from lorakit.models.loader import ModelArguments, load_model, score_pairs
+    from lorakit.trainers.common import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model_args = ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0,
@@ -134,9 +134,9 @@ def marker_files(tmp_path_factory):
 def test_learns_a_marker_preference_and_reloads_exactly(tiny_model_dir, marker_files, tmp_path):
     from peft import PeftModel
 
-    from build_dataset import DataCollatorForPreferencePairs, build_preference_dataset
-    from chat_templates import named_template
-    from model_utils import reward_model_class, score_sequences
+    from lorakit.data.build_dataset import DataCollatorForPreferencePairs, build_preference_dataset
+    from lorakit.models.loader import reward_model_class, score_sequences
+    from lorakit.records.chat_templates import named_template
 
     train, valid = marker_files
     out = tmp_path / "out"
@@ -173,9 +173,9 @@ def test_learns_a_marker_preference_and_reloads_exactly(tiny_model_dir, marker_f
 def stage_reward_adapter(model_dir, adapter_dir):
     """A reward adapter (LoRA with non-zero updates + score head) and its tokenizer saved as run_reward.py saves
     them: the stage's chat template and pad token (not EOS, which ends every row). Returns the tokenizer."""
-    from build_dataset import save_adapter
-    from chat_templates import parse_template_kwargs, use_template
-    from model_utils import ModelArguments, choose_pad_token, load_model
+    from lorakit.models.loader import ModelArguments, choose_pad_token, load_model
+    from lorakit.records.chat_templates import parse_template_kwargs, use_template
+    from lorakit.trainers.checkpoints import save_adapter
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     choose_pad_token(tokenizer, use_template("human_assistant", tokenizer, parse_template_kwargs(None, None)))
@@ -199,10 +199,10 @@ def test_merged_reward_model_scores_as_base_plus_adapter_and_a_failed_merge_publ
     neither a partial one nor the earlier run's, merged from another adapter."""
     from peft import PeftModel
 
-    from cli import ReportedError
-    from model_utils import ModelArguments, load_model, score_sequences
-    from run_ppo import check_reward_source
-    from run_reward import save_merged
+    from lorakit.core.cli import ReportedError
+    from lorakit.models.loader import ModelArguments, load_model, score_sequences
+    from lorakit.rl.ppo import check_reward_source
+    from lorakit.trainers.reward import save_merged
 
     out = tmp_path / "out"
     tokenizer = stage_reward_adapter(tiny_model_dir, out / "rm_lora_model")
@@ -251,6 +251,7 @@ def test_merged_reward_model_scores_as_base_plus_adapter_and_a_failed_merge_publ
 
 
 @pytest.mark.parametrize("config", ["ds_zero2_no_offload", "ds_zero3_no_offload"])
+@pytest.mark.slow
 def test_reward_deepspeed_two_processes(config, tiny_model_dir, marker_files, tmp_path):
     """Two ranks train and save; --merge_on_save merges only once every rank has finished and the process group
     is destroyed, in a separate process (no rank waits at a barrier bounded by --ddp_timeout meanwhile)."""
@@ -292,6 +293,7 @@ def reward_resume(request, tiny_model_dir, marker_files, tmp_path_factory):
                         save_steps=2, mid_save=False)
 
 
+@pytest.mark.slow
 def test_reward_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_and_equals_uninterrupted(
         reward_resume):
     reward_resume.check_processes_after_random_kills()
@@ -300,11 +302,13 @@ def test_reward_resume_after_kills_at_random_steps_runs_only_the_remaining_steps
 
 
 @pytest.mark.parametrize("reward_resume", [1], indirect=True, ids=["one_process"])
+@pytest.mark.slow
 def test_reward_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(reward_resume):
     reward_resume.check_process_after_mid_save_kill()
 
 
 @pytest.mark.parametrize("reward_resume", [1], indirect=True, ids=["one_process"])
+@pytest.mark.slow
 def test_reward_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(reward_resume):
     reward_resume.check_process_after_end_kill()
     reward_resume.check_bit_identical("rm_lora_model", run_name="ended")
@@ -345,14 +349,14 @@ def test_merge_on_save_into_a_base_without_safetensors_is_refused_before_trainin
 
 
 def test_identical_pairs_are_dropped_and_counted(tiny_tokenizer_dir, tmp_path, caplog):
-    from build_dataset import build_preference_dataset
-    from chat_templates import named_template
+    from lorakit.data.build_dataset import build_preference_dataset
+    from lorakit.records.chat_templates import named_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     data = tmp_path / "d.jsonl"
     same = {"prompt": "p", "chosen": "一样", "rejected": "一样 "}
     data.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in [GOOD_PAIR, same, same, GOOD_PAIR]))
-    with caplog.at_level("WARNING", logger="build_dataset"):
+    with caplog.at_level("WARNING", logger="lorakit.data.build_dataset"):
         pairs = build_preference_dataset([str(data)], tokenizer, named_template("chatml", tokenizer), 256,
                                          str(tmp_path / "cache"))
     assert len(pairs) == 2
@@ -362,9 +366,9 @@ def test_identical_pairs_are_dropped_and_counted(tiny_tokenizer_dir, tmp_path, c
 def test_parallel_pair_tokenization_matches_one_process_and_reports_errors(tiny_tokenizer_dir, tmp_path):
     """Pairs are read and tokenized in two forked processes (shards of 256): the same rows in the
     same order; a bad record in the second process's shard is refused as from one process."""
-    from build_dataset import build_preference_dataset
-    from chat_templates import named_template
-    from cli import InputError
+    from lorakit.core.cli import InputError
+    from lorakit.data.build_dataset import build_preference_dataset
+    from lorakit.records.chat_templates import named_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     template = named_template("chatml", tokenizer)

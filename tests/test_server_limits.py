@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -14,12 +15,12 @@ import time
 import pytest
 import uvicorn
 
-import openai_api_server
-from helpers.commands import assert_ok, check_refused, free_port, run_in_process
-from inference_utils import Completion
-from openai_api_server import API_KEY_VARIABLE
+from helpers.commands import REPO, assert_ok, check_refused, free_port, run_in_process
+from lorakit.serve import openai_api as openai_api_server
+from lorakit.serve.inference import Completion
+from lorakit.serve.openai_api import API_KEY_VARIABLE
 
-SERVER_SCRIPT = openai_api_server.__file__
+SERVER_SCRIPT = os.path.join(REPO, "scripts", "inference", "openai_api_server.py")
 MODEL = "tiny"
 MAX_PENDING = 2
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 8,
@@ -192,7 +193,7 @@ def test_a_failure_answers_a_generic_500_and_logs_the_details(server, monkeypatc
 
     before = answer(server)
     monkeypatch.setattr(server["service"].generator, "generate", failing_generate)
-    with caplog.at_level(logging.ERROR, logger="openai_api_server"):
+    with caplog.at_level(logging.ERROR, logger="lorakit.serve.openai_api"):
         status, body = call(server["port"], "/v1/chat/completions", GOOD)
         _, stream = call(server["port"], "/v1/chat/completions", {**GOOD, "stream": True})
     assert status == 500, body
@@ -201,7 +202,7 @@ def test_a_failure_answers_a_generic_500_and_logs_the_details(server, monkeypatc
               if line.startswith("data: {")]
     streamed_error = events[-1]
     assert_error_body(streamed_error, "server_error")
-    logged = [record for record in caplog.records if record.name == "openai_api_server"]
+    logged = [record for record in caplog.records if record.name == "lorakit.serve.openai_api"]
     for message in (body["error"]["message"], streamed_error["error"]["message"]):
         assert "error id" in message and "private" not in message and "RuntimeError" not in message, message
         error_id = message.split("error id ")[1].rstrip(")")
@@ -406,7 +407,7 @@ def load_client(port, client: int, expected: dict, outcomes: list) -> None:
 def test_under_load_every_request_gets_its_answer_and_memory_stays_bounded(tiny_model_dir):
     """32 clients at once, 3 requests each, plain, streamed, leaving early and bad: each good one gets the answer
     a direct greedy generate gives, each bad one its 4xx; the server's memory stays flat and it answers after."""
-    from inference_utils import SamplingSettings
+    from lorakit.serve.inference import SamplingSettings
 
     app, _, _ = launch(["--base_model", tiny_model_dir, "--template", "human_assistant", "--model_name", MODEL,
                         "--max_pending_requests", 2 * LOAD_CLIENTS])

@@ -12,16 +12,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from build_dataset import DataCollatorForSupervisedDataset, build_sft_dataset, pack_samples
-from chat_templates import TEMPLATES, named_template
-from conversation_tokenizer import ConversationTokenizer
-from data_splits import phase_indices
 from helpers.commands import REPO, SFT_SCRIPT, assert_ok, check_refused, refuse, run_script
 from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history, losses_of
 from helpers.tiny_runs import small_chunks_wrapper, tiny_sft_args
-from records import conversation_of
-from sft_tasks import arithmetic_records
+from lorakit.data.build_dataset import DataCollatorForSupervisedDataset, build_sft_dataset, pack_samples
+from lorakit.data.conversation_tokenizer import ConversationTokenizer
+from lorakit.data.splits import phase_indices
+from lorakit.demo.sft_tasks import arithmetic_records
+from lorakit.records.chat_templates import TEMPLATES, named_template
+from lorakit.records.readers import conversation_of
 
 # SmolLM2's own template (chatml with a default system prompt): a tokenizer's own chat_template.
 OWN_TEMPLATE = (
@@ -206,7 +206,7 @@ def test_data_split_is_disjoint_complete_and_stable():
     assert [len(p) for p in parts] == [600, 200, 200]
     assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
     assert not phase_indices(1000, "6,2,2", 1, seed=8).tolist() == parts[0].tolist()  # the seed matters
-    code = ("import sys; sys.path.insert(0, 'scripts/training'); from data_splits import phase_indices; "
+    code = ("from lorakit.data.splits import phase_indices; "
             "print(phase_indices(1000, '6,2,2', 2, seed=7).tolist())")
     other_process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert json.loads(other_process.stdout.strip().splitlines()[-1]) == parts[1].tolist()
@@ -267,6 +267,7 @@ def test_sft_lowers_eval_loss_and_saves_template(tiny_model_dir, arithmetic_file
     assert (out / "sft_lora_model" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_sft_deepspeed_zero2_and_zero3_two_processes_train_alike(tiny_model_dir, arithmetic_files, tmp_path):
     """Partitioning is an implementation detail: on the same data and seed, ZeRO-2 and ZeRO-3 log the same
     losses, the loss falls, and each saves a full-shape adapter with the same weights. The chunked loss runs
@@ -309,17 +310,20 @@ def sft_resume(request, tiny_model_dir, arithmetic_files, tmp_path_factory):
                         save_steps=2)
 
 
+@pytest.mark.slow
 def test_sft_resume_after_kills_at_random_steps_runs_only_the_remaining_steps_and_equals_uninterrupted(sft_resume):
     sft_resume.check_processes_after_random_kills()
     assert "resuming from" in sft_resume.resumed_output()
     sft_resume.check_bit_identical("sft_lora_model")
 
 
+@pytest.mark.slow
 def test_sft_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last_complete_one(sft_resume):
     sft_resume.check_process_after_mid_save_kill()
 
 
 @pytest.mark.parametrize("sft_resume", [1], indirect=True, ids=["one_process"])
+@pytest.mark.slow
 def test_sft_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(sft_resume):
     sft_resume.check_process_after_end_kill()
     sft_resume.check_bit_identical("sft_lora_model", run_name="ended")
@@ -370,7 +374,7 @@ def test_sft_cache_key_covers_template_and_length(tokenizer, tmp_path, caplog):
 
     def build(template_name, max_length):
         caplog.clear()
-        with caplog.at_level("INFO", logger="build_dataset"):
+        with caplog.at_level("INFO", logger="lorakit.data.build_dataset"):
             built = build_sft_dataset([str(data)], tokenizer, named_template(template_name, tokenizer), max_length,
                                       cache)
         return built, "cache hit" in caplog.text

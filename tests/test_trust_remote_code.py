@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 
-import model_utils
-from cli import InputError, parse_args
-from model_utils import ModelArguments, load_model, load_model_config, load_tokenizer, reward_model_class
-from ppo_policy import actor_model_args, load_frozen
-from run_ppo import PPOModelArguments
+from lorakit.core.cli import InputError, parse_args
+from lorakit.models import loader as model_utils
+from lorakit.models.loader import ModelArguments, load_model, load_model_config, load_tokenizer, reward_model_class
+from lorakit.rl.policy import actor_model_args, load_frozen
+from lorakit.rl.ppo import PPOModelArguments
 
 CONFIG_CODE = '''from transformers import LlamaConfig
 
@@ -103,9 +103,9 @@ def test_the_parsed_flag_reaches_the_config_and_tokenizer_loaders(argv, expected
 
 
 def test_every_stage_parser_defaults_to_off():
-    from chat import ChatArguments
-    from inference_utils import InferenceModelArguments
-    from openai_api_server import ServerArguments
+    from lorakit.serve.chat import ChatArguments
+    from lorakit.serve.inference import InferenceModelArguments
+    from lorakit.serve.openai_api import ServerArguments
 
     (ppo_args,) = parse_args((PPOModelArguments,),
                              ["--actor_model_name_or_path", "a", "--reward_model_name_or_path", "r"])
@@ -126,7 +126,7 @@ def test_own_code_is_refused_without_the_flag(remote_model_dir):
 def test_own_code_runs_with_the_flag_and_says_so_once(remote_model_dir, tmp_path, caplog):
     model_utils.warn_remote_code.cache_clear()
     args = ModelArguments(model_name_or_path=remote_model_dir, trust_remote_code=True)
-    with caplog.at_level(logging.INFO, logger="model_utils"):
+    with caplog.at_level(logging.INFO, logger="lorakit.models.loader"):
         tokenizer = load_tokenizer(args)
         model = load_model(args, TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"), tokenizer)
     assert type(tokenizer).__name__ == "TinyRemoteTokenizer"
@@ -174,7 +174,7 @@ def test_merge_verify_needs_the_flag_and_the_merged_model_keeps_its_code(remote_
                                                                           tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    import merge_llama_with_lora
+    from lorakit.merge import lora as merge_llama_with_lora
 
     merged = tmp_path / "tiny_remote_merged"
     arguments = ["--base_model", remote_model_dir, "--lora_model", remote_adapter_dir, "--output_dir", str(merged),
@@ -212,8 +212,8 @@ def remote_bpe_tokenizer_dir(tmp_path_factory):
 def test_vocabulary_extension_of_a_tokenizer_with_its_own_code(remote_bpe_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    import merge_tokenizers
     from helpers.corpora import generated_corpus
+    from lorakit.merge import tokenizers as merge_tokenizers
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(generated_corpus(400, seed=1)) + "\n", encoding="utf-8")

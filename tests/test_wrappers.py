@@ -68,6 +68,7 @@ def test_bad_input_through_a_wrapper(tmp_path, tiny_model_dir):
     assert not (output / "sft_lora_model").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_with_two_processes_is_one_line_and_exit_2(tmp_path, tiny_model_dir):
     """Under torchrun every rank meets the same bad input: the user still sees one line and exit 2, not a line
     per rank followed by torchrun's ChildFailedError report and exit 1."""
@@ -89,6 +90,7 @@ def test_bad_input_with_two_processes_is_one_line_and_exit_2(tmp_path, tiny_mode
     assert not output.exists() and not (tmp_path / "data_cache").exists()
 
 
+@pytest.mark.slow
 def test_a_diverged_two_process_run_is_one_line_and_exit_3(tmp_path, tiny_model_dir, pretrain_dir):
     """Every rank sees the same (all-reduced) NaN loss and stops at the same step: one line, the run's own exit
     status, and nothing saved after the last finite checkpoint."""

@@ -2,130 +2,17 @@
 """Supervised fine-tuning with LoRA on conversations (alpaca, sharegpt or messages records),
 loss on the assistant answers only, optionally packed into padding-free rows.
 
-    torchrun --nproc_per_node 8 scripts/training/run_sft_with_peft.py \
-        --model_name_or_path BASE --dataset_dir SFT_DATA --max_seq_length 1024 \
-        --output_dir OUT --do_train --deepspeed ds_configs/ds_zero2_no_offload.json ...
+The command `lorakit sft`; its code and full description: lorakit.trainers.sft."""
 
-Writes checkpoint-N/ (resumable, with checkpoint-N/sft_lora_model) and OUT/sft_lora_model/,
-whose tokenizer carries the chat template used in training.
-"""
-
-import logging
-import os
 import sys
-from dataclasses import dataclass, field
-from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    from lorakit.trainers.sft import entry_point
+except ModuleNotFoundError as missing:
+    if missing.name != "lorakit":
+        raise
+    print(f"error: the lorakit package is not installed for {sys.executable}: run `make install` in the "
+          "repository (or `pip install -e .` there)", file=sys.stderr)
+    sys.exit(2)
 
-from transformers import set_seed  # noqa: E402
-
-from build_dataset import (  # noqa: E402
-    DataCollatorForSupervisedDataset,
-    SavePeftModelCallback,
-    build_sft_dataset,
-    cached_packed_rows,
-    check_packing_attention,
-)
-from chat_templates import parse_template_kwargs, use_template  # noqa: E402
-from cli import InputError, run_cli  # noqa: E402
-from data_cache import data_cache_dir, report_prepared_data  # noqa: E402
-from data_splits import first_samples, held_out_check, split_validation  # noqa: E402
-from model_utils import ModelArguments, choose_pad_token, load_model  # noqa: E402
-from records import find_record_files  # noqa: E402
-from training_utils import (  # noqa: E402
-    CausalLMTrainingArguments,
-    DeepSpeedChatDataArguments,
-    build_trainer,
-    padding_multiple,
-    resolve_sequence_length,
-    start_run,
-    train_and_finish,
-)
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SFTDataArguments(DeepSpeedChatDataArguments):
-    sft_only_data_path: Optional[list[str]] = field(
-        default=None, metadata={"help": "Data files used whole for SFT, never split.", "nargs": "+"}
-    )
-    train_on_last_turn_only: bool = field(
-        default=False, metadata={"help": "Train only the last answer of each conversation."}
-    )
-
-
-@dataclass
-class SFTArguments(CausalLMTrainingArguments):
-    packing: bool = field(default=False, metadata={"help": "Pack samples into padding-free rows of max_seq_length."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.packing and self.train_sampling_strategy == "random":
-            # Packed rows differ by the few tokens no sample fitted into; batching rows of similar
-            # length keeps what padding is left under 2% instead of ~5% with random batches.
-            self.train_sampling_strategy = "group_by_length"
-            self.mapped_flags.append("--packing -> --train_sampling_strategy group_by_length")
-
-
-def build_datasets(data_args: SFTDataArguments, tokenizer, chat_template, max_length: int, seed: int) -> tuple:
-    train_files = find_record_files(data_args.dataset_dir, data_args.data_path)
-    unsplit = find_record_files(None, data_args.sft_only_data_path)
-    if not train_files and not unsplit:
-        raise InputError("no training data: give --dataset_dir, --data_path or --sft_only_data_path")
-    common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
-              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir),
-              "num_proc": data_args.preprocessing_num_workers}
-    train = build_sft_dataset(
-        train_files + unsplit, train_on_last_turn_only=data_args.train_on_last_turn_only,
-        data_split=data_args.data_split, data_phase=data_args.data_phase, seed=seed, unsplit_files=tuple(unsplit),
-        check=None if data_args.validation_file else held_out_check(data_args.validation_split_percentage, seed,
-                                                                    "samples"),
-        **common,
-    )
-    if data_args.validation_file:
-        evaluation = build_sft_dataset(find_record_files(None, [data_args.validation_file]), **common)
-    else:
-        train, evaluation = split_validation(train, data_args.validation_split_percentage, seed, "samples")
-    return train, evaluation
-
-
-# (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
-ARGUMENT_CLASSES = (ModelArguments, SFTDataArguments, SFTArguments)
-
-
-def main():
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
-    if training_args.packing:
-        check_packing_attention(model_args.attn_implementation)
-    max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
-    chat_template = use_template(data_args.template, tokenizer,
-                                 parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
-    pad_id = choose_pad_token(tokenizer, chat_template)  # before loading: the model config takes it
-    set_seed(training_args.seed)
-
-    with training_args.main_process_first(desc="tokenize and pack the supervised data"):
-        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, chat_template, max_length,
-                                                     training_args.seed)
-        train_dataset = first_samples(train_dataset, data_args.max_train_samples)
-        if training_args.packing:
-            train_dataset = cached_packed_rows(train_dataset, max_length, data_cache_dir(data_args.data_cache_dir))
-    if data_args.prepare_data_only:
-        return report_prepared_data()
-    eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
-    logger.info("train rows: %d, eval samples: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
-
-    model = load_model(model_args, training_args, tokenizer, config=config)
-    # A KV cache in a training forward would also stop position_ids from separating packed samples.
-    model.config.use_cache = False
-    callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
-    # The model's attention: under a flash one, packed batches carry their samples' bounds.
-    collator = DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args),
-                                                model.config._attn_implementation)
-    trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, collator, callbacks)
-    train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
-
-
-if __name__ == "__main__":
-    run_cli(main)
+entry_point()

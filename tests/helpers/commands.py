@@ -20,6 +20,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+from lorakit.commands import module_of_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINING = os.path.join(REPO, "scripts", "training")
 PT_SCRIPT = os.path.join(TRAINING, "run_clm_pt_with_peft.py")
@@ -64,9 +66,9 @@ def run_in_process(script: str, args: list) -> SimpleNamespace:
     """A script's main() run through run_cli in this process with args as its argv: returncode, stdout and
     stderr as run_script gives them. A process start with transformers, peft and DeepSpeed imported costs
     ~11 s; the subprocess tests prove the same contract end to end."""
-    from cli import run_cli
+    from lorakit.core.cli import run_cli
 
-    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    module = importlib.import_module(module_of_script(script))
     root = logging.getLogger()
     saved_argv, saved_handlers, saved_level = sys.argv, root.handlers[:], root.level
     stdout, stderr = io.StringIO(), io.StringIO()

@@ -18,12 +18,14 @@ import os
 import sys
 from types import SimpleNamespace
 
-from cli import run_cli
 from helpers.commands import script_env
 from helpers.step_probe import Probes, probes_installed
+from lorakit.commands import COMMANDS, module_of_script
+from lorakit.core.cli import run_cli
 
-STAGE_MODULES = ["run_clm_pt_with_peft", "run_sft_with_peft", "run_reward", "run_dpo", "run_ppo"]
+STAGE_MODULES = [COMMANDS[name].module for name in ("pt", "sft", "reward", "dpo", "ppo")]
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 context = multiprocessing.get_context("forkserver")
 context.set_forkserver_preload(STAGE_MODULES + ["helpers.forked_runs"])
 
@@ -34,7 +36,7 @@ def main_in_this_process(script: str, args: list, probes: Probes, log_path: str)
     os.dup2(log, 1)
     os.dup2(log, 2)
     sys.argv = [script] + [str(arg) for arg in args]
-    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    module = importlib.import_module(module_of_script(script))
     try:
         with probes_installed(probes):
             run_cli(module.main)
@@ -44,11 +46,11 @@ def main_in_this_process(script: str, args: list, probes: Probes, log_path: str)
 
 
 def start_server() -> None:
-    """Start the server (once) in the environment run_script gives a subprocess, with this process's import path:
-    the forkserver imports its preload modules before it applies the path it is handed (Python 3.11), so it gets
-    the path in PYTHONPATH."""
+    """Start the server (once) in the environment run_script gives a subprocess. Its preload imports
+    helpers.forked_runs from tests/ (pytest's rootdir for the tests, given here in PYTHONPATH) and the stages from
+    the installed package."""
     saved = dict(os.environ)
-    os.environ.update(script_env(), PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
+    os.environ.update(script_env(), PYTHONPATH=TESTS)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

@@ -16,7 +16,6 @@ trains exactly as it would unprobed. Each process appends one JSON line per batc
 import argparse
 import contextlib
 import json
-import os
 import runpy
 import sys
 
@@ -65,8 +64,8 @@ def forward_count(module, into: dict):
 
 
 def install(record: str) -> None:
-    from ppo_experience import ExperienceMaker
-    from zero3 import gathered
+    from lorakit.models.zero3 import gathered
+    from lorakit.rl.experience import ExperienceMaker
 
     counter, original_sample = GatherCounter(), ExperienceMaker.sample
 
@@ -109,7 +108,6 @@ if __name__ == "__main__":
     parser.add_argument("--record", required=True)
     parser.add_argument("script")
     options, script_args = parser.parse_known_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
     install(options.record)
     sys.argv = [options.script] + script_args
     runpy.run_path(options.script, run_name="__main__")

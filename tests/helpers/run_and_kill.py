@@ -44,10 +44,8 @@ if options.record_batches is not None:
     transformers.Trainer.training_step = recording_training_step
 
 probes = Probes(options.record_steps, options.kill_at_step, options.kill_mid_save, options.kill_output)
-sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
-if options.logits_per_chunk is not None:  # the training scripts' module, whichever script runs them
-    sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "training"))
-    import chunked_loss
+if options.logits_per_chunk is not None:  # the package's module, whichever script runs it
+    from lorakit.models import chunked_loss
 
     chunked_loss.LOGITS_PER_CHUNK = options.logits_per_chunk
 sys.argv = [options.script] + script_args

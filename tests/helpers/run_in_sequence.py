@@ -4,8 +4,10 @@ distributed runs pay for one interpreter start, one torchrun and one rendezvous.
 arguments and builds its own TrainingArguments, which resets accelerate's state and DeepSpeed's config."""
 
 import importlib
-import os
 import sys
+
+from lorakit.commands import module_of_script
+from lorakit.core.cli import run_cli
 
 SEPARATOR = ":::"
 
@@ -17,10 +19,7 @@ for argument in arguments:
     else:
         runs[-1].append(argument)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-from cli import run_cli  # noqa: E402
-
-module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+module = importlib.import_module(module_of_script(script))
 
 
 def main_of_each_run() -> None:

@@ -18,8 +18,8 @@ def kill_the_job() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def patch(build_dataset) -> None:
-    original_on_save = build_dataset.SavePeftModelCallback.on_save
+def patch(checkpoints) -> None:
+    original_on_save = checkpoints.SavePeftModelCallback.on_save
 
     def on_save_then_kill(self, args, state, control, **kwargs):
         original_on_save(self, args, state, control, **kwargs)
@@ -27,14 +27,14 @@ def patch(build_dataset) -> None:
         if named and state.global_step == int(KILL_AFTER_SAVE) and args.process_index == 0:
             kill_the_job()
 
-    build_dataset.SavePeftModelCallback.on_save = on_save_then_kill
+    checkpoints.SavePeftModelCallback.on_save = on_save_then_kill
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches build_dataset right after the training script imports it."""
+    """Patches lorakit.trainers.checkpoints right after the training script imports it."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "build_dataset":
+        if name != "lorakit.trainers.checkpoints":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

@@ -1,0 +1,278 @@
+"""Facts about model, adapter and tokenizer directories read from their files alone: which files
+make up a tokenizer, whether a directory holds one, a safetensors file's weight names and shapes,
+and whether an adapter fits a base (check_adapter_fits_base, called by every entry point that
+puts an adapter on a base: training, PPO's roles, chat and serving; the merge's plan). No
+torch and no transformers, so the merge tools, inference and training ask the same questions
+the same way, and a check costs a directory listing."""
+
+import filecmp
+import json
+import os
+import re
+import struct
+from typing import Optional
+
+from lorakit.core.cli import InputError, read_json
+
+# What makes a directory a tokenizer: the vocabulary itself, in the fast (tokenizer.json),
+# SentencePiece (tokenizer.model) or GPT-2 byte-level BPE (vocab.json + merges.txt) form. A
+# tokenizer_config.json alone names a class but holds no vocabulary to load.
+TOKENIZER_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+# The chat template's keyword arguments training used (enable_thinking, ...), saved beside the tokenizer.
+TEMPLATE_KWARGS_FILE = "chat_template_kwargs.json"
+# Every file a Hugging Face tokenizer directory may hold, and ours (what a merge copies with it: the merged
+# model then renders prompts as the adapter did).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    TEMPLATE_KWARGS_FILE,
+)
+
+
+def has_tokenizer(directory: Optional[str]) -> bool:
+    """Whether directory holds a loadable tokenizer (its vocabulary, in any of the three forms)."""
+    return bool(directory) and any(os.path.isfile(os.path.join(directory, name))
+                                   for name in TOKENIZER_VOCABULARY_FILES)
+
+
+def tokenizer_files(directory: str) -> list:
+    """The tokenizer files present in directory (empty if it holds no tokenizer)."""
+    if not has_tokenizer(directory):
+        return []
+    return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
+
+
+def safetensors_names(path: str) -> list:
+    """Tensor names of a .safetensors file, from its header alone (an 8-byte little-endian
+    length, then that many bytes of JSON); [] for a file too short to hold one."""
+    with open(path, "rb") as handle:
+        size_bytes = handle.read(8)
+        if len(size_bytes) < 8:
+            return []
+        header = json.loads(handle.read(struct.unpack("<Q", size_bytes)[0]))
+    return [name for name in header if name != "__metadata__"]
+
+
+def checkpoint_weight_names(model_dir: str) -> list:
+    """Weight names of a model directory, single file or sharded (its index), from headers only."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            return list(json.load(handle).get("weight_map", {}))
+    single = os.path.join(model_dir, "model.safetensors")
+    return safetensors_names(single) if os.path.isfile(single) else []
+
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+# Written last into checkpoint-N, once every rank's files and the adapter copy are on disk (checkpoint_state.py):
+# the run identity and every file of the checkpoint with its size. A checkpoint without it was cut short.
+COMPLETION_MARKER = "checkpoint_complete.json"
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why checkpoint directory `path` cannot be resumed from (its completion marker missing or damaged, or a
+    file the marker lists missing or of another size than when it was saved), or None when it is complete."""
+    if not os.path.isdir(path):
+        return "no such directory"
+    marker = os.path.join(path, COMPLETION_MARKER)
+    if not os.path.isfile(marker):
+        return f"no {COMPLETION_MARKER}: its save did not finish"
+    try:
+        with open(marker, encoding="utf-8") as handle:
+            files = json.load(handle).get("files")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        files = None
+    if not isinstance(files, dict):
+        return f"its {COMPLETION_MARKER} is damaged"
+    for name, size in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name}, saved with it, is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} holds {os.path.getsize(file)} bytes, {size} when it was saved"
+    return None
+
+
+def checkpoint_states(output_dir: str) -> list:
+    """[(N, checkpoint-N directory, why it cannot be resumed from or None)] in output_dir, by step."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path):
+            found.append((int(match.group(1)), path))
+    return [(step, path, checkpoint_problem(path)) for step, path in sorted(found)]
+
+
+def complete_checkpoints(output_dir: str) -> list:
+    """checkpoint-N directories holding a completion marker whose files are all there, oldest first: a crash
+    mid-save leaves one without it. The training scripts resume from the last; the pipeline launcher decides from
+    it whether a stage resumes."""
+    return [path for _, path, problem in checkpoint_states(output_dir) if problem is None]
+
+
+# ----------------------------------------------------------------------------- does an adapter fit a base
+
+ADAPTER_PREFIX = "base_model.model."  # peft's prefix on every saved adapter tensor
+INPUT_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+OUTPUT_EMBEDDING = "lm_head.weight"
+LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "eA", ".lora_embedding_B": "eB"}
+
+
+def link_identical_files(directory: str, reference_dir: str) -> int:
+    """Replace each file of `directory` that is byte for byte the file of the same name in `reference_dir` by a
+    hard link to that file; return the bytes freed. A checkpoint's <stage>_lora_model/ repeats the adapter the
+    Trainer wrote at the checkpoint's top: several GB a checkpoint once the embeddings train in full. Where the
+    file system has no hard links both copies stay."""
+    freed = 0
+    for name in sorted(os.listdir(directory)):
+        path, reference = os.path.join(directory, name), os.path.join(reference_dir, name)
+        if not (os.path.isfile(path) and os.path.isfile(reference)) or os.path.samefile(path, reference):
+            continue
+        if os.path.getsize(path) != os.path.getsize(reference) or not filecmp.cmp(path, reference, shallow=False):
+            continue
+        linked = path + ".link"
+        try:
+            os.link(reference, linked)
+        except OSError:
+            continue
+        os.replace(linked, path)
+        freed += os.path.getsize(path)
+    return freed
+
+
+def safetensors_header(path: str) -> dict:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of a .safetensors file, from its header alone; a file
+    whose header is damaged, or whose tensors would lie beyond its end, is an InputError naming it."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise InputError(f"{path}: not a safetensors file (bad header length; truncated or damaged?)")
+        try:
+            header = json.loads(handle.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InputError(f"{path}: not a safetensors file (header is not JSON: {err})") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: not a safetensors file (header is not a JSON object)")
+    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    for name, info in tensors.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(info.get("shape"), list)):
+            raise InputError(f"{path}: tensor {name}: no shape or data offsets in the header (damaged file?)")
+        if 8 + length + offsets[1] > size:
+            raise InputError(f"{path}: tensor {name} lies beyond the end of the file (truncated?)")
+    return tensors
+
+
+def checkpoint_shapes(model_dir: str) -> dict:
+    """{weight name: (dtype, shape)} of a model directory's safetensors weights, single file or sharded, from
+    headers only; {} when it holds none (a legacy .bin model: its loader compares shapes itself)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set((read_json(index, "model.safetensors.index.json").get("weight_map") or {}).values()))
+    else:
+        files = ["model.safetensors"] if os.path.isfile(os.path.join(model_dir, "model.safetensors")) else []
+    shapes = {}
+    for name in files:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            raise InputError(f"{index}: lists {name}, which does not exist")
+        for tensor, info in safetensors_header(path).items():
+            shapes[tensor] = (info.get("dtype"), tuple(info["shape"]))
+    return shapes
+
+
+def check_recorded_base(adapter_dir: str, adapter_config: dict, base_config: dict, flag: str) -> None:
+    """Where the adapter's recorded base is a directory here, its model type must be the base's (the path itself
+    may differ: a moved copy, or the merged model a later stage trained on)."""
+    recorded = adapter_config.get("base_model_name_or_path")
+    config_path = os.path.join(recorded, "config.json") if isinstance(recorded, str) and recorded else None
+    if config_path is None or not os.path.isfile(config_path):
+        return
+    theirs, ours = read_json(config_path, "config.json").get("model_type"), base_config.get("model_type")
+    if theirs and ours and theirs != ours:
+        raise InputError(f"{adapter_dir}: the {flag} adapter was trained on {recorded}, a {theirs} model, but the "
+                         f"base is a {ours} model: an adapter for another model?")
+
+
+def base_weight(name: str, base: dict) -> Optional[str]:
+    """The base checkpoint's name for a weight of the model peft wrapped: the same, or without the leading
+    module (a checkpoint saved from the bare model, or GPT-2's un-prefixed one); a tied lm_head is the input
+    embedding."""
+    for candidate in (name, name.split(".", 1)[-1]):
+        if candidate in base:
+            return candidate
+    if name == OUTPUT_EMBEDDING:
+        return next((key for key in base if key.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
+    return None
+
+
+def adapter_updates(adapter_config: dict, tensors: dict) -> dict:
+    """{weight name: the shape the adapter needs the base's weight to have} for every LoRA module (B @ A,
+    transposed for fan_in_fan_out and embeddings) and every tensor the adapter saved whole (modules_to_save)."""
+    pairs, needed = {}, {}
+    for key, info in tensors.items():
+        name = key[len(ADAPTER_PREFIX):] if key.startswith(ADAPTER_PREFIX) else key
+        suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
+        if suffix:
+            pairs.setdefault(name[: -len(suffix)], {})[LORA_SUFFIXES[suffix]] = tuple(info["shape"])
+        elif not any(part in name for part in (".modules_to_save.", ".original_module.", ".base_layer.")):
+            needed[name] = tuple(info["shape"])
+    for module, parts in pairs.items():
+        embedding = "eA" in parts
+        lora_a, lora_b = (parts.get("eA"), parts.get("eB")) if embedding else (parts.get("A"), parts.get("B"))
+        if lora_a is None or lora_b is None or len(lora_a) != 2 or len(lora_b) != 2:
+            continue  # not a plain LoRA pair: peft's own load reports it
+        transposed = embedding or bool(adapter_config.get("fan_in_fan_out"))
+        needed[f"{module}.weight"] = (lora_a[1], lora_b[0]) if transposed else (lora_b[0], lora_a[1])
+    return needed
+
+
+def shape_mismatch(name: str, needed: tuple, base: dict, adapter_config: dict) -> Optional[str]:
+    """Why the base cannot take the adapter's weight `name` of shape `needed`, or None if it can."""
+    found = base_weight(name, base)
+    if found is None:
+        if adapter_config.get("task_type") == "SEQ_CLS" and name.startswith("score."):
+            return None  # a reward model's score head is new: the base has none
+        return f"{name} matches no weight of the base"
+    dtype, shape = base[found]
+    if str(dtype).startswith(("U", "I")):
+        return None  # a quantized checkpoint's packed weight: its loader checks it
+    # An extended vocabulary gives the embeddings more rows than the base's: the loader grows the base's.
+    resizable = found.endswith(INPUT_EMBEDDING_SUFFIXES) or found == OUTPUT_EMBEDDING
+    if needed == shape or (resizable and len(needed) == len(shape) == 2 and needed[1] == shape[1]):
+        return None
+    return f"{name} needs a base weight of shape {list(needed)}, the base's is {list(shape)}"
+
+
+def check_adapter_fits_base(adapter_dir: str, base_dir: str, flag: str) -> None:
+    """Refuse, from adapter_config.json and the safetensors headers alone (no weight is read), an adapter made for
+    another base: a recorded base of another model type, or any adapted module whose shape is not the base's.
+    A base that is not a local directory, or legacy .bin weights, leave the comparison to peft's load."""
+    weights = os.path.join(adapter_dir, "adapter_model.safetensors")
+    tensors = safetensors_header(weights) if os.path.isfile(weights) else {}  # a damaged file is refused here
+    if not base_dir or not os.path.isfile(os.path.join(base_dir, "config.json")):
+        return
+    adapter_config = read_json(os.path.join(adapter_dir, "adapter_config.json"), "adapter_config.json")
+    check_recorded_base(adapter_dir, adapter_config, read_json(os.path.join(base_dir, "config.json"), "config.json"),
+                        flag)
+    base = checkpoint_shapes(base_dir)
+    if not base:
+        return
+    for name, needed in adapter_updates(adapter_config, tensors).items():
+        problem = shape_mismatch(name, needed, base, adapter_config)
+        if problem:
+            raise InputError(f"{weights}: the {flag} adapter does not fit the base {base_dir}: {problem} "
+                             "(an adapter for another model?)")

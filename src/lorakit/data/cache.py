@@ -1,0 +1,213 @@
+"""The cache of tokenized data: a key that hashes everything shaping the result (the inputs'
+fingerprints, the tokenizer, the template, lengths, a code version), built once on the main
+process into a temporary directory, then renamed into place (atomic: a crash never leaves a
+half-written entry that a later run would load). The inputs' fingerprints are memoized in the
+cache root by each file's stat signature (FingerprintMemo), so a warm start stats the corpus
+instead of reading it on every rank."""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Optional
+
+from datasets import load_from_disk
+
+from lorakit.data.run_record import note_data
+
+logger = logging.getLogger(__name__)
+
+
+def file_fingerprint(path: str) -> str:
+    """Content hash: a file edited in place (same size, even same mtime) still changes the key."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# git's "racily clean" rule: a file changed this recently may change again within the same timestamp tick (a
+# coarse filesystem clock) without its ctime moving, so its fingerprint is not memoized yet.
+RACY_SECONDS = 2.0
+# In each cache entry: the fingerprints of the files its key covers, by stat signature.
+FINGERPRINT_MEMO_NAME = "file-fingerprints.json"
+
+
+def stat_signature(path: str) -> list:
+    """What moves whenever the file's content may have changed. ctime is set by the kernel on every write and
+    cannot be set back by the user (os.utime restores mtime only), so an in-place edit of the same size with the
+    old mtime put back still changes the signature; inode and device catch a file replaced by another."""
+    info = os.stat(path)
+    return [os.path.abspath(path), info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+
+
+def read_fingerprint_memo(path: str) -> dict:
+    """{stat signature as JSON: content fingerprint}; a missing or unreadable memo is an empty one."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            memo = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(memo, dict):
+        return {}
+    return {key: value for key, value in memo.items() if key.startswith('["') and isinstance(value, str)}
+
+
+class FingerprintMemo:
+    """file_fingerprint of data files, memoized by stat signature in the cache entries they keyed (each entry
+    holds its files' fingerprints, so the memo goes with the entry and the cache root holds entries only). The
+    first process of a node (the local main process, which main_process_first lets go first) reads each file
+    once; the node's other ranks, and later runs on unchanged files, only stat them. A file that changed while
+    it was read, or within RACY_SECONDS, is hashed again next time."""
+
+    def __init__(self, cache_root: str):
+        self.known = {}
+        if os.path.isdir(cache_root):
+            for name in sorted(os.listdir(cache_root)):
+                if not name.startswith("."):
+                    self.known.update(read_fingerprint_memo(os.path.join(cache_root, name, FINGERPRINT_MEMO_NAME)))
+        self.settled = {}
+
+    def __call__(self, path: str) -> str:
+        started_ns = time.time_ns()
+        signature = stat_signature(path)
+        key = json.dumps(signature)
+        fingerprint = self.known.get(key)
+        if fingerprint is None:
+            fingerprint = file_fingerprint(path)
+            if signature[3] >= started_ns - RACY_SECONDS * 1e9 or stat_signature(path) != signature:
+                return fingerprint
+        self.settled[key] = fingerprint
+        return fingerprint
+
+    def save_into(self, entry_dir: str) -> None:
+        """Add the settled fingerprints to entry_dir's memo (a temporary file renamed: a concurrent reader sees the
+        old memo or the new one), unless it holds them already; a read-only cache keeps serving its entries."""
+        memo_path = os.path.join(entry_dir, FINGERPRINT_MEMO_NAME)
+        stored = read_fingerprint_memo(memo_path)
+        paths = {json.loads(key)[0] for key in self.settled}
+        # One signature per file: an earlier version's goes (a copy of the same files elsewhere keeps its own).
+        memo = {key: value for key, value in stored.items() if json.loads(key)[0] not in paths}
+        memo.update(self.settled)
+        if memo == stored:
+            return
+        try:
+            handle, tmp_path = tempfile.mkstemp(prefix=".tmp-", dir=entry_dir)
+            with os.fdopen(handle, "w", encoding="utf-8") as stream:
+                json.dump(memo, stream)
+            os.replace(tmp_path, memo_path)
+        except OSError as err:
+            logger.info("data file fingerprints not memoized in %s: %s", entry_dir, err)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Everything about the tokenizer that changes ids: its full serialized model, added and
+    special tokens (the anchor's cache ignored the tokenizer entirely)."""
+    digest = hashlib.blake2b(digest_size=16)
+    if getattr(tokenizer, "is_fast", False):
+        digest.update(tokenizer.backend_tokenizer.to_str().encode("utf-8"))
+    else:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8"))
+    extra = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
+    digest.update(json.dumps(extra).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def cache_key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()[:20]
+
+
+# The entries this process built or loaded, in order, as (path, built): what --prepare_data_only reports.
+entries_used = []
+
+
+def build_or_load_cached(cache_root: str, name: str, build, check=None, memo: Optional[FingerprintMemo] = None,
+                         record: bool = True) -> tuple:
+    """Return (dataset, hit). `build(tmp_dir)` writes a dataset into tmp_dir; it is renamed into
+    place only when complete, so a reader never sees a half-written cache, and when two
+    processes build the same entry at once the loser drops its copy and reads the winner's. A
+    build that fails (bad input found while tokenizing), or a dataset `check(dataset)` refuses
+    (too few samples for the run's held-out share), leaves the cache as it was: no entry, and
+    not even the directories made for it. The entry's name is the run's record of its data
+    (checkpoint_state.note_data): a resumed run refuses one its checkpoint was not trained on,
+    before reading or building it (record=False: an entry derived from recorded ones and the run's identity,
+    such as packed rows). memo: the fingerprints of the files in the key, kept in the entry."""
+    if record:
+        note_data(name)
+    final_dir = os.path.join(cache_root, name)
+    if os.path.isdir(final_dir):
+        dataset = load_from_disk(final_dir)
+        if check is not None:
+            check(dataset)
+        return used_entry(final_dir, dataset, True, memo)
+    made = missing_directories(cache_root)
+    os.makedirs(cache_root, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=cache_root)
+    try:
+        build(tmp_dir)
+        if check is not None:
+            check(load_from_disk(tmp_dir))
+        if memo is not None:
+            memo.save_into(tmp_dir)
+        try:
+            os.rename(tmp_dir, final_dir)
+        except OSError:
+            if not os.path.isdir(final_dir):
+                raise
+            logger.info("another process finished the same cache first; using its copy")
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        remove_if_empty(made)
+        raise
+    finally:
+        if os.path.isdir(tmp_dir):
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return used_entry(final_dir, load_from_disk(final_dir), False, memo)
+
+
+def used_entry(path: str, dataset, hit: bool, memo: Optional[FingerprintMemo]) -> tuple:
+    if memo is not None:
+        memo.save_into(path)  # on a hit, files hashed again (racy when the entry was built) are memoized now
+    entries_used.append((path, not hit))
+    return dataset, hit
+
+
+def report_prepared_data() -> None:
+    """--prepare_data_only's result, on stdout: each cache entry the training launch will read, and whether it was
+    built now or found there; a launch with the same data arguments then reports cache hits."""
+    for path, built in entries_used:
+        print(f"data cache entry {path}: {'built' if built else 'already there'}", flush=True)
+    if not entries_used:
+        print("no data cache entry: this stage's data is tokenized at each launch", flush=True)
+
+
+def missing_directories(path: str) -> list:
+    """path and those of its parents that do not exist, deepest first: what os.makedirs(path) creates
+    (for "out/run/../cache", out/run too, which the kernel needs to resolve the "..")."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_if_empty(directories: list) -> None:
+    """Remove those of directories (deepest first) that are empty; another process building into one
+    keeps it."""
+    for directory in directories:
+        if os.path.basename(directory) in (os.curdir, os.pardir):
+            continue  # "x/.." names x's parent, listed under its own name if it was made
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
+
+
+def data_cache_dir(requested: Optional[str]) -> str:
+    import datasets
+
+    return requested or os.path.join(datasets.config.HF_DATASETS_CACHE, "llama_lora_toolkit")

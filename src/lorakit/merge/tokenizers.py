@@ -1,0 +1,697 @@
+#!/usr/bin/env python
+"""Extend a tokenizer's vocabulary with pieces learned on a corpus (Chinese, or any language).
+
+    python scripts/merge/merge_tokenizers.py --base_tokenizer BASE_DIR --output_dir NEW_DIR \
+        --train_corpus zh1.txt,zh2.txt [--vocab_size 20000 --model_type bpe]
+    python scripts/merge/merge_tokenizers.py --base_tokenizer BASE_DIR --output_dir NEW_DIR \
+        --extra_sp_model chinese_sp.model --eval_corpus heldout.txt
+
+The new pieces come from a SentencePiece model, trained here on --train_corpus (one document a
+line; every 20th line is held out for the report unless --eval_corpus is given) or given with
+--extra_sp_model (Chinese-LLaMA's route). They are appended after every existing id, so the ids
+of all original tokens, special tokens included, are unchanged and the old embedding rows stay
+valid; the training scripts then resize the embeddings (new rows start at the mean).
+
+How the pieces are merged depends on the base:
+
+* SentencePiece (a LLaMA-1/2 style tokenizer.model): proto surgery, as Chinese-LLaMA's
+  merge_tokenizers.py does. New pieces are appended with scores: for a BPE model below every
+  base piece, in the extra model's merge order, so the base's own merges keep priority and text
+  the base already handled is segmented as before; for a unigram model with the extra model's
+  log-probabilities. The output holds the merged tokenizer.model and its tokenizer.json.
+* BPE tokenizer.json, byte-level (LLaMA-3, Qwen, SmolLM2, GPT-2) or SentencePiece-style
+  (Metaspace, byte fallback: what transformers 5 saves for LLaMA-2): each piece becomes a vocab
+  entry AND merge rules that build it, appended after the base's merges. BPE applies merges in
+  rank order, so the new ones run only after the base's have finished: they continue the base's
+  segmentation exactly where the extra model would merge further, and English text the base
+  already covers is unaffected. Added tokens (tokenizer.add_tokens) would instead be matched
+  greedily on the raw text before the base's pre-tokenizer and model, splitting words the base
+  tokenized well (" testing" -> " t" + "esting" with pieces learned from mostly-Chinese text).
+  Single characters are made reachable first, then longer pieces in the extra model's order, so
+  each longer piece is normally one merge of two earlier ones; a character the base splits into
+  three byte tokens needs one intermediate token (reported). Limitation: where the base merges a
+  space with the first byte of the next character (" 文" -> "Ġæ" ...), that character keeps its
+  byte tokens unless the extra model learned the space-prefixed piece.
+
+The report (printed and written to OUTPUT/vocab_extension_report.json, next to the extra model
+as vocab_extension_pieces.model): vocabulary sizes,
+tokens per character on the held-out text before/after (the figure vocabularies are extended
+for), round-trip counts, how many new tokens are actually used, and sample tokenizations.
+Guarantees, checked before the output is renamed into place: every original token (special
+tokens included) keeps its id, every new piece encodes to its own token, and every held-out line
+the base tokenizer round-trips, the merged one round-trips too.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import unicodedata
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lorakit.merge.common import (
+    InputError,
+    atomic_output_dir,
+    check_output_dir,
+    code_files,
+    copy_files,
+    read_json,
+    run_cli,
+    setup_tool_logging,
+    tokenizer_files,
+)
+
+logger = logging.getLogger("merge_tokenizers")
+
+REPORT_FILE = "vocab_extension_report.json"
+PIECES_FILE = "vocab_extension_pieces.model"  # the extra SentencePiece model, kept for reproducibility
+# Mixed text every tokenizer must round-trip: Chinese, English, digits, emoji, full-width punctuation.
+PROBES = (
+    "我们今天学习中文模型的训练，并扩展词表。",
+    "Hello world! The quick brown fox jumps over the lazy dog 123.",
+    "混合 mixed 文本 text 🎉🚀 表情 emoji，全角：“引号”。",
+)
+
+
+class GuaranteeError(Exception):
+    """A merged tokenizer broke a guarantee (a bug, not bad input): nothing is written."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base_tokenizer", required=True, help="Tokenizer directory to extend.")
+    parser.add_argument("--output_dir", required=True, help="New directory for the merged tokenizer.")
+    parser.add_argument("--train_corpus", default=None,
+                        help="Text file(s), comma-separated, one document a line: train the extra pieces on them.")
+    parser.add_argument("--extra_sp_model", default=None,
+                        help="Or: a trained SentencePiece .model whose pieces to add.")
+    parser.add_argument("--vocab_size", type=int, default=20000, help="Vocabulary size of the trained extra model.")
+    parser.add_argument("--model_type", default=None, choices=["bpe", "unigram"],
+                        help="Extra model type (default: the base's for a SentencePiece base, else bpe).")
+    parser.add_argument("--character_coverage", type=float, default=0.9995,
+                        help="Share of the corpus' characters the extra model covers (0.9995 suits Chinese).")
+    parser.add_argument("--input_sentence_size", type=int, default=2_000_000,
+                        help="Lines sampled from the corpus to train on (0: all).")
+    parser.add_argument("--max_sentence_length", type=int, default=16384, help="Longer lines are skipped in training.")
+    parser.add_argument("--num_threads", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--eval_corpus", default=None,
+                        help="Text file(s) for the report (default: every 20th line of --train_corpus, held out).")
+    parser.add_argument("--heldout_every", type=int, default=20,
+                        help="Without --eval_corpus, every N-th training line is held out for the report.")
+    parser.add_argument("--max_eval_lines", type=int, default=10000, help="Lines of the eval text used in the report.")
+    parser.add_argument("--num_samples", type=int, default=3, help="Sample tokenizations shown in the report.")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="Run the Python code the tokenizer directory ships (tokenizer_config.json auto_map) to "
+                             "load it; the merged tokenizer keeps a copy of that code. Only for directories you trust.")
+    return parser
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def corpus_files(value: str, flag: str) -> list:
+    files = [path.strip() for path in value.split(",") if path.strip()]
+    if not files:
+        raise InputError(f"{flag} names no file")
+    for path in files:
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: {flag} file does not exist")
+    return files
+
+
+def read_lines(files: list):
+    """(file, line number, text) of every non-empty line; a line that is not UTF-8 is refused."""
+    for path in files:
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                try:
+                    text = raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError:
+                    raise InputError(f"{path}:{number}: not valid UTF-8") from None
+                if text.strip():
+                    yield path, number, text
+
+
+def split_corpus(args, train_path: Optional[str]) -> list:
+    """Write the training lines to train_path (if training); return the eval lines."""
+    eval_lines = []
+    if args.eval_corpus:
+        for _, _, text in read_lines(corpus_files(args.eval_corpus, "--eval_corpus")):
+            if len(eval_lines) < args.max_eval_lines:
+                eval_lines.append(text)
+    if train_path is None:
+        return eval_lines
+    held_out = not args.eval_corpus
+    written = 0
+    with open(train_path, "w", encoding="utf-8") as out:
+        for index, (_, _, text) in enumerate(read_lines(corpus_files(args.train_corpus, "--train_corpus"))):
+            if held_out and index % args.heldout_every == args.heldout_every - 1:
+                if len(eval_lines) < args.max_eval_lines:
+                    eval_lines.append(text)
+                continue
+            out.write(text + "\n")
+            written += 1
+    if written == 0:
+        raise InputError(f"{args.train_corpus}: --train_corpus holds no training lines")
+    return eval_lines
+
+
+# ----------------------------------------------------------------------------- base tokenizer
+
+
+@dataclass
+class BaseTokenizer:
+    path: str
+    kind: str  # "sentencepiece", "byte_level" or "metaspace"
+    proto: object = None  # sentencepiece ModelProto (sentencepiece kind)
+    data: dict = field(default_factory=dict)  # parsed tokenizer.json (BPE kinds)
+
+
+def json_types(node) -> list:
+    """Every component 'type' inside a tokenizer.json normalizer / pre_tokenizer tree."""
+    if isinstance(node, dict):
+        found = [node.get("type")] if "type" in node else []
+        for value in node.values():
+            found += json_types(value)
+        return found
+    if isinstance(node, list):
+        return [t for item in node for t in json_types(item)]
+    return []
+
+
+def find_component(node, type_name: str) -> Optional[dict]:
+    if isinstance(node, dict):
+        if node.get("type") == type_name:
+            return node
+        node = list(node.values())
+    if isinstance(node, list):
+        for item in node:
+            found = find_component(item, type_name)
+            if found is not None:
+                return found
+    return None
+
+
+def load_proto(path: str):
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        with open(path, "rb") as handle:
+            proto.ParseFromString(handle.read())
+    except Exception as err:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise InputError(f"{path}: not a SentencePiece model ({type(err).__name__})") from None
+    if not proto.pieces:
+        raise InputError(f"{path}: not a SentencePiece model (no pieces)")
+    return proto
+
+
+def inspect_base(path: str) -> BaseTokenizer:
+    if not os.path.isdir(path):
+        raise InputError(f"{path}: --base_tokenizer does not exist or is not a directory")
+    model_path = os.path.join(path, "tokenizer.model")
+    if os.path.isfile(model_path):
+        proto = load_proto(model_path)
+        if proto.trainer_spec.model_type not in (proto.trainer_spec.BPE, proto.trainer_spec.UNIGRAM):
+            raise InputError(f"{model_path}: only BPE and unigram SentencePiece models can be extended")
+        return BaseTokenizer(path, "sentencepiece", proto=proto)
+    json_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(json_path):
+        raise InputError(f"{path}: --base_tokenizer has neither tokenizer.model nor tokenizer.json")
+    data = read_json(json_path, "tokenizer.json")
+    model = data.get("model") or {}
+    if model.get("type") != "BPE":
+        raise InputError(f"{json_path}: model type {model.get('type')}: only BPE tokenizer.json bases "
+                         "(byte-level or SentencePiece-style) can be extended")
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise InputError(f"{json_path}: BPE with a continuing_subword_prefix/end_of_word_suffix is not supported")
+    if "ByteLevel" in json_types(data.get("pre_tokenizer")):
+        return BaseTokenizer(path, "byte_level", data=data)
+    if model.get("byte_fallback") or "Metaspace" in json_types(data.get("pre_tokenizer")):
+        return BaseTokenizer(path, "metaspace", data=data)
+    raise InputError(f"{json_path}: a BPE tokenizer that is neither byte-level nor SentencePiece-style "
+                     "(no ByteLevel pre-tokenizer, no byte fallback): its unknown characters could not round-trip")
+
+
+def read_tokenizer_dir(path: str, trust_remote_code: bool = False):
+    """The transformers tokenizer saved in directory path (LLaMA's class for a bare tokenizer.model)."""
+    from transformers import AutoTokenizer, LlamaTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        if "trust_remote_code" in str(err):  # not LLaMA's class below: its own code may tokenize differently
+            raise InputError(f"{path}: this tokenizer needs its own Python code (auto_map); if you trust that "
+                             "directory, rerun with --trust_remote_code") from None
+        if os.path.isfile(os.path.join(path, "tokenizer.model")):
+            return LlamaTokenizer.from_pretrained(path)  # a bare tokenizer.model: LLaMA's class
+        raise InputError(f"{path}: cannot load a tokenizer from this directory ({err})") from None
+
+
+# ----------------------------------------------------------------------------- extra pieces
+
+
+def training_options(base: BaseTokenizer) -> dict:
+    """SentencePiece settings that make the extra pieces match how the base sees text."""
+    if base.kind == "sentencepiece":
+        spec = base.proto.normalizer_spec
+        known = ("identity", "nfkc", "nmt_nfkc", "nfkc_cf", "nmt_nfkc_cf")
+        return {"normalization_rule_name": spec.name if spec.name in known else "identity",
+                "add_dummy_prefix": spec.add_dummy_prefix, "remove_extra_whitespaces": spec.remove_extra_whitespaces,
+                "split_digits": base.proto.trainer_spec.split_digits}
+    metaspace = find_component(base.data.get("pre_tokenizer"), "Metaspace") or {}
+    prepends = metaspace.get("prepend_scheme", "never") in ("always", "first") or metaspace.get("add_prefix_space") \
+        or "Prepend" in json_types(base.data.get("normalizer"))
+    # Raw text, no NFKC: a piece normalized to "," would never match the "，" in the text.
+    return {"normalization_rule_name": "identity", "add_dummy_prefix": bool(prepends and base.kind == "metaspace"),
+            "remove_extra_whitespaces": False, "split_digits": True}
+
+
+def train_extra_model(args, base: BaseTokenizer, train_path: str, work_dir: str):
+    import sentencepiece as spm
+
+    spec = base.proto.trainer_spec if base.kind == "sentencepiece" else None
+    unigram_base = spec is not None and spec.model_type == spec.UNIGRAM
+    model_type = args.model_type or ("unigram" if unigram_base else "bpe")
+    options = training_options(base)
+    logger.info("training a %s SentencePiece model, vocab %d, on %s (%s)", model_type, args.vocab_size,
+                args.train_corpus, ", ".join(f"{k}={v}" for k, v in options.items()))
+    try:
+        spm.SentencePieceTrainer.train(
+            input=train_path, model_prefix=os.path.join(work_dir, "extra"), model_type=model_type,
+            vocab_size=args.vocab_size, character_coverage=args.character_coverage, byte_fallback=True,
+            input_sentence_size=args.input_sentence_size, shuffle_input_sentence=True,
+            max_sentence_length=args.max_sentence_length, num_threads=args.num_threads, minloglevel=2,
+            **options)
+    except RuntimeError as err:  # e.g. "Vocabulary size too high (N). Please set it to a value <= M."
+        raise InputError(f"{args.train_corpus}: SentencePiece training failed: {str(err).strip()}") from None
+    return load_proto(os.path.join(work_dir, "extra.model"))
+
+
+def extra_pieces(extra) -> list:
+    """(piece, score) of the extra model's ordinary pieces (no control, unknown or byte pieces)."""
+    normal = extra.SentencePiece.NORMAL
+    return [(piece.piece, piece.score) for piece in extra.pieces if piece.type == normal]
+
+
+def check_compatible(base: BaseTokenizer, extra, extra_name: str) -> None:
+    spec = extra.trainer_spec
+    if base.kind == "sentencepiece":
+        if spec.model_type != base.proto.trainer_spec.model_type:
+            names = {spec.BPE: "bpe", spec.UNIGRAM: "unigram"}
+            raise InputError(f"{extra_name}: a {names.get(spec.model_type, spec.model_type)} model cannot extend a "
+                             f"{names.get(base.proto.trainer_spec.model_type)} base: train it with --model_type "
+                             f"{names.get(base.proto.trainer_spec.model_type)}")
+    elif spec.model_type != spec.BPE:
+        # A unigram piece's prefixes are often not pieces: no merge chain would reach it.
+        raise InputError(f"{extra_name}: a BPE tokenizer.json base needs a BPE extra model (--model_type bpe)")
+
+
+# ----------------------------------------------------------------------------- SentencePiece base
+
+
+def merge_sentencepiece(base: BaseTokenizer, extra) -> tuple:
+    """Append the extra pieces the base lacks to a copy of the base proto; (proto, stats)."""
+    merged = type(base.proto)()
+    merged.CopyFrom(base.proto)
+    present = {piece.piece for piece in merged.pieces}
+    unigram = merged.trainer_spec.model_type == merged.trainer_spec.UNIGRAM
+    lowest = min(piece.score for piece in merged.pieces)
+    added = already = 0
+    for text, score in extra_pieces(extra):
+        if text in present:
+            already += 1
+            continue
+        piece = merged.pieces.add()
+        piece.piece = text
+        piece.type = piece.NORMAL
+        # BPE: merge priority follows score, so below every base piece keeps the base's merges first.
+        piece.score = score if unigram else lowest - 1 - added
+        present.add(text)
+        added += 1
+    merged.trainer_spec.vocab_size = len(merged.pieces)
+    return merged, {"new_tokens": added, "intermediate_tokens": 0, "already_present": already,
+                    "across_pre_tokenizer_boundary": 0}
+
+
+def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto, out_dir: str, base_tokenizer,
+                                  trust_remote_code: bool = False) -> None:
+    """The merged tokenizer.model plus the HF files transformers makes from it."""
+    extra_ids = [token for token, index in base_tokenizer.get_vocab().items() if index >= len(base.proto.pieces)]
+    if extra_ids:
+        raise InputError(f"{base.path}: the tokenizer has {len(extra_ids)} token(s) past its tokenizer.model "
+                         f"({', '.join(sorted(extra_ids)[:3])}): appended pieces would take their ids; "
+                         "extend a tokenizer without added tokens and add them afterwards")
+    with tempfile.TemporaryDirectory(dir=out_dir) as work:
+        # Without tokenizer.json, transformers converts the merged .model into its fast tokenizer.
+        names = [name for name in tokenizer_files(base.path) if name not in ("tokenizer.json", "tokenizer.model")]
+        copy_files(base.path, names + code_files(base.path), work)
+        with open(os.path.join(work, "tokenizer.model"), "wb") as handle:
+            handle.write(merged_proto.SerializeToString())
+        tokenizer = read_tokenizer_dir(work, trust_remote_code)
+        tokenizer.save_pretrained(out_dir)
+        copy_files(work, ["tokenizer.model"], out_dir)
+
+
+# ----------------------------------------------------------------------------- BPE tokenizer.json base
+
+
+def bpe_segment(symbols: list, ranks: dict) -> list:
+    """What a BPE model makes of one pre-tokenized word: apply the lowest-ranked merge first."""
+    symbols = list(symbols)
+    while len(symbols) > 1:
+        best = None
+        for i in range(len(symbols) - 1):
+            rank = ranks.get((symbols[i], symbols[i + 1]))
+            if rank is not None and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            break
+        i = best[1]
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+    return symbols
+
+
+def piece_to_token(base: BaseTokenizer, piece: str, normalizer, pre_tokenizer) -> Optional[str]:
+    """The string a piece is in the base's BPE alphabet, or None if the base's pre-tokenizer
+    would split it (a merge never crosses a pre-token boundary, so it could never be used)."""
+    if base.kind == "metaspace":
+        metaspace = find_component(base.data.get("pre_tokenizer"), "Metaspace") or {}
+        token = piece.replace(" ", "\u2581")
+        if metaspace.get("split", True) and "\u2581" in token[1:]:
+            return None
+        return token
+    text = piece.replace("\u2581", " ")
+    if normalizer is not None:
+        text = normalizer.normalize_str(text)
+    parts = pre_tokenizer.pre_tokenize_str(text)
+    return parts[0][0] if len(parts) == 1 else None
+
+
+class BpeGrowth:
+    """A BPE model's vocab and merge list as extra pieces are added: each new token takes the
+    next free id, and is reached by merge rules appended after the base's (lowest priority)."""
+
+    def __init__(self, model: dict):
+        self.vocab = model["vocab"]  # grown in place
+        self.pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+        self.ranks = {pair: rank for rank, pair in enumerate(self.pairs)}
+        self.next_id = max(self.vocab.values()) + 1
+        self.stats = {"new_tokens": 0, "intermediate_tokens": 0, "already_present": 0,
+                      "across_pre_tokenizer_boundary": 0, "unreachable": 0}
+        self.new_tokens = []
+
+    def add_entry(self, token: str) -> None:
+        self.vocab[token] = self.next_id
+        self.next_id += 1
+
+    def add_piece(self, token: Optional[str], metaspace: bool) -> None:
+        """Add one extra piece, as the base's BPE alphabet spells it (None: the base's
+        pre-tokenizer would split it)."""
+        if token is None:
+            self.stats["across_pre_tokenizer_boundary"] += 1
+            return
+        if token in self.vocab:
+            self.stats["already_present"] += 1
+            return
+        if metaspace:
+            for char in token:  # characters are the alphabet: one missing becomes a token itself
+                if char not in self.vocab:
+                    self.add_entry(char)
+                    if char == token:
+                        self.stats["new_tokens"] += 1
+                        self.new_tokens.append(token)
+                    else:
+                        self.stats["intermediate_tokens"] += 1
+            if token in self.vocab:
+                return
+        elif any(char not in self.vocab for char in token):
+            self.stats["unreachable"] += 1
+            return
+        self.add_merge_chain(token)
+        self.new_tokens.append(token)
+
+    def add_merge_chain(self, token: str) -> None:
+        """Merge rules joining token from what the base's merges make of its characters, left
+        to right; every prefix on the way becomes a token (an intermediate one)."""
+        segments = bpe_segment(list(token), self.ranks)
+        current = segments[0]
+        for segment in segments[1:]:
+            joined = current + segment
+            if joined not in self.vocab:
+                self.add_entry(joined)
+                self.stats["intermediate_tokens" if joined != token else "new_tokens"] += 1
+            if (current, segment) not in self.ranks:
+                self.ranks[(current, segment)] = len(self.pairs)
+                self.pairs.append((current, segment))
+            current = joined
+
+
+def merge_bpe_json(base: BaseTokenizer, extra) -> tuple:
+    """Append vocab entries and merge rules for the extra pieces; (tokenizer.json dict, stats, new tokens)."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(json.dumps(base.data))  # a deep copy
+    backend = Tokenizer.from_str(json.dumps(base.data))
+    model = data["model"]
+    string_merges = bool(model["merges"]) and isinstance(model["merges"][0], str)
+    # tokenizers numbers added tokens that are missing from the model's vocab right after it when
+    # it loads a file, whatever ids the file gives them: LLaMA-3's specials (128000+) would move up
+    # to make room for the new pieces. Listed in the vocab (as SmolLM2's specials already are),
+    # they keep their ids; the model never produces them (no merge builds them).
+    for added in data.get("added_tokens") or []:
+        if added["content"] not in model["vocab"]:
+            model["vocab"][added["content"]] = added["id"]
+    growth = BpeGrowth(model)
+    pieces = [text for text, _ in extra_pieces(extra)]
+    # Characters first: then a longer piece is (nearly always) one merge of two reachable pieces.
+    for piece in [p for p in pieces if len(p) == 1] + [p for p in pieces if len(p) > 1]:
+        growth.add_piece(piece_to_token(base, piece, backend.normalizer, backend.pre_tokenizer),
+                         metaspace=base.kind == "metaspace")
+    model["merges"] = [" ".join(pair) if string_merges else list(pair) for pair in growth.pairs]
+    return data, growth.stats, growth.new_tokens
+
+
+def write_bpe_tokenizer(base: BaseTokenizer, data: dict, out_dir: str) -> None:
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_str(json.dumps(data)).save(os.path.join(out_dir, "tokenizer.json"))
+    copy_files(base.path, [name for name in tokenizer_files(base.path) if name != "tokenizer.json"], out_dir)
+
+
+def unreachable_tokens(out_dir: str, new_tokens: list) -> list:
+    """New tokens the merged BPE model does not produce from their own text (should be none)."""
+    from tokenizers import Tokenizer
+
+    model = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json")).model
+    return [token for token in new_tokens if [t.value for t in model.tokenize(token)] != [token]]
+
+
+# ----------------------------------------------------------------------------- report and guarantees
+
+
+def encode_all(tokenizer, lines: list) -> list:
+    return tokenizer(lines, add_special_tokens=False)["input_ids"] if lines else []
+
+
+def round_trips(tokenizer, lines: list, encoded: list) -> list:
+    decoded = tokenizer.batch_decode(encoded, clean_up_tokenization_spaces=False) if lines else []
+    return [text == back for text, back in zip(lines, decoded)]
+
+
+def readable_tokens(tokenizer, ids: list) -> list:
+    """Each token as text; a token holding part of a character's bytes as its raw form."""
+    shown = []
+    for i in ids:
+        text = tokenizer.decode([i], clean_up_tokenization_spaces=False)
+        shown.append(text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(i))
+    return shown
+
+
+def check_guarantees(base_tokenizer, merged, lines: list, base_ok: list, merged_ok: list) -> None:
+    base_vocab, merged_vocab = base_tokenizer.get_vocab(), merged.get_vocab()
+    moved = [token for token, index in base_vocab.items() if merged_vocab.get(token) != index]
+    if moved:
+        raise GuaranteeError(f"{len(moved)} original token(s) changed id, e.g. {moved[0]!r}: "
+                             f"{base_vocab[moved[0]]} -> {merged_vocab.get(moved[0])}")
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        if getattr(base_tokenizer, f"{name}_id", None) != getattr(merged, f"{name}_id", None):
+            raise GuaranteeError(f"{name} changed id: {getattr(base_tokenizer, f'{name}_id')} -> "
+                                 f"{getattr(merged, f'{name}_id')}")
+    for token in base_tokenizer.all_special_tokens:
+        if merged.convert_tokens_to_ids(token) != base_tokenizer.convert_tokens_to_ids(token):
+            raise GuaranteeError(f"special token {token!r} changed id")
+    broken = [text for text, before, after in zip(lines, base_ok, merged_ok) if before and not after]
+    if broken:
+        raise GuaranteeError(f"{len(broken)} line(s) the base round-trips no longer do, e.g. {broken[0][:80]!r}")
+
+
+def cjk_share(lines: list) -> float:
+    chars = sum(len(line) for line in lines)
+    cjk = sum(1 for line in lines for char in line if unicodedata.name(char, "").startswith("CJK UNIFIED"))
+    return cjk / max(chars, 1)
+
+
+def sentencepiece_agreement(model_path: str, lines: list, encoded: list) -> float:
+    """Share of lines the merged tokenizer.json encodes exactly as sentencepiece does with the
+    merged tokenizer.model (tools such as llama.cpp read the .model)."""
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=model_path)
+    same = sum(processor.encode(line) == ids for line, ids in zip(lines, encoded))
+    return same / max(len(lines), 1)
+
+
+def build_report(args, base: BaseTokenizer, base_tokenizer, merged, stats: dict, eval_lines: list,
+                 new_tokens_unreachable: list, merged_model: Optional[str] = None) -> dict:
+    probe_lines = list(PROBES)
+    texts = eval_lines + probe_lines
+    before_ids, after_ids = encode_all(base_tokenizer, texts), encode_all(merged, texts)
+    before_ok = round_trips(base_tokenizer, eval_lines + probe_lines, before_ids)
+    after_ok = round_trips(merged, eval_lines + probe_lines, after_ids)
+    check_guarantees(base_tokenizer, merged, eval_lines + probe_lines, before_ok, after_ok)
+    if new_tokens_unreachable:
+        raise GuaranteeError(f"{len(new_tokens_unreachable)} new token(s) are not produced from their own text, "
+                             f"e.g. {new_tokens_unreachable[0]!r}")
+    n = len(eval_lines)
+    chars = sum(len(line) for line in eval_lines)
+    tokens_before = sum(len(ids) for ids in before_ids[:n])
+    tokens_after = sum(len(ids) for ids in after_ids[:n])
+    first_new = len(base_tokenizer)
+    used = {i for ids in after_ids[:n] for i in ids if i >= first_new}
+    new_share = sum(1 for ids in after_ids[:n] for i in ids if i >= first_new) / max(tokens_after, 1)
+    samples = []
+    for index in list(range(min(args.num_samples, n))) + list(range(n, n + len(probe_lines))):
+        samples.append({"text": (eval_lines + probe_lines)[index],
+                        "before": readable_tokens(base_tokenizer, before_ids[index]),
+                        "after": readable_tokens(merged, after_ids[index])})
+    return {
+        "base_tokenizer": base.path,
+        "base_kind": base.kind,
+        "extra_model": args.extra_sp_model or f"trained on {args.train_corpus} ({args.model_type or 'default type'}, "
+                                             f"vocab {args.vocab_size})",
+        "vocab_size": {"before": len(base_tokenizer), "after": len(merged), **stats},
+        "eval": {
+            "source": args.eval_corpus or f"every {args.heldout_every}th line of --train_corpus, held out of training",
+            "lines": n, "characters": chars, "cjk_character_share": cjk_share(eval_lines),
+            "tokens_before": tokens_before, "tokens_after": tokens_after,
+            "tokens_per_char_before": tokens_before / max(chars, 1),
+            "tokens_per_char_after": tokens_after / max(chars, 1),
+            "token_reduction": 1 - tokens_after / max(tokens_before, 1),
+            "round_trip_before": sum(before_ok[:n]), "round_trip_after": sum(after_ok[:n]),
+            "new_tokens_used": len(used), "new_token_share_of_output": new_share,
+        },
+        "probes_round_trip": all(after_ok[n:]),
+        "sentencepiece_agreement": (sentencepiece_agreement(merged_model, eval_lines, after_ids[:n])
+                                    if merged_model else None),
+        "samples": samples,
+        "guarantees": {"original_ids_unchanged": True, "special_tokens_unchanged": True,
+                       "round_trip_kept": True, "every_new_token_reachable": True},
+    }
+
+
+def print_report(report: dict) -> None:
+    v, e = report["vocab_size"], report["eval"]
+    print(f"vocabulary: {v['before']} -> {v['after']} (+{v['new_tokens']} new pieces, "
+          f"+{v['intermediate_tokens']} intermediate tokens; {v['already_present']} pieces already present, "
+          f"{v['across_pre_tokenizer_boundary']} split by the base's pre-tokenizer)")
+    print(f"eval text: {e['lines']} lines, {e['characters']} characters ({100 * e['cjk_character_share']:.0f}% CJK), "
+          f"from {e['source']}")
+    print(f"tokens per character: {e['tokens_per_char_before']:.3f} -> {e['tokens_per_char_after']:.3f} "
+          f"({100 * e['token_reduction']:.1f}% fewer tokens); round-trip {e['round_trip_before']} -> "
+          f"{e['round_trip_after']} of {e['lines']} lines; {e['new_tokens_used']} distinct new tokens used "
+          f"({100 * e['new_token_share_of_output']:.0f}% of the output)")
+    if report["sentencepiece_agreement"] is not None:
+        print(f"tokenizer.json and the merged tokenizer.model encode {100 * report['sentencepiece_agreement']:.1f}% "
+              "of the eval lines identically")
+        if report["sentencepiece_agreement"] < 0.99:
+            logger.warning("tokenizer.json (transformers' conversion of the .model) segments differently from "
+                           "sentencepiece on some lines; transformers' LlamaTokenizer converts every .model to BPE, "
+                           "which is faithful for BPE models only")
+    for sample in report["samples"]:
+        text = sample["text"] if len(sample["text"]) <= 60 else sample["text"][:60] + "..."
+        print(f"  {text}\n    before ({len(sample['before'])}): {' | '.join(sample['before'][:24])}"
+              f"{' ...' if len(sample['before']) > 24 else ''}\n    after  ({len(sample['after'])}): "
+              f"{' | '.join(sample['after'][:24])}{' ...' if len(sample['after']) > 24 else ''}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if bool(args.train_corpus) == bool(args.extra_sp_model):
+        raise InputError("give exactly one of --train_corpus (train the new pieces) or --extra_sp_model")
+    if args.extra_sp_model and not args.eval_corpus:
+        raise InputError("--extra_sp_model needs --eval_corpus: the report measures tokens per character on it")
+    if args.extra_sp_model and not os.path.isfile(args.extra_sp_model):
+        raise InputError(f"{args.extra_sp_model}: --extra_sp_model does not exist")
+    if args.vocab_size < 2 or args.heldout_every < 2 or args.max_eval_lines < 1:
+        raise InputError("--vocab_size and --heldout_every must be at least 2, --max_eval_lines at least 1")
+    check_output_dir(args.output_dir, {"--base_tokenizer": args.base_tokenizer})
+    base = inspect_base(args.base_tokenizer)
+    if args.train_corpus and args.model_type:
+        spec = base.proto.trainer_spec if base.kind == "sentencepiece" else None
+        needed = ("unigram" if spec.model_type == spec.UNIGRAM else "bpe") if spec is not None else "bpe"
+        if args.model_type != needed:
+            raise InputError(f"--model_type {args.model_type}: this base needs a {needed} extra model "
+                             "(a BPE tokenizer.json base, or a SentencePiece base of that type)")
+
+    # Loaded before the extra pieces are trained, so a base that cannot load is refused at once.
+    if args.trust_remote_code:
+        logger.warning("--trust_remote_code: running the tokenizer's own code from %s", args.base_tokenizer)
+    base_tokenizer = read_tokenizer_dir(args.base_tokenizer, args.trust_remote_code)
+
+    with tempfile.TemporaryDirectory(prefix="merge_tokenizers-") as work:
+        train_path = os.path.join(work, "train.txt") if args.train_corpus else None
+        eval_lines = split_corpus(args, train_path)
+        if not eval_lines:
+            raise InputError("no eval lines for the report: give a longer --train_corpus or an --eval_corpus")
+        if args.extra_sp_model:
+            extra, extra_name = load_proto(args.extra_sp_model), args.extra_sp_model
+        else:
+            extra, extra_name = train_extra_model(args, base, train_path, work), "the trained model"
+        check_compatible(base, extra, extra_name)
+
+        with atomic_output_dir(args.output_dir) as out:
+            unreachable = []
+            if base.kind == "sentencepiece":
+                merged_proto, stats = merge_sentencepiece(base, extra)
+                write_sentencepiece_tokenizer(base, merged_proto, out, base_tokenizer, args.trust_remote_code)
+            else:
+                data, stats, new_tokens = merge_bpe_json(base, extra)
+                write_bpe_tokenizer(base, data, out)
+                unreachable = unreachable_tokens(out, new_tokens)
+            copy_files(base.path, code_files(base.path), out)  # the merged tokenizer loads with the same code
+            merged = read_tokenizer_dir(out, args.trust_remote_code)
+            try:
+                merged_model = os.path.join(out, "tokenizer.model") if base.kind == "sentencepiece" else None
+                report = build_report(args, base, base_tokenizer, merged, stats, eval_lines, unreachable, merged_model)
+            except GuaranteeError as err:
+                print(f"error: guarantee violated, nothing written: {err}", file=sys.stderr, flush=True)
+                sys.exit(1)
+            with open(os.path.join(out, PIECES_FILE), "wb") as handle:
+                handle.write(extra.SerializeToString())
+            with open(os.path.join(out, REPORT_FILE), "w", encoding="utf-8") as handle:
+                json.dump(report, handle, ensure_ascii=False, indent=2)
+                handle.write("\n")
+    print_report(report)
+    print(f"wrote {args.output_dir} (load it with AutoTokenizer.from_pretrained; report in {REPORT_FILE})")
+
+
+def entry_point() -> None:
+    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
+    setup_tool_logging()
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    entry_point()

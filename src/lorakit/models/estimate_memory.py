@@ -1,0 +1,505 @@
+#!/usr/bin/env python
+"""How much GPU and CPU memory a LoRA or QLoRA run needs under each ZeRO config we ship, from
+DeepSpeed's own estimators, for the user's model and GPU count; reads only config.json.
+
+    python scripts/training/estimate_memory.py --model_name_or_path /models/llama-2-13b-hf \
+        --num_gpus 8 --lora_rank 64 --modules_to_save embed_tokens,lm_head --load_in_kbits 16
+    python scripts/training/estimate_memory.py --model_shape llama2-70b --load_in_kbits 4
+    python scripts/training/estimate_memory.py --fit_table     # the README's table
+
+The model is built on the meta device (no weights, no memory) and the LoRA attached by the
+training scripts' own attach_lora, so the trainable count is exactly the one training logs.
+
+DeepSpeed's estimators assume every parameter trains with Adam in 16-bit mixed precision: 2
+bytes of 16-bit weight, 2 of 16-bit gradient, 4 of fp32 gradient, 4 of fp32 master weight and 8
+of Adam moments per parameter, partitioned as each ZeRO stage does. With LoRA that holds for the
+trainable parameters (adapter + --modules_to_save) only, so the estimators get those (and, for
+ZeRO-3, the largest trainable layer), and the frozen base is added on its own:
+
+    ZeRO-2: every GPU holds the whole frozen base (2 bytes a weight in bf16; 4-bit: 0.5 byte plus
+            the quantization constants; 8-bit: 1 byte plus a fp32 scale per output row). A 16-bit
+            base is read whole into CPU memory by each process before DeepSpeed moves it to its
+            GPU; a quantized one is loaded straight onto each GPU.
+    ZeRO-3: the frozen base is partitioned, 1/world of it per GPU, plus its largest layer gathered
+            for that layer's forward; with offload_param it lives in CPU memory instead (1/nodes
+            of it per node). QLoRA cannot run under ZeRO-3 (the model loader refuses it).
+
+CPU figures are per node and carry DeepSpeed's additional_buffer_factor (1.5), as its own do.
+Activations come on top of these model states; see activation_bytes for the rule used.
+"""
+
+import glob
+import io
+import os
+from contextlib import redirect_stderr
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from lorakit.core.cli import InputError, parse_args, read_json, run_cli
+from lorakit.core.repository import DS_CONFIGS
+from lorakit.models.chunked_loss import positions_per_chunk
+
+DS_CONFIG_DIR = DS_CONFIGS
+GIB = 2**30
+FP32_BYTES = 4
+# DeepSpeed's estimators' default margin on CPU memory; applied to our CPU terms too.
+CPU_BUFFER_FACTOR = 1.5
+# Share of a card counted as usable: the estimators leave out the CUDA context, NCCL and ZeRO's
+# communication buckets (reduce/allgather bucket sizes in ds_configs) and allocator fragmentation.
+USABLE_CARD_FRACTION = 0.9
+CARDS_GIB = (24, 40, 80)
+# GPU counts the fit table tries: one node, then nodes of 8.
+GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+GPUS_PER_NODE = 8
+
+# config.json values of the published checkpoints (meta-llama/Llama-2-{7b,13b,70b}-hf,
+# codellama/CodeLlama-34b-hf) that decide their size and shape.
+PUBLIC_SHAPES = {
+    "llama2-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096},
+    "llama2-13b": {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                   "num_attention_heads": 40, "num_key_value_heads": 40, "max_position_embeddings": 4096},
+    "codellama-34b": {"hidden_size": 8192, "intermediate_size": 22016, "num_hidden_layers": 48,
+                      "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 16384,
+                      "rope_theta": 1000000.0},
+    "llama2-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 4096},
+}
+LLAMA_COMMON = {"model_type": "llama", "vocab_size": 32000, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+SHAPE_NAMES = {"llama2-7b": "Llama-2-7B", "llama2-13b": "Llama-2-13B", "codellama-34b": "CodeLlama-34B",
+               "llama2-70b": "Llama-2-70B"}
+
+# The shipped configs train in 16-bit mixed precision ("bf16"/"fp16": "auto"), which DeepSpeed's estimators assume.
+TRAINING_DTYPES = ("bfloat16", "float16")
+# bitsandbytes' 4-bit layout (Params4bit's defaults): blocks of 64 weights with one absmax each;
+# with double quantization the absmax values are themselves 8-bit in blocks of 256 with a fp32
+# absmax each, plus a 256-entry fp32 code book and a fp32 offset; the 16-entry fp32 nf4/fp4 code.
+BNB_4BIT_BLOCK = 64
+BNB_NESTED_BLOCK = 256
+BNB_NESTED_FIXED_BYTES = 256 * FP32_BYTES + FP32_BYTES
+BNB_4BIT_CODE_BYTES = 16 * FP32_BYTES
+
+# Activation bytes per token of one Llama decoder layer with all-linear LoRA (dropout on) in
+# 16-bit, as autograd keeps them for backward (counted with torch.autograd.graph.saved_tensors_hooks
+# on Llama layers of several shapes, sdpa attention; tests/test_estimate_memory.py re-measures it):
+# 60 per hidden unit, 14 per MLP unit, 4 per key/value unit, 4 per head (fp32 logsumexp), 28 per
+# LoRA rank, 8 more.
+LAYER_BYTES_PER = {"hidden": 60, "intermediate": 14, "kv": 4, "heads": 4, "rank": 28, "fixed": 8}
+# Activation checkpointing keeps only each layer's 16-bit input: 2 bytes per hidden unit per layer.
+CHECKPOINT_BYTES_PER_HIDDEN = 2
+# The loss per logit: 16-bit logits, the fp32 copy the loss makes and its fp32 log-softmax, which
+# cross-entropy keeps for backward (the 4 bytes autograd was seen to keep). transformers' loss holds them for
+# every token at once; --chunked_loss (training's default) for one chunk of positions at a time.
+LOGIT_BYTES = 2 + FP32_BYTES + FP32_BYTES
+
+
+@dataclass
+class EstimateArguments:
+    """The model and run to estimate; LoRA flags mean what they mean to the training scripts."""
+
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "A model directory or its config.json (only the config is read)."})
+    model_shape: Optional[str] = field(
+        default=None, metadata={"help": "A published shape instead of a config.", "choices": list(PUBLIC_SHAPES)})
+    num_gpus: int = field(default=8, metadata={"help": "GPUs per node."})
+    num_nodes: int = field(default=1, metadata={"help": "Nodes."})
+    lora_rank: int = field(
+        default=64, metadata={"help": "LoRA rank r (Chinese-LLaMA-Alpaca-2's 64; training's default is 8)."})
+    trainable: str = field(default="all-linear", metadata={"help": "LoRA target modules, as in training."})
+    modules_to_save: Optional[str] = field(
+        default=None, metadata={"help": "Modules trained in full, comma list (e.g. embed_tokens,lm_head)."})
+    load_in_kbits: int = field(default=16, metadata={"help": "4 or 8: QLoRA; 16: no.", "choices": [4, 8, 16]})
+    double_quant: bool = field(default=True, metadata={"help": "4-bit: quantize the quantization constants."})
+    torch_dtype: str = field(
+        default="bfloat16",
+        metadata={"help": "Precision of the frozen weights and activations (the run's --bf16/--fp16).",
+                  "choices": list(TRAINING_DTYPES)})
+    per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per GPU per step."})
+    chunked_loss: bool = field(
+        default=True, metadata={"help": "As in training (its default): the loss holds one chunk of logits at a "
+                                        "time; false: transformers' loss over every token's logits."})
+    max_seq_length: int = field(default=1024, metadata={"help": "Tokens per sequence (--block_size in pt)."})
+    fit_table: bool = field(
+        default=False,
+        metadata={"help": "Print the README's markdown table instead: every --model_shape, LoRA in bf16 and "
+                          "QLoRA 4-bit, the fewest GPUs and shipped config that fit 24/40/80 GB cards "
+                          "(--num_gpus and --num_nodes are not used)."})
+
+
+@dataclass
+class ParameterCounts:
+    """What the estimators need from a model with its adapter attached."""
+
+    trainable: int
+    largest_trainable_layer: int  # parameters of the module with the most trainable ones of its own
+    frozen: int
+    frozen_bytes: int
+    largest_frozen_layer_bytes: int
+
+
+@dataclass
+class ZeroConfig:
+    """A shipped ds_configs/*.json as the estimators see it."""
+
+    name: str
+    stage: int
+    offload_optimizer: bool
+    offload_param: bool
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes for one ZeRO config: the DeepSpeed estimator's part (trainable) and the frozen base's."""
+
+    trained_gpu: int
+    trained_cpu: int
+    frozen_gpu: int
+    frozen_cpu: int
+
+    @property
+    def gpu(self) -> int:
+        return self.trained_gpu + self.frozen_gpu
+
+    @property
+    def cpu(self) -> int:
+        return self.trained_cpu + self.frozen_cpu
+
+
+def shipped_zero_configs(directory: str = DS_CONFIG_DIR) -> list:
+    """The ZeRO stage and offloads of every config in ds_configs/, fastest first (no offload, lower stage)."""
+    configs = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        zero = read_json(path, "DeepSpeed config").get("zero_optimization", {})
+        configs.append(ZeroConfig(
+            name=os.path.basename(path),
+            stage=int(zero.get("stage", 0)),
+            offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
+            offload_param=zero.get("offload_param", {}).get("device") == "cpu",
+        ))
+    return sorted(configs, key=lambda c: (c.offload_optimizer or c.offload_param, c.stage, c.name))
+
+
+def read_model_config(path: Optional[str], shape: Optional[str]):
+    """The transformers config of --model_name_or_path (a directory or its config.json) or --model_shape."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if (path is None) == (shape is None):
+        raise InputError("give exactly one of --model_name_or_path and --model_shape")
+    if shape is not None:
+        return LlamaConfig(**LLAMA_COMMON, **PUBLIC_SHAPES[shape])
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    values = read_json(config_file, "config.json")  # one line for a missing or broken file
+    if "model_type" not in values:
+        raise InputError(f"{config_file}: field 'model_type' is missing")
+    try:
+        return AutoConfig.from_pretrained(config_file)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{config_file}: cannot read the model config ({err})") from None
+
+
+def build_meta_model(config, args: EstimateArguments):
+    """The model as training builds it: quantized layers where --load_in_kbits asks (bitsandbytes'
+    modules, chosen by transformers' own rule), and the LoRA attached by the training scripts'
+    attach_lora; all on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from lorakit.models.loader import ModelArguments, attach_lora, comma_list
+
+    model_args = ModelArguments(model_name_or_path=args.model_name_or_path or args.model_shape,
+                                lora_rank=args.lora_rank, trainable=args.trainable,
+                                modules_to_save=args.modules_to_save, load_in_kbits=args.load_in_kbits,
+                                double_quant=args.double_quant)
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.torch_dtype))
+        except (ValueError, KeyError, TypeError) as err:
+            raise InputError(f"--model_name_or_path: cannot build a causal LM from this config ({err})") from None
+        if args.load_in_kbits < 16:
+            quantize_layers(model, args)
+        check_modules_to_save(model, comma_list(args.modules_to_save))
+        return attach_lora(model, model_args)
+
+
+def check_modules_to_save(model, names: list) -> None:
+    """peft trains nothing for a --modules_to_save name that matches no module, silently; an estimate
+    that left it out would mislead, so it is refused."""
+    paths = [path for path, _ in model.named_modules()]
+    for name in names:
+        if not any(path == name or path.endswith("." + name) for path in paths):
+            raise InputError(f"--modules_to_save {name}: this model has no module of that name")
+
+
+def quantize_layers(model, args: EstimateArguments) -> None:
+    """Swap in bitsandbytes' layers where from_pretrained would (every linear layer but the LM head)."""
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    if args.load_in_kbits == 4:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=args.double_quant)
+    else:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    skip = get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=quant)
+
+
+def quantized_weight_bytes(module, weight) -> Optional[int]:
+    """Bytes bitsandbytes stores for a quantized layer's weight, None for a weight kept as it is."""
+    import bitsandbytes as bnb
+
+    count = weight.numel()
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        return count + FP32_BYTES * weight.shape[0]  # int8 weights and a fp32 scale per output row
+    if not isinstance(module, bnb.nn.Linear4bit):
+        return None
+    blocks = -(-count // BNB_4BIT_BLOCK)
+    packed = -(-count // 2) + BNB_4BIT_CODE_BYTES
+    if not weight.compress_statistics:
+        return packed + FP32_BYTES * blocks
+    return packed + blocks + FP32_BYTES * -(-blocks // BNB_NESTED_BLOCK) + BNB_NESTED_FIXED_BYTES
+
+
+def count_parameters(model) -> ParameterCounts:
+    """Trainable and frozen parameters, counted per module so that shared ones count once and the
+    largest layer (what ZeRO-3 gathers at a time) is known."""
+    trainable = frozen = frozen_bytes = 0
+    largest_trainable = largest_frozen_bytes = 0
+    seen = set()
+    for module in model.modules():
+        module_trainable = module_frozen_bytes = 0
+        for weight in module.parameters(recurse=False):
+            if id(weight) in seen:
+                continue
+            seen.add(id(weight))
+            if weight.requires_grad:
+                module_trainable += weight.numel()
+                continue
+            stored = quantized_weight_bytes(module, weight)
+            module_frozen_bytes += weight.numel() * weight.element_size() if stored is None else stored
+            frozen += weight.numel()
+        trainable += module_trainable
+        frozen_bytes += module_frozen_bytes
+        largest_trainable = max(largest_trainable, module_trainable)
+        largest_frozen_bytes = max(largest_frozen_bytes, module_frozen_bytes)
+    return ParameterCounts(trainable, largest_trainable, frozen, frozen_bytes, largest_frozen_bytes)
+
+
+def model_state_bytes(counts: ParameterCounts, zero: ZeroConfig, gpus_per_node: int, num_nodes: int,
+                      quantized: bool) -> Optional[MemoryEstimate]:
+    """Per-GPU and per-node CPU bytes of model states under one ZeRO config (module docstring);
+    None where the toolkit refuses the combination (a quantized base under ZeRO-3)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    world = gpus_per_node * num_nodes
+    if zero.stage == 3:
+        if quantized:
+            return None
+        # The Trainer builds a ZeRO-3 model under zero.Init: partitioned as it loads.
+        trained_cpu, trained_gpu, _ = estimate_zero3_model_states_mem_needs(
+            counts.trainable, counts.largest_trainable_layer, gpus_per_node, num_nodes,
+            cpu_offload=zero.offload_optimizer, cpu_offload_params=zero.offload_param, zero_init=True,
+            additional_buffer_factor=CPU_BUFFER_FACTOR)
+        gathered = counts.largest_frozen_layer_bytes
+        if zero.offload_param:
+            frozen_gpu, frozen_cpu = gathered, counts.frozen_bytes / num_nodes * CPU_BUFFER_FACTOR
+        else:
+            frozen_gpu = counts.frozen_bytes / world + gathered
+            frozen_cpu = gathered * gpus_per_node * CPU_BUFFER_FACTOR  # each process's layer being loaded
+    else:
+        trained_cpu, trained_gpu = estimate_zero2_model_states_mem_needs(
+            counts.trainable, gpus_per_node, num_nodes, cpu_offload=zero.offload_optimizer,
+            additional_buffer_factor=CPU_BUFFER_FACTOR)
+        frozen_gpu = counts.frozen_bytes
+        frozen_cpu = 0 if quantized else counts.frozen_bytes * gpus_per_node * CPU_BUFFER_FACTOR
+    return MemoryEstimate(int(trained_gpu), int(trained_cpu), int(frozen_gpu), int(frozen_cpu))
+
+
+def layer_activation_bytes(config, lora_rank: int) -> int:
+    """Bytes per token one Llama-family decoder layer with all-linear LoRA keeps for backward in
+    16-bit (LAYER_BYTES_PER)."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    return (LAYER_BYTES_PER["hidden"] * hidden + LAYER_BYTES_PER["intermediate"] * intermediate
+            + LAYER_BYTES_PER["kv"] * kv_heads * head_dim + LAYER_BYTES_PER["heads"] * heads
+            + LAYER_BYTES_PER["rank"] * lora_rank + LAYER_BYTES_PER["fixed"])
+
+
+def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
+    """The loss's logits, their fp32 copy and log-softmax (LOGIT_BYTES each): for every token, or with the
+    chunked loss for the positions of one chunk."""
+    positions = min(tokens, positions_per_chunk(vocab_size)) if chunked_loss else tokens
+    return positions * LOGIT_BYTES * vocab_size
+
+
+def activation_bytes(config, lora_rank: int, tokens: int, checkpointing: bool, chunked_loss: bool = True) -> int:
+    """Per-GPU activation bytes for `tokens` tokens (batch x sequence length) of a Llama-family model.
+
+    With activation checkpointing: each decoder layer's 16-bit input (2 x layers x tokens x hidden
+    bytes), plus one layer's activations while it is recomputed in backward, plus the loss over the
+    vocabulary (loss_bytes): the 16-bit logits, their fp32 copy and the fp32 log-softmax kept for backward,
+    alive together. Without it, every layer's activations are kept. An upper bound: the loss and a
+    layer's recompute do not peak at the same time."""
+    per_layer = layer_activation_bytes(config, lora_rank)
+    layers = config.num_hidden_layers
+    if checkpointing:
+        kept = CHECKPOINT_BYTES_PER_HIDDEN * config.hidden_size * layers + per_layer
+    else:
+        kept = per_layer * layers
+    return tokens * kept + loss_bytes(config.vocab_size, tokens, chunked_loss)
+
+
+def fits(total_bytes: float, card_gib: int) -> bool:
+    return total_bytes <= card_gib * GIB * USABLE_CARD_FRACTION
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def check_numbers(args: EstimateArguments) -> None:
+    for flag in ("num_gpus", "num_nodes", "lora_rank", "per_device_train_batch_size", "max_seq_length"):
+        if getattr(args, flag) < 1:
+            raise InputError(f"--{flag} must be a positive whole number, not {getattr(args, flag)}")
+
+
+def describe_model(config, args: EstimateArguments, counts: ParameterCounts) -> list:
+    source = args.model_shape or args.model_name_or_path
+    saved = f", modules_to_save {args.modules_to_save}" if args.modules_to_save else ""
+    base = "QLoRA %d-bit" % args.load_in_kbits if args.load_in_kbits < 16 else f"LoRA, {args.torch_dtype} base"
+    return [
+        f"model: {source} ({config.model_type}, {counts.frozen / 1e9:.2f} B parameters in the base)",
+        f"{base}: rank {args.lora_rank} on {args.trainable}{saved}",
+        f"trainable: {counts.trainable:,} parameters (largest layer {counts.largest_trainable_layer:,}); "
+        f"frozen base: {gib(counts.frozen_bytes)} GiB",
+        f"hardware: {args.num_nodes} node(s) x {args.num_gpus} GPU(s)",
+    ]
+
+
+def report_lines(config, args: EstimateArguments, counts: ParameterCounts) -> list:
+    """The per-config table for this model and GPU count."""
+    tokens = args.per_device_train_batch_size * args.max_seq_length
+    with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
+    without = activation_bytes(config, args.lora_rank, tokens, False, args.chunked_loss)
+    cards = " ".join(f"{card:>3}G" for card in CARDS_GIB)
+    lines = describe_model(config, args, counts) + [
+        "",
+        "GiB; 'trained' = DeepSpeed's estimator on the trainable parameters, 'frozen' = the base on top;",
+        f"'fits' adds activations with --activation_checkpointing and keeps {1 - USABLE_CARD_FRACTION:.0%} "
+        "of the card free",
+        f"{'config':<26} {'trained':>8} {'frozen':>8} {'per GPU':>8} {'CPU/node':>9}  fits {cards}",
+    ]
+    for zero in shipped_zero_configs():
+        estimate = model_state_bytes(counts, zero, args.num_gpus, args.num_nodes, args.load_in_kbits < 16)
+        if estimate is None:
+            lines.append(f"{zero.name:<26} refused: --load_in_kbits {args.load_in_kbits} runs under ZeRO-2 only")
+            continue
+        verdicts = " ".join(f"{'yes' if fits(estimate.gpu + with_ckpt, card) else 'no':>4}" for card in CARDS_GIB)
+        lines.append(f"{zero.name:<26} {gib(estimate.trained_gpu):>8} {gib(estimate.frozen_gpu):>8} "
+                     f"{gib(estimate.gpu):>8} {gib(estimate.cpu):>9}       {verdicts}")
+    lines += [
+        "",
+        f"activations per GPU come on top: {gib(with_ckpt)} GiB with --activation_checkpointing, {gib(without)} "
+        f"GiB without, for {args.per_device_train_batch_size} x {args.max_seq_length} tokens",
+        "(rule: 2 x layers x tokens x hidden bytes of checkpoints + one layer recomputed + the loss over the "
+        "vocabulary; see activation_bytes)",
+    ]
+    return lines
+
+
+def config_label(zero: ZeroConfig) -> str:
+    offload = " offload" if zero.offload_optimizer or zero.offload_param else ""
+    return f"ZeRO-{zero.stage}{offload}"
+
+
+def smallest_fit(counts: ParameterCounts, config, args: EstimateArguments, card_gib: int, offload: bool):
+    """(GPUs, config, model states + activations per GPU, model states' CPU per node) with the fewest
+    GPUs, then the fastest config, that fits the card; offloading configs only when offload, the
+    others otherwise; None if nothing fits up to the largest of GPU_COUNTS."""
+    tokens = args.per_device_train_batch_size * args.max_seq_length
+    act = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
+    configs = [z for z in shipped_zero_configs() if (z.offload_optimizer or z.offload_param) == offload]
+    for total in GPU_COUNTS:
+        per_node, nodes = min(total, GPUS_PER_NODE), max(1, total // GPUS_PER_NODE)
+        for zero in configs:
+            estimate = model_state_bytes(counts, zero, per_node, nodes, args.load_in_kbits < 16)
+            if estimate is not None and fits(estimate.gpu + act, card_gib):
+                return total, zero, estimate.gpu + act, estimate.cpu
+    return None
+
+
+def fit_cell(counts: ParameterCounts, config, args: EstimateArguments, card_gib: int) -> str:
+    """The fewest GPUs without offload; also the offload config where it needs fewer GPUs."""
+    plain = smallest_fit(counts, config, args, card_gib, offload=False)
+    offloaded = smallest_fit(counts, config, args, card_gib, offload=True)
+    cell = f"{config_label(plain[1])} x{plain[0]} ({gib(plain[2])})" if plain else "no fit"
+    if offloaded and (plain is None or offloaded[0] < plain[0]):
+        gpus, zero, per_gpu, cpu = offloaded
+        cell += f"; {config_label(zero)} x{gpus} ({gib(per_gpu)}, CPU {gib(cpu)} per node)"
+    return cell
+
+
+def fit_table_lines(args: EstimateArguments) -> list:
+    """The README's markdown table: every public shape, LoRA on a 16-bit base and QLoRA 4-bit."""
+    cards = " | ".join(f"{card} GB cards" for card in CARDS_GIB)
+    lines = [f"| Model | Method | Trainable | Frozen base | {cards} |", "|---|---|---|---|" + "---|" * len(CARDS_GIB)]
+    for shape in PUBLIC_SHAPES:
+        for kbits in (16, 4):
+            case = replace(args, model_shape=shape, model_name_or_path=None, load_in_kbits=kbits)
+            config = read_model_config(None, shape)
+            counts = count_parameters(build_meta_model(config, case))
+            method = f"LoRA {case.torch_dtype}" if kbits == 16 else "QLoRA 4-bit"
+            cells = " | ".join(fit_cell(counts, config, case, card) for card in CARDS_GIB)
+            lines.append(f"| {SHAPE_NAMES[shape]} | {method} | {counts.trainable / 1e6:.0f} M | "
+                         f"{gib(counts.frozen_bytes)} GiB | {cells} |")
+    files = ", ".join(f"{config_label(zero)} = ds_configs/{zero.name}" for zero in shipped_zero_configs())
+    return lines + [
+        "",
+        f"xN: GPUs (nodes of {GPUS_PER_NODE}); in brackets GiB per GPU: model states + activations of "
+        f"{args.per_device_train_batch_size} x {args.max_seq_length} tokens with --activation_checkpointing, "
+        f"within {USABLE_CARD_FRACTION:.0%} of the card. {files}.",
+    ]
+
+
+def parse_estimate_args(argv=None) -> EstimateArguments:
+    """The arguments; a value argparse rejects (--num_gpus eight) becomes one InputError line, not usage text."""
+    captured = io.StringIO()
+    try:
+        with redirect_stderr(captured):
+            (args,) = parse_args([EstimateArguments], argv)
+    except SystemExit as exit_:
+        if exit_.code == 0:  # --help
+            raise
+        errors = [line for line in captured.getvalue().splitlines() if "error:" in line]
+        raise InputError(errors[-1].split("error:", 1)[1].strip() if errors else "bad arguments") from None
+    return args
+
+
+def main() -> None:
+    import warnings
+
+    # peft asks models an attribute that transformers 5 renamed; the warning says nothing about this estimate.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    args = parse_estimate_args()
+    check_numbers(args)
+    if args.fit_table:
+        print("\n".join(fit_table_lines(args)))
+        return
+    config = read_model_config(args.model_name_or_path, args.model_shape)
+    counts = count_parameters(build_meta_model(config, args))
+    print("\n".join(report_lines(config, args, counts)))
+
+
+def entry_point() -> None:
+    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    entry_point()

@@ -1,0 +1,294 @@
+"""What each stage of the pipeline runs, and how stages chain: every stage's command is the
+stage's own script with the flags a user would type, the inputs filled in from what earlier
+stages produced (vocabulary -> tokenizer, pretraining/SFT/PPO -> an adapter on the current
+model, DPO -> its adapter after the one it started from, merge -> a new current model, reward ->
+the reward adapter PPO scores with).
+
+Everything here is checked before any stage runs: unknown flags (against the script's own
+argument parser), missing files, and a stage whose input no earlier stage produces."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from lorakit.commands import module_of_script
+from lorakit.core.cli import InputError
+from lorakit.core.repository import ROOT
+from lorakit.pipeline.config import Deployment, PipelineConfig, StageConfig
+
+REPO = ROOT  # the stages run the repository's entry scripts: the commands a user types
+LAUNCHER = os.path.join(REPO, "scripts", "training", "launch.py")
+
+
+@dataclass(frozen=True)
+class Script:
+    path: str  # relative to the repository
+    distributed: bool  # runs under torchrun with the deployment's processes
+
+
+SCRIPTS = {
+    "vocabulary": Script("scripts/merge/merge_tokenizers.py", False),
+    "pretraining": Script("scripts/training/run_clm_pt_with_peft.py", True),
+    "sft": Script("scripts/training/run_sft_with_peft.py", True),
+    "reward": Script("scripts/training/run_reward.py", True),
+    "ppo": Script("scripts/training/run_ppo.py", True),
+    "dpo": Script("scripts/training/run_dpo.py", True),
+    "merge": Script("scripts/merge/merge_llama_with_lora.py", False),
+    "chat": Script("scripts/inference/chat.py", False),
+}
+# The adapter directory each training stage writes into its output_dir.
+ADAPTER_DIRS = {"pretraining": "pt_lora_model", "sft": "sft_lora_model", "reward": "rm_lora_model",
+                "ppo": "ppo_lora_model", "dpo": "dpo_lora_model"}
+# Flags the pipeline owns: it decides where each stage writes and what reruns.
+OWNED_FLAGS = ("output_dir", "overwrite_output_dir")
+# Flags naming a file or directory that must exist before anything runs (comma lists allowed).
+PATH_FLAGS = ("dataset_dir", "validation_file", "train_corpus", "extra_sp_model", "eval_corpus", "deepspeed",
+              "model_name_or_path", "tokenizer_name_or_path", "peft_path", "actor_model_name_or_path",
+              "actor_lora_model", "reward_model_name_or_path", "reward_lora_model", "critic_model_name_or_path",
+              "sft_only_data_path", "data_path", "data_file", "base_model", "lora_model")
+CHAT_DEFAULTS = {"temperature": 0, "max_new_tokens": 48}
+
+
+@dataclass
+class Chain:
+    """What the stages so far produced, for the next stage to start from."""
+
+    model: str
+    tokenizer: Optional[str]  # a tokenizer other than the model's own (the config's, or a vocabulary stage's)
+    adapter: Optional[str] = None  # trained on `model`, not merged yet; after DPO "sft adapter,dpo adapter"
+    reward: Optional[tuple] = None  # (reward base model, reward adapter or None)
+    extended: bool = False  # the tokenizer came from a vocabulary stage and has reached no model yet
+
+
+@dataclass
+class PlannedStage:
+    config: StageConfig
+    out_dir: str
+    command: list
+    config_hash: str  # this stage's flags and every earlier stage's hash
+    distributed: bool
+    stdin: Optional[str] = None  # the chat stage's scripted turns
+
+
+def plan_stages(config: PipelineConfig, python: str) -> list:
+    """Every stage's command, in order; refuses (InputError) any stage that cannot run."""
+    check_paths(config.path, "", {"base_model": config.base_model, "tokenizer": config.tokenizer,
+                                  "deepspeed": config.deployment.deepspeed})
+    chain = Chain(model=config.base_model, tokenizer=config.tokenizer)
+    producers = {"model": None, "adapter": None, "tokenizer": None, "reward": None}
+    upstream_hash = digest({"base_model": config.base_model, "tokenizer": config.tokenizer})
+    planned = []
+    for stage in config.stages:
+        where = f"{config.path}: stage '{stage.name}'"
+        script = SCRIPTS[stage.kind]
+        check_flags(stage, script, where)
+        check_paths(config.path, f" stage '{stage.name}':", stage.flags)
+        out_dir = os.path.join(config.output_dir, stage.name)
+        pipeline_flags = WIRING[stage.kind](chain, stage, out_dir, where, producers)
+        flags = {**pipeline_flags, **stage.flags}
+        if stage.kind != "chat":  # the chat check writes its transcript from here, not through chat.py
+            flags["output_dir"] = out_dir
+        if script.distributed and "deepspeed" not in flags and config.deployment.deepspeed:
+            flags["deepspeed"] = config.deployment.deepspeed
+        upstream_hash = digest({"kind": stage.kind, "flags": stage.flags, "turns": stage.turns,
+                                "upstream": upstream_hash})
+        command = [python, *launcher_arguments(config.deployment)] if script.distributed else [python]
+        command += [os.path.join(REPO, script.path), *argv_of(flags, hf_parser(stage.kind))]
+        stdin = "".join(turn + "\n" for turn in stage.turns) + "/quit\n" if stage.kind == "chat" else None
+        planned.append(PlannedStage(stage, out_dir, command, upstream_hash, script.distributed, stdin))
+    return planned
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def launcher_arguments(deployment: Deployment) -> list:
+    """torchrun's options for the deployment, through our launch.py (torchrun keeping exit 2)."""
+    arguments = [LAUNCHER, "--nproc_per_node", str(deployment.nproc_per_node)]
+    if deployment.mode == "multi_node":
+        return arguments + ["--nnodes", str(deployment.nnodes), "--node_rank", str(deployment.node_rank),
+                            "--master_addr", deployment.master_addr, "--master_port", str(deployment.master_port)]
+    return arguments + ["--standalone"]
+
+
+def argv_of(flags: dict, hf: bool) -> list:
+    """Flags as the script's command line. False is spelled out for HfArgumentParser's booleans and
+    left out for argparse's store_true switches, whose default it is."""
+    argv = []
+    for name, value in flags.items():
+        if value is None or (value is False and not hf):
+            continue
+        if value is True:
+            argv.append(f"--{name}")
+        elif isinstance(value, list):
+            argv += [f"--{name}", *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [f"--{name}", json.dumps(value)]
+        else:
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+# ----------------------------------------------------------------------------- flag and file checks
+
+
+def script_module(kind: str):
+    """The package module behind the stage's script: its argument classes or parser (never the script itself)."""
+    return importlib.import_module(module_of_script(SCRIPTS[kind].path))
+
+
+def hf_parser(kind: str) -> bool:
+    return SCRIPTS[kind].path.startswith("scripts/training") or kind == "chat"
+
+
+@functools.cache  # two merge stages ask once
+def known_flags(kind: str) -> set:
+    """The option names the stage's script accepts, from its own argument parser."""
+    module = script_module(kind)
+    if hasattr(module, "build_parser"):
+        parser = module.build_parser()
+    else:
+        from transformers import HfArgumentParser
+
+        parser = HfArgumentParser(module.ARGUMENT_CLASSES)
+    return {option[2:] for option in parser._option_string_actions if option.startswith("--")}
+
+
+def check_flags(stage: StageConfig, script: Script, where: str) -> None:
+    for flag in stage.flags:
+        if flag in OWNED_FLAGS:
+            raise InputError(f"{where}: '{flag}' is the pipeline's: stage outputs go to output_dir/{stage.name}/, "
+                             "and a changed config reruns the stage")
+    unknown = sorted(set(stage.flags) - known_flags(stage.kind))
+    if unknown:
+        raise InputError(f"{where}: '{unknown[0]}' is not a flag of {script.path} (see its --help)")
+
+
+def check_paths(config_path: str, where: str, flags: dict) -> None:
+    for flag, value in flags.items():
+        if flag not in PATH_FLAGS + ("tokenizer",) or value in (None, "", []):
+            continue
+        values = value if isinstance(value, list) else str(value).split(",")
+        for path in (str(item).strip() for item in values):
+            if path and not os.path.exists(path):
+                raise InputError(f"{config_path}:{where} {flag} {path} does not exist")
+
+
+# ----------------------------------------------------------------------------- chaining
+
+
+def needs_merged_model(chain: Chain, where: str, producers: dict) -> None:
+    if chain.adapter:
+        raise InputError(f"{where}: starts from a model, but stage '{producers['adapter']}' left an adapter "
+                         "unmerged: put a merge stage before it")
+
+
+def needs_one_adapter(chain: Chain, where: str, producers: dict) -> None:
+    """A stage that takes the current adapter as one directory: after DPO there are two (the SFT adapter it
+    started from, then its own), which only a merge applies."""
+    if chain.adapter and "," in chain.adapter:
+        raise InputError(f"{where}: takes one adapter, but stage '{producers['adapter']}' left two unmerged "
+                         f"({chain.adapter}): put a merge stage before it")
+
+
+def training_flags(chain: Chain) -> dict:
+    flags = {"model_name_or_path": chain.model, "do_train": True}
+    if chain.tokenizer:
+        flags["tokenizer_name_or_path"] = chain.tokenizer
+    return flags
+
+
+def wire_vocabulary(chain, stage, out_dir, where, producers) -> dict:
+    flags = {"base_tokenizer": chain.tokenizer or chain.model}
+    chain.tokenizer, chain.extended = out_dir, True
+    producers["tokenizer"] = stage.name
+    return flags
+
+
+def wire_adapter_training(chain, stage, out_dir, where, producers) -> dict:
+    """Pretraining and SFT: a new adapter on the current (merged) model."""
+    needs_merged_model(chain, where, producers)
+    if chain.extended and not (stage.flags.get("modules_to_save") or stage.flags.get("full_finetuning")):
+        raise InputError(f"{where}: the tokenizer of stage '{producers['tokenizer']}' adds tokens whose embedding "
+                         "rows would never be trained: give this stage modules_to_save (e.g. embed_tokens,lm_head)")
+    flags = training_flags(chain)
+    if stage.flags.get("full_finetuning"):
+        chain.model, chain.tokenizer = out_dir, None
+        producers["model"] = stage.name
+    else:
+        chain.adapter = os.path.join(out_dir, ADAPTER_DIRS[stage.kind])
+        producers["adapter"] = stage.name
+    chain.extended = False
+    return flags
+
+
+def wire_reward(chain, stage, out_dir, where, producers) -> dict:
+    """The reward model starts from the current model (the SFT adapter's base, so PPO can put every
+    role on one base) unless the stage names its own model_name_or_path."""
+    flags = training_flags(chain)
+    base = stage.flags.get("model_name_or_path", chain.model)
+    adapter = None if stage.flags.get("full_finetuning") else os.path.join(out_dir, ADAPTER_DIRS["reward"])
+    chain.reward = (out_dir, None) if adapter is None else (base, adapter)
+    producers["reward"] = stage.name
+    return flags
+
+
+def wire_ppo(chain, stage, out_dir, where, producers) -> dict:
+    if chain.reward is None and "reward_model_name_or_path" not in stage.flags:
+        raise InputError(f"{where}: PPO needs a reward model: put a reward stage before it, "
+                         "or give reward_model_name_or_path")
+    needs_one_adapter(chain, where, producers)
+    flags = {"actor_model_name_or_path": chain.model, "actor_lora_model": chain.adapter}
+    if chain.reward is not None:
+        flags.update(reward_model_name_or_path=chain.reward[0], reward_lora_model=chain.reward[1])
+    if chain.tokenizer:
+        flags["tokenizer_name_or_path"] = chain.tokenizer
+    chain.adapter = os.path.join(out_dir, ADAPTER_DIRS["ppo"])  # it continues the actor's adapter
+    producers["adapter"] = stage.name
+    return flags
+
+
+def wire_dpo(chain, stage, out_dir, where, producers) -> dict:
+    """The policy and its reference are the current model with the current adapter (SFT's) folded in; a new
+    LoRA trains on top, so the chain's adapter becomes both, in order, as the merge tool applies them."""
+    needs_one_adapter(chain, where, producers)
+    flags = training_flags(chain)
+    if chain.adapter:
+        flags["peft_path"] = chain.adapter
+    if stage.flags.get("full_finetuning"):  # the whole model, the folded adapter included
+        chain.model, chain.adapter, chain.tokenizer = out_dir, None, None
+        producers["model"], producers["adapter"] = stage.name, None
+    else:
+        chain.adapter = ",".join(filter(None, (chain.adapter, os.path.join(out_dir, ADAPTER_DIRS["dpo"]))))
+        producers["adapter"] = stage.name
+    return flags
+
+
+def wire_merge(chain, stage, out_dir, where, producers) -> dict:
+    if not chain.adapter:
+        raise InputError(f"{where}: nothing to merge: no earlier stage left an adapter "
+                         "(pretraining, sft, ppo or dpo)")
+    flags = {"base_model": chain.model, "lora_model": chain.adapter}
+    # The adapter directory carries the tokenizer it was trained with (an extended vocabulary too);
+    # the merge writes it into the merged model.
+    chain.model, chain.adapter, chain.tokenizer = out_dir, None, None
+    producers["model"], producers["adapter"], producers["tokenizer"] = stage.name, None, None
+    return flags
+
+
+def wire_chat(chain, stage, out_dir, where, producers) -> dict:
+    if not stage.turns:
+        raise InputError(f"{where}: a chat stage needs 'turns', what the scripted chat says")
+    needs_one_adapter(chain, where, producers)
+    return {"base_model": chain.model, "lora_model": chain.adapter, **CHAT_DEFAULTS}
+
+
+WIRING = {"vocabulary": wire_vocabulary, "pretraining": wire_adapter_training, "sft": wire_adapter_training,
+          "reward": wire_reward, "ppo": wire_ppo, "dpo": wire_dpo, "merge": wire_merge, "chat": wire_chat}

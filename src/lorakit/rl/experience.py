@@ -1,0 +1,522 @@
+"""PPO experience: what one iteration's rollouts are (`Experience`, every tensor's shape in its
+docstring), how they are made (`ExperienceMaker`: sample with the actor, score without gradients,
+shape rewards, estimate advantages), the statistics logged of them (one function for training and
+evaluation alike) and the stream of micro-batches the Trainer trains on.
+
+Shapes: B rows (prompts), P the prompt width (prompts are left-padded to it), A the answer width
+(answers are right-padded to it), T = P + A. Per-token tensors cover the answer only, [B, A], and
+are 0 on padding."""
+
+import logging
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from lorakit.models.zero3 import (
+    free_memory_bytes,
+    full_size_bytes,
+    gathered_for_generation,
+    is_zero3_partitioned,
+    on_every_rank,
+)
+from lorakit.rl.ppo_math import (
+    advantages_and_returns,
+    entropy_from_logits,
+    kl_penalty_rewards,
+    last_position,
+    logprobs_from_logits,
+    masked_mean,
+    penalised_scores,
+)
+
+logger = logging.getLogger(__name__)
+
+# What the Trainer's compute_loss reads of each micro-batch (plus prompt_length and ptx_input_ids).
+TRAINING_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "old_values", "advantages",
+                   "returns")
+
+
+@dataclass
+class Rollout:
+    """Answers sampled by the actor to B prompts.
+
+    input_ids       [B, T] long   prompt (left-padded to P) then answer (right-padded to A)
+    attention_mask  [B, T] long   1 on prompt tokens and on answer tokens
+    prompt_length   int           P
+    response_mask   [B, A] float  1 on answer tokens up to and including the answer-end token
+    has_eos         [B] bool      the answer ended with the answer-end token (else it hit the limit)
+    logprobs        [B, A] float  the actor's log-prob of each sampled token, taken from the logits
+                                  that sampled it (the old policy of PPO's ratio), temperature applied
+    entropy         [B, A] float  the actor's next-token entropy at each answer position"""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    response_mask: torch.Tensor
+    has_eos: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+@dataclass
+class RolloutScores:
+    """The no-grad passes over a rollout: ref_logprobs [B, A] (reference model's log-probs of the
+    answer tokens), values [B, A] (critic), scores [B] (reward model, read after the turn end)."""
+
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+
+
+@dataclass
+class Experience:
+    """One batch of PPO experience: a rollout, its scores, and what PPO derives from them.
+
+    input_ids       [B, T] long   prompt (left-padded to P) then answer (right-padded to A)
+    attention_mask  [B, T] long
+    prompt_length   int           P
+    response_mask   [B, A] float  1 on real answer tokens (through the answer-end token)
+    has_eos         [B] bool      the answer ended (else it was cut at --max_answer_seq_len)
+    old_logprobs    [B, A] float  actor's log-probs at sampling time
+    ref_logprobs    [B, A] float  reference model's log-probs
+    old_values      [B, A] float  critic's values at sampling time
+    entropy         [B, A] float  actor's next-token entropy
+    scores          [B] float     reward model's score less --missing_eos_penalty for unended answers,
+                                  before clipping
+    kl              [B, A] float  log pi - log pi_ref per token
+    rewards         [B, A] float  -kl_coef * kl per token, plus the clipped score at the last real token
+    advantages      [B, A] float  GAE advantages, whitened over the batch
+    returns         [B, A] float  the critic's targets (advantages before whitening + values)"""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    response_mask: torch.Tensor
+    has_eos: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    entropy: torch.Tensor
+    scores: torch.Tensor
+    kl: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+    def training_rows(self, rows: torch.Tensor) -> dict:
+        """The Trainer's inputs for the given rows: TRAINING_FIELDS, each [rows, ...], and prompt_length."""
+        batch = {name: getattr(self, name)[rows.to(self.input_ids.device)] for name in TRAINING_FIELDS}
+        batch["prompt_length"] = self.prompt_length
+        return batch
+
+
+def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, args) -> Experience:
+    """The experience of a scored rollout: per-token KL-penalised rewards with the (penalised,
+    clipped) score at each answer's end, then whitened GAE advantages and returns. args supplies
+    missing_eos_penalty, clip_reward_value, gamma and lam (the run's PPOArguments)."""
+    mask = rollout.response_mask
+    scores = penalised_scores(scored.scores, rollout.has_eos, args.missing_eos_penalty)
+    rewards, kl = kl_penalty_rewards(rollout.logprobs, scored.ref_logprobs, scores, mask, kl_coef,
+                                     args.clip_reward_value)
+    advantages, returns = advantages_and_returns(scored.values, rewards, mask, args.gamma, args.lam)
+    return Experience(
+        input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, prompt_length=rollout.prompt_length,
+        response_mask=mask, has_eos=rollout.has_eos, old_logprobs=rollout.logprobs,
+        ref_logprobs=scored.ref_logprobs, old_values=scored.values, entropy=rollout.entropy, scores=scores, kl=kl,
+        rewards=rewards, advantages=advantages, returns=returns)
+
+
+# -- prompts, padding, answer ends ----------------------------------------------
+
+
+def stream_indices(num_items: int, seed: int, start: int, count: int) -> list:
+    """Positions start..start+count of an endless stream of seeded permutations of num_items:
+    epoch e is permutation(seed, e). A pure function of the position, so a resumed run draws
+    exactly the prompts the uninterrupted run would have."""
+    picked, permutations = [], {}
+    for position in range(start, start + count):
+        epoch, offset = divmod(position, num_items)
+        if epoch not in permutations:
+            permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(num_items)
+        picked.append(int(permutations[epoch][offset]))
+    return picked
+
+
+def derived_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
+def iteration_prompt_rows(prompts: list, iteration: int, args) -> list:
+    """This process's prompts of one iteration: generation_batches x per_device_generation_batch_size
+    of them, each process its own stretch of the prompt stream."""
+    size = args.generation_batches * args.per_device_generation_batch_size
+    start = (iteration * args.world_size + args.process_index) * size
+    return [prompts[i] for i in stream_indices(len(prompts), args.seed, start, size)]
+
+
+def evaluation_prompt_rows(prompts: list, args) -> tuple:
+    """This process's share of the held-out prompts, (rows, weights [rows] float): every process
+    gets the same number of generation batches (under ZeRO-3 each forward is a collective), filled
+    with repeats of the first prompt that weigh 0 in the statistics."""
+    batch, world = args.per_device_generation_batch_size, args.world_size
+    per_rank = math.ceil(len(prompts) / world / batch) * batch
+    mine = list(range(args.process_index, len(prompts), world))
+    weights = torch.tensor([1.0] * len(mine) + [0.0] * (per_rank - len(mine)))
+    return [prompts[i] for i in mine] + [prompts[0]] * (per_rank - len(mine)), weights
+
+
+def left_pad(rows: list, width: int, pad_id: int) -> tuple:
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def answer_mask(answers, answer_end_id: int):
+    """1 on answer tokens up to and including the first answer-end token (all of a row without
+    one); the ids after it are generate's padding. Never compares ids with the pad id (it may be
+    the answer-end token). Returns (mask [B, A] long, has_end [B] bool)."""
+    is_end = answers == answer_end_id
+    seen_before = (is_end.long().cumsum(-1) - is_end.long()) > 0
+    return (~seen_before).long(), is_end.any(-1)
+
+
+def append_turn_end(input_ids, attention_mask, answer_end_id: int, after_turn_end_ids: list) -> tuple:
+    """Completes the turn of each answer that ended: the answer ends with the template's turn-end
+    token (answer_end_id: EOS, or `<|im_end|>`, `<|end|>`, ... where the template ends turns with
+    its own), and the template renders after_turn_end_ids after it (ChatML's "\\n"); the reward
+    model was trained to read its score at the last of them (see ConversationTokenizer's
+    keep_after_turn_end and turn_end_ids). Rows cut at the answer length limit are scored where they
+    stop. Returns new (ids, mask) [B, T + len(after_turn_end_ids)]."""
+    if not after_turn_end_ids:
+        return input_ids, attention_mask
+    extra = len(after_turn_end_ids)
+    ids = F.pad(input_ids, (0, extra), value=answer_end_id)
+    mask = F.pad(attention_mask, (0, extra), value=0)
+    last = last_position(attention_mask)
+    rows = torch.nonzero(input_ids.gather(1, last[:, None]).squeeze(1) == answer_end_id).squeeze(1)
+    for offset, token in enumerate(after_turn_end_ids, start=1):
+        ids[rows, last[rows] + offset] = token
+        mask[rows, last[rows] + offset] = 1
+    return ids, mask
+
+
+# -- making experience ------------------------------------------------------------
+
+
+class PhaseTimes:
+    """Seconds spent per named phase since the last drain (logged with each training step)."""
+
+    def __init__(self, *names: str):
+        self.seconds = dict.fromkeys(names, 0.0)
+
+    @contextmanager
+    def timing(self, name: str):
+        started = time.perf_counter()
+        yield
+        self.add(name, time.perf_counter() - started)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+
+    def drained(self) -> dict:
+        drained = {name: round(value, 4) for name, value in self.seconds.items()}
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        return drained
+
+
+class SampledTokenStatistics(LogitsProcessor):
+    """The log-prob of each token generate() samples and the entropy of the distribution it was drawn
+    from, computed step by step from the model's own logits of that step over the temperature: the
+    values the whole [B, A, V] stack of output_logits=True would give, for the memory of one step.
+
+    A forward hook on the generating model (recording()) keeps the last forward's logits at the last
+    position (raw: before any processor, as output_logits returns them); generate() calls this
+    processor once per sampled step, after that forward, with the ids so far, whose last column is the
+    token sampled at the step before. Steps generate() runs past the end (synced ZeRO-3 ranks, a
+    deferred stop check) are cut by finish()."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.latest = None  # [B, V] float32: the last forward's logits at its last position
+        self.pending = None  # [B, V]: the previous step's scaled logits, until its token is known
+        self.logprobs, self.entropies = [], []
+
+    @contextmanager
+    def recording(self, model):
+        handle = model.register_forward_hook(self.capture)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+    def capture(self, module, args, output) -> None:
+        # A copy: a view would keep the whole prefill logits alive.
+        self.latest = output.logits[:, -1].to(dtype=torch.float32, copy=True)
+
+    def __call__(self, input_ids, scores):
+        self.resolve(input_ids[:, -1])
+        logits = self.latest if self.temperature == 1.0 else self.latest / self.temperature
+        self.entropies.append(entropy_from_logits(logits[:, None])[:, 0])
+        self.pending = logits
+        return scores
+
+    def resolve(self, tokens) -> None:
+        if self.pending is not None:
+            self.logprobs.append(logprobs_from_logits(self.pending[:, None], tokens[:, None])[:, 0])
+            self.pending = None
+
+    def finish(self, answers) -> tuple:
+        """(log-probs, entropy), each [B, A], of the answers [B, A] generate() returned."""
+        width = answers.shape[1]
+        if len(self.logprobs) < width:
+            self.resolve(answers[:, len(self.logprobs)])
+        return torch.stack(self.logprobs[:width], dim=1), torch.stack(self.entropies[:width], dim=1)
+
+
+# --generation_gather auto gathers the actor once per generation batch when its whole weights take at most
+# this share of what the device has free: the rest is left to the KV cache, the logits and the other roles.
+GENERATION_GATHER_SHARE = 0.5
+
+
+class ExperienceMaker:
+    """Experience from prompts with the four roles of a PPOPolicy: sampling by the actor, then no-grad
+    passes of the reference, critic and reward model, then reward shaping and advantages
+    (shape_experience). args is the run's PPOArguments. deepspeed_engine: returns the Trainer's
+    DeepSpeed engine (None before it exists); under ZeRO-3 generation goes through its hooks."""
+
+    def __init__(self, model, args, pad_id: int, answer_end_id: int, after_turn_end_ids: list, max_answer_len: int,
+                 deepspeed_engine=None):
+        self.model, self.args = model, args
+        self.pad_id, self.answer_end_id = pad_id, answer_end_id
+        self.after_turn_end_ids, self.max_answer_len = list(after_turn_end_ids), max_answer_len
+        self.deepspeed_engine = deepspeed_engine or (lambda: None)
+        self.actor_fits_device = None  # --generation_gather auto's choice, made once (all ranks agree)
+        self.logged_gather_modes = set()
+
+    def make(self, prompt_rows: list, seed: int, kl_coef: float, times: Optional[PhaseTimes] = None) -> Experience:
+        """Sample answers to prompt_rows (token ids) with the given seed, score and shape them;
+        the phases' seconds go to times as time_generation and time_scoring."""
+        times = times or PhaseTimes("time_generation", "time_scoring")
+        self.model.eval()
+        with times.timing("time_generation"), torch.no_grad():
+            rollout = self.generate(prompt_rows, seed)
+        with times.timing("time_scoring"):
+            return shape_experience(rollout, self.score(rollout), kl_coef, self.args)
+
+    def generation_config(self) -> GenerationConfig:
+        args = self.args
+        # Every sampling setting explicit: generate() fills unset ones from the checkpoint's
+        # generation_config (a repetition penalty, top_k=50), which PPO's log-probs would not see.
+        return GenerationConfig(
+            do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=1,
+            repetition_penalty=1.0, max_new_tokens=self.max_answer_len, min_new_tokens=1,
+            eos_token_id=self.answer_end_id, pad_token_id=self.pad_id, use_cache=True,
+        )
+
+    def gathers_once_per_batch(self, generator) -> bool:
+        """Whether one generation batch runs on the actor's weights gathered once (ZeRO-3, --generation_gather
+        per_batch, or auto where the whole actor fits: GENERATION_GATHER_SHARE of the device's free memory)
+        rather than layer by layer at every token. Outside ZeRO-3 nothing is partitioned: False."""
+        engine = self.deepspeed_engine()
+        if engine is None or not is_zero3_partitioned(generator.parameters()):
+            return False
+        mode, size = self.args.generation_gather, full_size_bytes(generator.parameters())
+        if mode == "auto" and self.actor_fits_device is None:
+            free = free_memory_bytes(self.args.device)
+            self.actor_fits_device = on_every_rank(size <= GENERATION_GATHER_SHARE * free, self.args.device)
+        once = mode == "per_batch" or (mode == "auto" and self.actor_fits_device)
+        if (mode, once) not in self.logged_gather_modes:
+            self.logged_gather_modes.add((mode, once))
+            if once:
+                logger.info("generation under ZeRO-3: parameters gathered once per batch (%.3g GB)", size / 1e9)
+            else:
+                why = "the model does not fit one device" if mode == "auto" else "--generation_gather per_layer"
+                logger.info("generation under ZeRO-3: parameters gathered per layer, every token: %s (%.3g GB "
+                            "whole)", why, size / 1e9)
+        return once
+
+    def sample(self, prompt_ids, prompt_mask) -> tuple:
+        """One generation batch: (answer ids, log-probs, entropy), each [rows, answer width] on the CPU,
+        log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token, over the
+        temperature: recorded step by step (SampledTokenStatistics), or without --chunked_loss from the
+        stack of every step's logits, [rows, answer width, vocabulary] float32. Under ZeRO-3 the actor's
+        weights are gathered once for the batch (gathers_once_per_batch), or else layer by layer at
+        every step, every rank stepping until all are done (synced_gpus)."""
+        generator, prompt_width = self.model.generator(), prompt_ids.shape[1]
+        once = self.gathers_once_per_batch(generator)
+        options = {"input_ids": prompt_ids, "attention_mask": prompt_mask, "return_dict_in_generate": True,
+                   "generation_config": self.generation_config(),
+                   "synced_gpus": not once and is_deepspeed_zero3_enabled() and self.args.world_size > 1}
+        with gathered_for_generation(self.deepspeed_engine(), generator) if once else nullcontext():
+            return self.sample_with(generator, options, prompt_width)
+
+    def sample_with(self, generator, options: dict, prompt_width: int) -> tuple:
+        if self.args.chunked_loss:
+            with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
+                output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))
+            tokens = output.sequences[:, prompt_width:]
+            logprobs, entropy = statistics.finish(tokens)
+        else:
+            output = generator.generate(**options, output_logits=True)
+            tokens = output.sequences[:, prompt_width:]
+            logits = torch.stack(output.logits, dim=1).float()
+            if self.args.temperature != 1.0:
+                logits = logits / self.args.temperature
+            logprobs, entropy = logprobs_from_logits(logits, tokens), entropy_from_logits(logits)
+        return tokens.cpu(), logprobs.cpu(), entropy.cpu()
+
+    def generate(self, prompt_rows: list, seed: int) -> Rollout:
+        """Answers sampled by the current actor (KV cache on, in batches of
+        per_device_generation_batch_size, left-padded prompts), with the actor's log-probs and
+        entropy of each answer token taken from the logits that sampled it (what PPO calls the old
+        policy; it spares one forward pass, as TRL does)."""
+        device, batch = self.args.device, self.args.per_device_generation_batch_size
+        width = max(len(row) for row in prompt_rows)
+        prompt_ids, prompt_mask = left_pad(prompt_rows, width, self.pad_id)
+        parts = []
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompt_rows), batch):
+                parts.append(self.sample(prompt_ids[start : start + batch].to(device),
+                                         prompt_mask[start : start + batch].to(device)))
+        longest = max(tokens.shape[1] for tokens, _, _ in parts)
+
+        def padded(index, value):
+            return torch.cat([F.pad(part[index], (0, longest - part[index].shape[1]), value=value) for part in parts])
+
+        answers = padded(0, self.pad_id)
+        mask, has_eos = answer_mask(answers, self.answer_end_id)
+        response_mask = mask.float().to(device)
+        return Rollout(input_ids=torch.cat([prompt_ids, answers], dim=1).to(device),
+                       attention_mask=torch.cat([prompt_mask, mask], dim=1).to(device), prompt_length=width,
+                       response_mask=response_mask, has_eos=has_eos.to(device),
+                       logprobs=padded(1, 0.0).to(device) * response_mask,
+                       entropy=padded(2, 0.0).to(device) * response_mask)
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout) -> RolloutScores:
+        """The no-grad passes, one generation batch at a time, each over groups of rows of similar
+        length: reference log-probs, critic values, reward scores (of each answer closed by the
+        template's turn end, append_turn_end)."""
+        model, width = self.model, rollout.prompt_length
+
+        def passes(ids, mask, prompt_length):
+            closed = append_turn_end(ids, mask, self.answer_end_id, self.after_turn_end_ids)
+            return {"ref_logprobs": model.answer_logprobs("reference", ids, mask, prompt_length),
+                    "values": model.answer_values(ids, mask, prompt_length), "scores": model.scores(*closed)}
+
+        parts = {"ref_logprobs": [], "values": [], "scores": []}
+        batch = self.args.per_device_generation_batch_size
+        for start in range(0, rollout.input_ids.shape[0], batch):
+            rows = slice(start, start + batch)
+            for name, value in model.over_length_groups(rollout.input_ids[rows], rollout.attention_mask[rows], width,
+                                                        passes).items():
+                parts[name].append(value)
+        return RolloutScores(**{name: torch.cat(values) for name, values in parts.items()})
+
+
+# -- statistics ---------------------------------------------------------------------
+
+
+class SumStats:
+    """Sums and counts of named statistics, reduced across processes on request."""
+
+    def __init__(self):
+        self.sums = {}
+
+    def add(self, name: str, total: float, count: float = 1.0) -> None:
+        current = self.sums.setdefault(name, [0.0, 0.0])
+        current[0] += float(total)
+        current[1] += float(count)
+
+    def reduced(self, device) -> dict:
+        names = sorted(self.sums)
+        values = torch.tensor([self.sums[n] for n in names], dtype=torch.float64).reshape(-1, 2)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            values = values.to(torch.float32).to(device)
+            dist.all_reduce(values)
+            values = values.double().cpu()
+        return {name: (values[i, 0] / values[i, 1].clamp(min=1e-12)).item() for i, name in enumerate(names)}
+
+
+def experience_metrics(experience: Experience, device, row_weights: Optional[torch.Tensor] = None) -> dict:
+    """The statistics of an experience, means over all processes' rows (weighted by row_weights [B],
+    default 1): reward_mean and reward_std of the sequence reward (sum of the per-token rewards:
+    clipped penalised score minus kl_coef x KL), score_mean (the penalised score), kl (sequence KL
+    to the reference), response_length, eos_fraction, value_mean, entropy (per real token). The one
+    definition training and evaluation both log."""
+    mask = experience.response_mask
+    weights = torch.ones(mask.shape[0], device=mask.device) if row_weights is None else row_weights.to(mask.device)
+    sequence_rewards = experience.rewards.sum(-1)
+    stats = SumStats()
+    for name, values in (("reward_mean", sequence_rewards), ("reward_sq", sequence_rewards ** 2),
+                         ("score_mean", experience.scores), ("kl", experience.kl.sum(-1)),
+                         ("response_length", mask.sum(-1)), ("eos_fraction", experience.has_eos.float()),
+                         ("value_mean", masked_mean(experience.old_values, mask, dim=-1))):
+        stats.add(name, (values * weights).sum().item(), weights.sum().item())
+    token_weights = mask * weights[:, None]
+    stats.add("entropy", (experience.entropy * token_weights).sum().item(), token_weights.sum().item())
+    metrics = stats.reduced(device)
+    metrics["reward_std"] = math.sqrt(max(metrics.pop("reward_sq") - metrics["reward_mean"] ** 2, 0.0))
+    return metrics
+
+
+def training_metrics(experience: Experience, kl_coef: float, device) -> dict:
+    """What each training step logs of its iteration's experience, with the KL coefficient it was shaped with."""
+    return {**experience_metrics(experience, device), "kl_coef": kl_coef}
+
+
+def evaluation_metrics(experience: Experience, row_weights: torch.Tensor, device, prefix: str = "eval") -> dict:
+    """What an evaluation logs of the held-out experience: the same statistics as training's, named prefix_*."""
+    return {f"{prefix}_{name}": value for name, value in experience_metrics(experience, device, row_weights).items()}
+
+
+# -- the Trainer's stream of micro-batches -------------------------------------------
+
+
+def micro_batches(experience: Experience, iteration: int, args, ptx_blocks: Optional[list]) -> list:
+    """The Trainer's inputs of one iteration: --ppo_epochs passes over the experience, each in its
+    own seeded order, in micro-batches of per_device_training_batch_size rows (Experience.training_rows),
+    each with ptx_input_ids [rows, block] from the ptx blocks' own seeded stream when there are any."""
+    batches, size = [], experience.input_ids.shape[0]
+    for epoch in range(args.ppo_epochs):
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(
+            derived_seed(args.seed, iteration, args.process_index, 2, epoch)))
+        batches.extend(experience.training_rows(chunk) for chunk in order.split(args.per_device_training_batch_size))
+    if ptx_blocks is not None:
+        rows = args.per_device_training_batch_size
+        start = (iteration * args.world_size + args.process_index) * len(batches) * rows
+        picked = stream_indices(len(ptx_blocks), args.seed + 1, start, len(batches) * rows)
+        for number, batch in enumerate(batches):
+            block_ids = picked[number * rows : (number + 1) * rows]
+            batch["ptx_input_ids"] = torch.tensor([ptx_blocks[i]["input_ids"] for i in block_ids])
+    return batches
+
+
+class ExperienceStream:
+    """The Trainer's train "dataloader": endless, one PPO iteration of micro-batches at a time,
+    made by make_batches(iteration) only when the Trainer asks for the iteration's first
+    micro-batch. It owns the iteration counter (a resume sets it). No __len__: the Trainer then
+    runs by --max_steps and has no batches to skip on resume."""
+
+    def __init__(self, make_batches):
+        self.make_batches = make_batches
+        self.iteration = 0
+
+    def __iter__(self):
+        while True:
+            batches = self.make_batches(self.iteration)
+            self.iteration += 1
+            yield from batches

@@ -1,0 +1,491 @@
+"""The PPO stage's model side: the roles (actor, reference, reward, critic) on one shared base
+with peft adapters (SharedBasePolicy) or as separate models (SeparatePolicy), each behind the
+PPOPolicy interface the trainer uses, and their loaders."""
+
+import logging
+import math
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import fields
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from lorakit.core.cli import InputError
+from lorakit.models.chunked_loss import token_logprobs
+from lorakit.models.loader import (
+    DTYPES,
+    ModelArguments,
+    checkpoint_dtype,
+    empty_model,
+    frozen_precision,
+    keep_trainable_float32,
+    load_model,
+    log_trainable,
+    outside_zero3_init,
+)
+from lorakit.models.positions import last_position, positions_from_mask
+from lorakit.models.zero3 import free_memory_bytes, on_every_rank
+from lorakit.rl.ppo_math import length_chunks, logprobs_from_logits
+
+logger = logging.getLogger(__name__)
+
+SCORE_KEY_SUFFIX = "score.weight"
+# Separate placement under ZeRO-3 refuses frozen reference + reward models that, whole, take more than this share of
+# a process's free device memory or of its share of the CPU memory (check_frozen_roles_fit).
+FROZEN_ROLES_SHARE = 0.5
+
+
+def backbone_of(causal_or_classifier):
+    """The decoder stack (LlamaModel for Llama) under a task head."""
+    return getattr(causal_or_classifier, causal_or_classifier.base_model_prefix)
+
+
+class PPOPolicy(torch.nn.Module):
+    """Everything the Trainer (and DeepSpeed) wraps: the trained actor and critic, and the frozen
+    reference and reward roles the experience passes need. A role's hidden states come from
+    hidden(); the heads turn them into log-probs, values and scores. forward() is the training
+    pass: actor log-probs of the answer tokens and critic values, plus the ptx loss."""
+
+    temperature: float = 1.0
+    # --chunked_loss (the trainer sets it): log-probs and the ptx loss from the hidden states over chunks
+    # of positions (chunked_loss.token_logprobs), never the [rows, positions, vocabulary] logits at once.
+    chunked_loss: bool = True
+    # Passes over a rollout run on groups of rows of similar length (see over_length_groups). The
+    # trainer turns it off under multi-process ZeRO-3, where every forward is a collective and all
+    # ranks must run the same number of them.
+    group_by_length: bool = True
+
+    def hidden(self, role: str, input_ids, attention_mask, position_ids):
+        raise NotImplementedError
+
+    def head(self, role: str):
+        raise NotImplementedError
+
+    def generator(self):
+        """The actor as a causal LM, with generate()."""
+        raise NotImplementedError
+
+    @property
+    def config(self):
+        """The actor's config: the Trainer and DeepSpeed size their buffers from it."""
+        return self.actor_config()
+
+    def answer_logprobs(self, role, input_ids, attention_mask, prompt_length):
+        """log p of each answer token under the role (actor or reference), from the logits at the position
+        before it, temperature applied: the distribution the answer was sampled from. The head runs on
+        answer positions only."""
+        hidden = self.hidden(role, input_ids, attention_mask, positions_from_mask(attention_mask))
+        return self.head_logprobs(role, hidden[:, prompt_length - 1 : -1], input_ids[:, prompt_length:],
+                                  self.temperature)
+
+    def head_logprobs(self, role, hidden, labels, temperature: float):
+        """log softmax(head(hidden) / temperature) at labels [rows, positions]: over chunks of positions
+        with chunked_loss (the head checkpointed, recomputed under this role), else from the whole
+        logits (half precision kept so: ppo_utils reduces them row by row in float32)."""
+        head = self.head(role)
+        if self.chunked_loss:
+            return token_logprobs(hidden, head, labels, temperature, self.checkpointing_options({}).get("context_fn"))
+        logits = head(hidden)
+        return logprobs_from_logits(logits if temperature == 1.0 else logits.float() / temperature, labels)
+
+    def answer_values(self, input_ids, attention_mask, prompt_length):
+        hidden = self.hidden("critic", input_ids, attention_mask, positions_from_mask(attention_mask))
+        return self.head("critic")(hidden[:, prompt_length - 1 : -1]).squeeze(-1).float()
+
+    def scores(self, input_ids, attention_mask):
+        """The reward model's score of each row, read at its last attended token."""
+        hidden = self.hidden("reward", input_ids, attention_mask, positions_from_mask(attention_mask))
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
+        return self.head("reward")(pooled).squeeze(-1).float()
+
+    def ptx_loss(self, input_ids):
+        """The actor's next-token loss on a pretraining block (DeepSpeed-Chat's unsupervised term)."""
+        ones = torch.ones_like(input_ids)
+        hidden = self.hidden("actor", input_ids, ones, positions_from_mask(ones))[:, :-1]
+        if self.chunked_loss:
+            return -self.head_logprobs("actor", hidden, input_ids[:, 1:], 1.0).mean()
+        logits = self.head("actor")(hidden).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+
+    def over_length_groups(self, input_ids, attention_mask, prompt_length: int, passes) -> dict:
+        """passes(ids, mask, prompt_length) -> {name: [rows, answer] or [rows] tensor}, run on
+        groups of rows of similar length, each cut to its own longest prompt and answer, the results
+        put back in row order (per-token ones zero-padded to the batch's answer width). In a PPO
+        batch, left-padded prompts of mixed lengths and answers that stop at different lengths
+        make a sixth or more of the positions padding; cut away, they cost nothing. The real
+        tokens see exactly what they saw in the full batch (same positions, same mask)."""
+        if not self.group_by_length:
+            return passes(input_ids, attention_mask, prompt_length)
+        answer_width = input_ids.shape[1] - prompt_length
+        prompt_lengths = attention_mask[:, :prompt_length].sum(-1).tolist()
+        answer_lengths = attention_mask[:, prompt_length:].sum(-1).clamp(min=1).tolist()
+        min_rows = max(4, math.ceil(len(prompt_lengths) / 4))
+        parts, order = {}, []
+        for rows, prompt_width, group_answer_width in length_chunks(prompt_lengths, answer_lengths, min_rows):
+            index = torch.tensor(rows, device=input_ids.device)
+            columns = slice(prompt_length - prompt_width, prompt_length + group_answer_width)
+            results = passes(input_ids[index, columns], attention_mask[index, columns], prompt_width)
+            for name, value in results.items():
+                if value.dim() == 2:
+                    value = F.pad(value, (0, answer_width - value.shape[1]))
+                parts.setdefault(name, []).append(value)
+            order.append(index)
+        inverse = torch.argsort(torch.cat(order))
+        return {name: torch.cat(values)[inverse] for name, values in parts.items()}
+
+    def forward(self, input_ids, attention_mask, prompt_length, ptx_input_ids=None):
+        """The training pass: the actor's log-probs of the answer tokens and the critic's values."""
+        outputs = self.over_length_groups(input_ids, attention_mask, prompt_length, lambda ids, mask, width: {
+            "logprobs": self.answer_logprobs("actor", ids, mask, width),
+            "values": self.answer_values(ids, mask, width)})
+        if ptx_input_ids is not None:
+            outputs["ptx_loss"] = self.ptx_loss(ptx_input_ids)
+        return outputs
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs):
+        """--gradient_checkpointing: on every trained model's layers (the Trainer calls this)."""
+        options = self.checkpointing_options(dict(activation_checkpointing_kwargs or {}))
+        for model in self.trained_models():
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options or None, **kwargs)
+
+    def checkpointing_options(self, options: dict) -> dict:
+        return options
+
+    # What is saved: subclasses name the actor's and critic's parameters and peft models.
+    def actor_named_parameters(self) -> list:
+        raise NotImplementedError
+
+    def is_critic_parameter(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def save_pretrained(self, path: str, **kwargs) -> None:
+        """The actor adapter alone (SavePeftModelCallback writes ppo_lora_model through this)."""
+        raise NotImplementedError
+
+    def save_critic(self, path: str) -> None:
+        raise NotImplementedError
+
+
+class SharedBasePolicy(PPOPolicy):
+    """One frozen base, adapters switched per role: "default" (the actor, trained), "critic"
+    (trained, started from the reward adapter) with a value head, "reward" (frozen) with the
+    reward score head, and the reference: the "reference" adapter (a frozen copy of the SFT
+    adapter) or, without one, the base with no adapter active.
+
+    Roles are switched by setting each peft layer's active adapter directly: peft's own
+    set_adapter / disable_adapter also flip requires_grad, which would freeze the actor while
+    the critic runs in the same training step (and confuse DeepSpeed, which registers its
+    gradient hooks once)."""
+
+    ADAPTERS = {"actor": "default", "critic": "critic", "reward": "reward"}
+
+    def __init__(self, peft_model, score_head, value_head, reference_adapter: Optional[str], reward_adapter_dir: str):
+        super().__init__()
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+
+        self.policy = peft_model
+        self.score_head = score_head
+        self.value_head = value_head
+        self.reference_adapter = reference_adapter
+        self.reward_adapter_dir = reward_adapter_dir
+        self._tuner_layers = [m for m in peft_model.modules()
+                              if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+
+    @property
+    def causal_lm(self):
+        # A property, not an attribute: a second registration would put the base in state_dict twice.
+        return self.policy.get_base_model()
+
+    def use(self, role: str) -> None:
+        name = self.reference_adapter if role == "reference" else self.ADAPTERS[role]
+        active = [name] if name else []
+        for layer in self._tuner_layers:
+            layer._active_adapter = active
+        self.active_role = role
+
+    @contextmanager
+    def role_active(self, role: str):
+        previous = getattr(self, "active_role", "actor")
+        self.use(role)
+        try:
+            yield
+        finally:
+            self.use(previous)
+
+    def checkpointing_options(self, options: dict) -> dict:
+        """A checkpointed layer is recomputed during backward, after later roles switched the
+        adapters: recompute it under the role that ran it (torch's context_fn, which needs the
+        non-reentrant checkpoint)."""
+
+        def contexts():
+            return nullcontext(), self.role_active(self.active_role)
+
+        return {**options, "use_reentrant": False, "context_fn": contexts}
+
+    def hidden(self, role, input_ids, attention_mask, position_ids):
+        self.use(role)
+        return backbone_of(self.causal_lm)(input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids, use_cache=False).last_hidden_state
+
+    def head(self, role):
+        if role in ("actor", "reference"):
+            return self.causal_lm.get_output_embeddings()
+        return self.value_head if role == "critic" else self.score_head
+
+    def generator(self):
+        self.use("actor")
+        return self.causal_lm
+
+    def actor_config(self):
+        return self.causal_lm.config
+
+    def trained_models(self):
+        return [self.causal_lm]
+
+    def actor_named_parameters(self):
+        return [(name[len("policy."):], p) for name, p in self.named_parameters()
+                if p.requires_grad and name.startswith("policy.") and ".default." in name]
+
+    def is_critic_parameter(self, name):
+        return name.startswith("value_head.") or ".critic." in name
+
+    def save_pretrained(self, path, **kwargs):
+        self.policy.save_pretrained(path, selected_adapters=["default"])
+
+    def save_critic(self, path):
+        """rm_lora_model's layout (LoRA + score head on the same base), so the critic loads like a
+        reward adapter: PeftModel.from_pretrained(reward_model_class(config)(base), path)."""
+        from peft import LoraConfig, get_peft_model_state_dict
+
+        weights = get_peft_model_state_dict(self.policy, adapter_name="critic")
+        weights["base_model.model.score.weight"] = self.value_head.weight
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                  os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        LoraConfig.from_pretrained(self.reward_adapter_dir).save_pretrained(path)
+
+
+class SeparatePolicy(PPOPolicy):
+    """Each role its own model, as in DeepSpeed-Chat: the actor (peft causal LM) and critic
+    (peft sequence classifier whose score head is the value head) are trained; the reference and
+    reward models are frozen and kept outside the module, so DeepSpeed neither partitions nor
+    checkpoints them."""
+
+    def __init__(self, actor, critic, reference, reward, offload: bool):
+        super().__init__()
+        self.actor = actor
+        self.critic = critic
+        # Plain attributes, not submodules: the Trainer's optimizer, DeepSpeed and checkpoints skip them.
+        self.__dict__["frozen"] = {"reference": reference, "reward": reward}
+        self.offload = offload
+
+    def role_model(self, role):
+        if role == "actor":
+            return self.actor.get_base_model()
+        if role == "critic":
+            return self.critic.get_base_model()
+        return self.frozen[role]
+
+    @contextmanager
+    def placed(self, role, device):
+        """With --offload_reference_model a frozen model visits the device for its pass only."""
+        model = self.frozen.get(role)
+        if model is None or not self.offload:
+            yield
+            return
+        model.to(device)
+        try:
+            yield
+        finally:
+            model.to("cpu")
+
+    def hidden(self, role, input_ids, attention_mask, position_ids):
+        with self.placed(role, input_ids.device):
+            return backbone_of(self.role_model(role))(input_ids=input_ids, attention_mask=attention_mask,
+                                                      position_ids=position_ids, use_cache=False).last_hidden_state
+
+    def head(self, role):
+        model = self.role_model(role)
+        if role in ("actor", "reference"):
+            return model.get_output_embeddings()
+        return model.score
+
+    def scores(self, input_ids, attention_mask):
+        with self.placed("reward", input_ids.device):
+            return super().scores(input_ids, attention_mask)
+
+    def answer_logprobs(self, role, input_ids, attention_mask, prompt_length):
+        with self.placed(role, input_ids.device):
+            return super().answer_logprobs(role, input_ids, attention_mask, prompt_length)
+
+    def generator(self):
+        return self.actor.get_base_model()
+
+    def actor_config(self):
+        return self.actor.get_base_model().config
+
+    def trained_models(self):
+        return [self.actor.get_base_model(), self.critic.get_base_model()]
+
+    def actor_named_parameters(self):
+        return [(name[len("actor."):], p) for name, p in self.named_parameters()
+                if p.requires_grad and name.startswith("actor.")]
+
+    def is_critic_parameter(self, name):
+        return name.startswith("critic.")
+
+    def save_pretrained(self, path, **kwargs):
+        self.actor.save_pretrained(path)
+
+    def save_critic(self, path):
+        self.critic.save_pretrained(path)
+
+
+def role_model_args(model_args, model_dir: str, adapter_dir: Optional[str]) -> ModelArguments:
+    """The shared loader's arguments for one role: PPO's own (dtype, quantization, LoRA shape, new
+    embedding rows, ...; PPOModelArguments extends ModelArguments) with that role's model and adapter."""
+    shared = {item.name: getattr(model_args, item.name) for item in fields(ModelArguments)}
+    return ModelArguments(**{**shared, "model_name_or_path": model_dir, "peft_path": adapter_dir})
+
+
+def actor_model_args(model_args) -> ModelArguments:
+    return role_model_args(model_args, model_args.actor_model_name_or_path, model_args.actor_lora_model)
+
+
+def critic_model_args(model_args) -> ModelArguments:
+    """The critic starts as the reward model: the reward adapter and score head trained on (the
+    same parameterisation as --shared_base), or a full critic model with a new LoRA."""
+    if model_args.critic_model_name_or_path:
+        return role_model_args(model_args, model_args.critic_model_name_or_path, None)
+    return role_model_args(model_args, model_args.reward_model_name_or_path, model_args.reward_lora_model)
+
+
+def reward_adapter_parts(adapter_dir: str) -> tuple:
+    """(LoRA weights, score head weights) of a reward adapter saved by run_reward.py."""
+    weights = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    score = {k: v for k, v in weights.items() if ".score." in f".{k}"}
+    lora = {k: v for k, v in weights.items() if k not in score}
+    return lora, score
+
+
+def new_score_head(hidden_size: int, score_weights: dict, dtype, trainable: bool):
+    weight = next(v for k, v in score_weights.items() if k.endswith(SCORE_KEY_SUFFIX))
+    bias = next((v for k, v in score_weights.items() if k.endswith("score.bias")), None)
+    head = torch.nn.Linear(hidden_size, weight.shape[0], bias=bias is not None, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if bias is not None:
+            head.bias.copy_(bias)
+    head.requires_grad_(trainable)
+    return head
+
+
+def load_shared_policy(model_args, training_args, tokenizer, configs: dict) -> SharedBasePolicy:
+    """The actor via the shared loader (SFT adapter continued, or a new LoRA; on a quantized base
+    with --load_in_kbits), then the other roles as adapters on the same base. configs: {role:
+    model config} as run_ppo.check_models read them."""
+    from peft import LoraConfig, TaskType, set_peft_model_state_dict
+
+    policy = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
+                        adapter_flag="--actor_lora_model")
+    reference = None
+    if model_args.actor_lora_model:
+        policy.load_adapter(model_args.actor_lora_model, adapter_name="reference", is_trainable=False)
+        reference = "reference"
+    lora_weights, score_weights = reward_adapter_parts(model_args.reward_lora_model)
+    reward_config = LoraConfig.from_pretrained(model_args.reward_lora_model)
+    # The score head is ours (below); the adapter keeps only its LoRA layers on the causal LM.
+    reward_config.task_type, reward_config.modules_to_save = TaskType.CAUSAL_LM, None
+    for name in ("reward", "critic"):
+        policy.add_adapter(name, reward_config)
+        result = set_peft_model_state_dict(policy, lora_weights, adapter_name=name)
+        if getattr(result, "unexpected_keys", None):
+            raise InputError(f"{model_args.reward_lora_model}: adapter does not fit the actor's base "
+                             f"(unexpected {result.unexpected_keys[:3]})")
+    # peft's add/load_adapter re-freeze whatever is not the active adapter: set the roles' flags once, here.
+    for name, param in policy.named_parameters():
+        param.requires_grad = ".default." in name or ".critic." in name
+    config = policy.get_base_model().config
+    output_embedding = policy.get_base_model().get_output_embeddings()
+    # The frozen weights' dtype: a --modules_to_save lm_head's trained copy is kept in float32.
+    dtype = getattr(output_embedding, "original_module", output_embedding).weight.dtype
+    policy.get_base_model().config.use_cache = False
+    model = SharedBasePolicy(
+        policy,
+        score_head=new_score_head(config.hidden_size, score_weights, dtype, trainable=False),
+        value_head=new_score_head(config.hidden_size, score_weights, dtype, trainable=True),
+        reference_adapter=reference,
+        reward_adapter_dir=model_args.reward_lora_model,
+    )
+    keep_trainable_float32(model, training_args)  # the value head, made in the base's dtype
+    log_trainable(model)
+    return model
+
+
+def load_frozen(model_dir: str, adapter_dir: Optional[str], task: str, model_args, training_args=None, tokenizer=None,
+                config=None):
+    """A frozen role (the reference, the reward model): the shared loader's frozen model, its
+    adapter folded in (one plain forward per pass)."""
+    flag = "--actor_lora_model" if task == "causal_lm" else "--reward_lora_model"
+    return load_model(role_model_args(model_args, model_dir, adapter_dir), training_args, tokenizer, task,
+                      config=config, trainable=False, adapter_flag=flag)
+
+
+def frozen_role_bytes(model_args, training_args, model_dir: str, config, task: str, tokenizer) -> int:
+    """Bytes of a frozen role loaded whole: its parameters (counted on the empty skeleton, embeddings grown to the
+    tokenizer; a folded adapter adds none) in the dtype load_frozen loads it in."""
+    role_args = frozen_precision(role_model_args(model_args, model_dir, None), training_args)
+    dtype = DTYPES[role_args.torch_dtype]
+    if dtype == "auto":
+        dtype = checkpoint_dtype(model_dir)
+    skeleton = empty_model(role_args, config, task, tokenizer)
+    return sum(p.numel() for p in skeleton.parameters()) * dtype.itemsize
+
+
+def check_frozen_roles_fit(model_args, training_args, tokenizer, configs: dict) -> None:
+    """Separate placement under ZeRO-3: the frozen reference and reward models never enter the engine, so every
+    process loads them whole into its CPU memory and keeps them whole on its device. Refused (before any write)
+    where they take more than FROZEN_ROLES_SHARE of either, pointing to --shared_base, where they are adapters on
+    the actor's partitioned base. All ranks agree, so all refuse together."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    size = (frozen_role_bytes(model_args, training_args, model_args.actor_model_name_or_path, configs["actor"],
+                              "causal_lm", tokenizer)
+            + frozen_role_bytes(model_args, training_args, model_args.reward_model_name_or_path, configs["reward"],
+                                "reward", tokenizer))
+    for device in dict.fromkeys([torch.device("cpu"), training_args.device]):
+        free = free_memory_bytes(device)
+        if not on_every_rank(size <= FROZEN_ROLES_SHARE * free, training_args.device):
+            memory = "share of the available CPU memory" if device.type == "cpu" else f"free {device.type} memory"
+            raise InputError(f"--shared_base false under ZeRO-3: the frozen reference and reward models take "
+                             f"{size / 1e9:.3g} GB whole on every process, more than half its {memory} "
+                             f"({free / 1e9:.3g} GB; they are not partitioned); use --shared_base true (the roles "
+                             "as adapters on the actor's partitioned base; the reward model as --reward_lora_model "
+                             "on the actor's base)")
+
+
+def load_separate_policy(model_args, training_args, tokenizer, configs: dict) -> SeparatePolicy:
+    """Each role its own model through the shared loader. configs: {role: model config} as
+    run_ppo.check_models read them."""
+    actor = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
+                       adapter_flag="--actor_lora_model")
+    actor.get_base_model().config.use_cache = False
+    reference = load_frozen(model_args.actor_model_name_or_path, model_args.actor_lora_model, "causal_lm", model_args,
+                            training_args, tokenizer, configs["actor"])
+    reward = load_frozen(model_args.reward_model_name_or_path, model_args.reward_lora_model, "reward", model_args,
+                         training_args, tokenizer, configs["reward"])
+    with outside_zero3_init():
+        critic = load_model(critic_model_args(model_args), training_args, tokenizer, task="reward",
+                            config=configs.get("critic", configs["reward"]), adapter_flag="--reward_lora_model")
+    device = training_args.device
+    for model in (reference, reward):
+        model.to("cpu" if model_args.offload_reference_model else device)
+    model = SeparatePolicy(actor, critic, reference, reward, offload=model_args.offload_reference_model)
+    log_trainable(model)
+    return model

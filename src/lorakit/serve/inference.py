@@ -1,0 +1,428 @@
+"""What the chat CLI, batch generation and the OpenAI-compatible server share: loading a merged
+model or base + LoRA for generation, prompts rendered with the chat template saved at training
+time, history trimmed to the context, left-padded batched generation with stop strings, and
+streaming text deltas."""
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from lorakit.core.cli import InputError
+from lorakit.core.model_files import check_adapter_fits_base, checkpoint_shapes, has_tokenizer
+from lorakit.models.loader import (
+    DTYPES,
+    ModelArguments,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    map_flags,
+)
+from lorakit.records.chat_templates import (
+    TEMPLATES,
+    named_template,
+    parse_template_kwargs,
+    saved_template_kwargs,
+    turn_end_text,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InferenceModelArguments:
+    """Which model to serve and how prompts are rendered."""
+
+    base_model: str = field(metadata={"help": "A merged model, or the base of --lora_model (HF format directory)."})
+    lora_model: Optional[str] = field(
+        default=None,
+        metadata={"help": "A LoRA adapter directory (e.g. sft_lora_model); its tokenizer is used if it has one."},
+    )
+    load_in_kbits: int = field(
+        default=16, metadata={"help": "4 or 8: quantize the base with bitsandbytes; 16: no.", "choices": [4, 8, 16]}
+    )
+    dtype: str = field(default="auto", metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)})
+    template: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Chat template if the tokenizer saved none: {', '.join(sorted(TEMPLATES))}."},
+    )
+    template_kwargs: Optional[str] = field(
+        default=None, metadata={"help": "Keyword arguments of the chat template as a JSON object; default: those "
+                                "training saved with the tokenizer (chat_template_kwargs.json)."})
+    enable_thinking: Optional[bool] = field(
+        default=None, metadata={"help": "Passed to templates that take it (Qwen3); overrides the saved value."})
+    max_context_tokens: Optional[int] = field(
+        default=None, metadata={"help": "Prompt + answer tokens; default: the model's max_position_embeddings."}
+    )
+    tokenizer_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer directory; default: --lora_model's if it saved one, else --base_model's."},
+    )
+    device: Optional[str] = field(
+        default=None, metadata={"help": "cpu, cuda or cuda:N; default: the first GPU if there is one, else the CPU."}
+    )
+    load_in_8bit: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --load_in_kbits 8."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --load_in_kbits 4."})
+    only_cpu: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --device cpu."})
+    gpus: Optional[str] = field(
+        default=None, metadata={"help": "Chinese-LLaMA-Alpaca-2's GPU choice: one index N is --device cuda:N, "
+                                        "an empty string --device cpu."}
+    )
+
+    def __post_init__(self):
+        # Logged by log_mapped_flags once the script has configured logging.
+        self.mapped_flags = []
+        map_flags(self, ANCHOR_INFERENCE_FLAGS, self.mapped_flags)
+
+
+def device_of_gpus(gpus: str) -> tuple:
+    """Chinese-LLaMA-Alpaca-2's --gpus (it sets CUDA_VISIBLE_DEVICES and spreads the model over those
+    GPUs) as one device: the model runs on one device here; with no GPU, as there, on the CPU."""
+    indices = [index.strip() for index in gpus.split(",") if index.strip()]
+    if not indices:
+        return "device", "cpu"
+    if len(indices) > 1 or not indices[0].isdigit():
+        raise InputError(f"--gpus {gpus}: the model runs on one device here, not spread over several GPUs; "
+                         "choose it with --device cuda:N (or --device cpu)")
+    if not torch.cuda.is_available():
+        return "device", "cpu", "no GPU here"
+    return "device", f"cuda:{indices[0]}", "the GPU of that index among the visible ones"
+
+
+# Chinese-LLaMA-Alpaca-2's inference flags (inference_hf.py, openai_api_server.py) -> (our flag, value[, why]).
+ANCHOR_INFERENCE_FLAGS = {
+    "load_in_8bit": lambda on: ("load_in_kbits", 8),
+    "load_in_4bit": lambda on: ("load_in_kbits", 4),
+    "only_cpu": lambda on: ("device", "cpu"),
+    "gpus": device_of_gpus,
+}
+
+
+def log_mapped_flags(*argument_groups) -> None:
+    """The 'flag mapped' lines of the parsed argument dataclasses, once logging is configured."""
+    for arguments in argument_groups:
+        for note in getattr(arguments, "mapped_flags", []):
+            logger.info("flag mapped: %s", note)
+
+
+@dataclass
+class SamplingSettings:
+    """How one generation samples; temperature 0 means greedy."""
+
+    max_new_tokens: int = 400
+    temperature: float = 0.2
+    top_p: float = 0.9
+    top_k: int = 40
+    repetition_penalty: float = 1.1
+    seed: Optional[int] = None
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def tokenizer_dir_of(base_model: str, lora_model: Optional[str], tokenizer_path: Optional[str] = None) -> str:
+    """--tokenizer_path, else the adapter directory when it has a tokenizer (training saved it there
+    with the chat template and any added tokens), else the base model's."""
+    if tokenizer_path:
+        return tokenizer_path
+    return lora_model if has_tokenizer(lora_model) else base_model
+
+
+def inference_model_arguments(base_model: str, lora_model: Optional[str], load_in_kbits: int = 16,
+                              dtype: str = "auto", trust_remote_code: bool = False,
+                              tokenizer_path: Optional[str] = None) -> ModelArguments:
+    """The training scripts' ModelArguments for this model, its directories checked."""
+    if not os.path.isfile(os.path.join(base_model, "config.json")):
+        raise InputError(f"{base_model}: --base_model is not a model directory (no config.json)")
+    if lora_model and not os.path.isfile(os.path.join(lora_model, "adapter_config.json")):
+        raise InputError(f"{lora_model}: --lora_model is not a LoRA adapter (no adapter_config.json)")
+    checkpoint_shapes(base_model)  # a truncated or damaged weights file is refused here
+    if lora_model:
+        check_adapter_fits_base(lora_model, base_model, "--lora_model")
+    tokenizer_dir = tokenizer_dir_of(base_model, lora_model, tokenizer_path)
+    return ModelArguments(model_name_or_path=base_model, tokenizer_name_or_path=tokenizer_dir, peft_path=lora_model,
+                          torch_dtype=dtype, load_in_kbits=load_in_kbits, trust_remote_code=trust_remote_code)
+
+
+def inference_tokenizer(base_model: str, lora_model: Optional[str] = None, trust_remote_code: bool = False,
+                        tokenizer_path: Optional[str] = None):
+    return load_tokenizer(inference_model_arguments(base_model, lora_model, trust_remote_code=trust_remote_code,
+                                                    tokenizer_path=tokenizer_path))
+
+
+def inference_device(requested: Optional[str], load_in_kbits: int = 16) -> torch.device:
+    """Where the model runs: --device, else the first GPU if there is one, else the CPU. A quantized
+    model is placed by its loader (on the first GPU if there is one), so it takes no other device."""
+    default = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if requested is None:
+        return default
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise InputError(f"--device {requested}: not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= visible:
+            raise InputError(f"--device {requested}: {visible} GPU(s) visible here; use --device cpu or cuda:N")
+        device = torch.device("cuda", device.index or 0)
+    if load_in_kbits != 16 and device != default:
+        raise InputError(f"--device {requested} with --load_in_kbits {load_in_kbits}: a quantized model loads on "
+                         f"{default} here; drop one of them")
+    return device
+
+
+def load_for_inference(base_model: str, lora_model: Optional[str] = None, load_in_kbits: int = 16,
+                       dtype: str = "auto", tokenizer=None, trust_remote_code: bool = False,
+                       tokenizer_path: Optional[str] = None, device: Optional[str] = None):
+    """(model in eval mode, tokenizer) from a merged model or base + LoRA adapter (merged into
+    the base unless the base is quantized), on --device."""
+    model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype, trust_remote_code,
+                                           tokenizer_path)
+    place = inference_device(device, load_in_kbits)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_args)
+    # The config passed in skips the training checks: rows the tokenizer adds beyond the base's
+    # come from the adapter's saved embed_tokens/lm_head (vocabulary extension), or start at the mean.
+    model = load_model(model_args, None, tokenizer, config=load_model_config(model_args), trainable=False,
+                       adapter_flag="--lora_model")
+    if load_in_kbits == 16 and place.type != "cpu":
+        model = model.to(place)
+    model.eval()
+    logger.info("loaded %s%s (%s, %s)", base_model, f" + {lora_model}" if lora_model else "",
+                next(model.parameters()).dtype, model.device)
+    return model, tokenizer
+
+
+def chat_template_of(tokenizer, requested: Optional[str]) -> str:
+    """--template, else the template training saved with the tokenizer; none at all is refused,
+    since a guessed format would not be the one the model was trained on."""
+    if requested:
+        return named_template(requested, tokenizer)
+    if tokenizer.chat_template:
+        return tokenizer.chat_template
+    raise InputError(
+        f"the tokenizer has no chat_template: give --template ({', '.join(sorted(TEMPLATES))}) "
+        "as used in training"
+    )
+
+
+def template_kwargs_of(model_args: InferenceModelArguments) -> dict:
+    """The template's keyword arguments: those training saved with the tokenizer in use (the
+    adapter's if it has one), overridden by --template_kwargs / --enable_thinking."""
+    saved = saved_template_kwargs(tokenizer_dir_of(model_args.base_model, model_args.lora_model,
+                                                   model_args.tokenizer_path))
+    return saved | parse_template_kwargs(model_args.template_kwargs, model_args.enable_thinking)
+
+
+def template_turn_end(tokenizer, template: str, template_kwargs: Optional[dict] = None) -> str:
+    """What the template writes after an answer before EOS (e.g. chatml's <|im_end|> when EOS is
+    </s>): generation stops there too, so it never shows up in a reply."""
+    text, special = turn_end_text(tokenizer, template, template_kwargs)
+    if special and tokenizer.eos_token and text.endswith(tokenizer.eos_token):
+        text = text[: -len(tokenizer.eos_token)]
+    return text.strip()
+
+
+def context_limit(model, requested: Optional[int]) -> int:
+    max_positions = getattr(model.config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return max_positions
+    if not 2 <= requested <= max_positions:
+        raise InputError(f"--max_context_tokens {requested} must be between 2 and the model's "
+                         f"max_position_embeddings {max_positions}")
+    return requested
+
+
+class PromptTooLong(Exception):
+    def __init__(self, tokens: int, budget: int):
+        super().__init__(f"the prompt is {tokens} tokens, over the {budget} tokens the context leaves for it")
+        self.tokens, self.budget = tokens, budget
+
+
+def trim_history(messages: list, count_tokens: Callable[[list], int], budget: int) -> tuple:
+    """Drop the oldest user/assistant exchanges until the rendered prompt fits in budget tokens.
+    The system turn and the last user turn are always kept. Returns (messages, exchanges dropped);
+    PromptTooLong if even those two do not fit."""
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(system):]
+    dropped = 0
+    while True:
+        kept = system + turns
+        tokens = count_tokens(kept)
+        if tokens <= budget:
+            return kept, dropped
+        if len(turns) <= 1:
+            raise PromptTooLong(tokens, budget)
+        # An exchange is a user turn and the answers up to the next user turn.
+        cut = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), len(turns) - 1)
+        turns = turns[cut:]
+        dropped += 1
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple:
+    """(text before the earliest stop string, whether one occurred)."""
+    positions = [text.find(stop) for stop in stops if stop and stop in text]
+    if not positions:
+        return text, False
+    return text[: min(positions)], True
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of text that may be the start of a stop string: not sent yet."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class TextDeltaStreamer(BaseStreamer):
+    """Streams the reply of a batch-1 generate as text deltas: decodes the whole reply at each
+    token and sends what is new and settled (no half UTF-8 character, nothing that may begin a
+    stop string). Decoding the whole reply, unlike transformers' TextStreamer that restarts after
+    each newline, keeps the concatenated deltas equal to the reply decoded at once."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None], stops: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.stops = [stop for stop in stops if stop]
+        self.token_ids = []
+        self.sent = 0
+        self.prompt_seen = False
+        self.stopped = False
+
+    def put(self, value):
+        if not self.prompt_seen:  # generate first hands over the prompt
+            self.prompt_seen = True
+            return
+        self.token_ids.extend(value.reshape(-1).tolist())
+        self.flush(final=False)
+
+    def end(self):
+        self.flush(final=True)
+
+    def flush(self, final: bool) -> None:
+        if self.stopped:
+            return
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text, hit = cut_at_stop(text, self.stops)
+        ready = len(text)
+        if not (final or hit):
+            ready -= held_back(text, self.stops)
+            if text.endswith("\ufffd"):  # bytes of a character still to come
+                ready = min(ready, len(text) - 1)
+        if ready > self.sent:
+            self.on_text(text[self.sent:ready])
+            self.sent = ready
+        self.stopped = hit
+
+
+class CancelledCriteria(StoppingCriteria):
+    """Stops generation when its event is set (a streaming client went away)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class ChatGenerator:
+    """A loaded model and tokenizer with the chat template they were trained with."""
+
+    def __init__(self, model, tokenizer, template: Optional[str], context_tokens: int,
+                 template_kwargs: Optional[dict] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
+        self.context_tokens = context_tokens
+        self.turn_end = template_turn_end(tokenizer, template, self.template_kwargs) if template else ""
+        self.eos_ids = self.eos_token_ids()
+        # Padding is masked out by the attention mask, so any id serves; EOS when there is no pad.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def eos_token_ids(self) -> list:
+        ids = []
+        # The template's turn-end token (Phi-3's <|end|>, Gemma's <end_of_turn>) ends a reply too.
+        turn_end_id = self.tokenizer.convert_tokens_to_ids(self.turn_end) if self.turn_end else None
+        turn_end_id = turn_end_id if turn_end_id != self.tokenizer.unk_token_id else None
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
+                       turn_end_id):
+            for token in source if isinstance(source, (list, tuple)) else [source]:
+                if token is not None and token not in ids:
+                    ids.append(int(token))
+        if not ids:
+            raise InputError("the tokenizer has no eos_token: replies could not end")
+        return ids
+
+    def render(self, messages: list) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
+
+    def encode_chat(self, messages: list) -> list:
+        # The template writes BOS itself where the tokenizer uses one: nothing added around it,
+        # exactly as training tokenized the conversation.
+        return self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
+
+    def encode_text(self, prompt: str) -> list:
+        """A plain-text prompt, with the tokenizer's BOS convention as in pretraining."""
+        return self.tokenizer(prompt)["input_ids"]
+
+    def chat_stops(self, stops: Sequence[str] = ()) -> list:
+        return [stop for stop in list(stops) + [self.turn_end] if stop]
+
+    def generation_kwargs(self, settings: SamplingSettings, stops: Sequence[str]) -> dict:
+        kwargs = {"max_new_tokens": settings.max_new_tokens, "pad_token_id": self.pad_id,
+                  "eos_token_id": self.eos_ids, "repetition_penalty": settings.repetition_penalty}
+        if settings.temperature > 0:
+            kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        else:
+            # Unset the checkpoint's sampling defaults so greedy decoding does not warn about them.
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if stops:
+            kwargs.update(stop_strings=list(stops), tokenizer=self.tokenizer)
+        return kwargs
+
+    @torch.inference_mode()
+    def generate(self, prompts: list, settings: SamplingSettings, stops: Sequence[str] = (),
+                 streamer: Optional[BaseStreamer] = None, cancel=None) -> list:
+        """Completions of prompts (lists of token ids), generated together with LEFT padding
+        (every row's next token then sits at the same position) and an attention mask from the
+        lengths, never from comparing ids with the pad id."""
+        stops = [stop for stop in stops if stop]
+        width = max(len(ids) for ids in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + list(ids) for ids in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)
+        criteria = StoppingCriteriaList([CancelledCriteria(cancel)] if cancel is not None else [])
+        output = self.model.generate(
+            input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device),
+            streamer=streamer, stopping_criteria=criteria, **self.generation_kwargs(settings, stops),
+        )
+        return [self.completion(row[width:].tolist(), len(ids), settings.max_new_tokens, stops)
+                for row, ids in zip(output.cpu(), prompts)]
+
+    def completion(self, generated: list, prompt_tokens: int, max_new_tokens: int, stops: Sequence[str]) -> Completion:
+        eos_at = next((i for i, token in enumerate(generated) if token in self.eos_ids), None)
+        if eos_at is not None:
+            generated = generated[: eos_at + 1]  # what follows in a batch is padding
+        text, hit = cut_at_stop(self.tokenizer.decode(generated, skip_special_tokens=True), stops)
+        if hit:
+            # Count the tokens up to the one completing the stop string; padding may follow it.
+            generated = generated[: next(k for k in range(1, len(generated) + 1) if cut_at_stop(
+                self.tokenizer.decode(generated[:k], skip_special_tokens=True), stops)[1])]
+        stopped = eos_at is not None or hit or len(generated) < max_new_tokens
+        return Completion(text, "stop" if stopped else "length", prompt_tokens, len(generated))

@@ -1,0 +1,625 @@
+#!/usr/bin/env python
+"""An OpenAI-compatible HTTP server for a merged model, or a base model + LoRA adapter.
+
+    python scripts/inference/openai_api_server.py --base_model MERGED_DIR --api_key_file key.txt
+    OPENAI_SERVER_API_KEY=KEY python scripts/inference/openai_api_server.py --base_model BASE \
+        --lora_model sft_lora_model --host 0.0.0.0 --port 8000
+
+Endpoints: GET /v1/models, POST /v1/chat/completions and POST /v1/completions (both also
+streamed as server-sent events). Any OpenAI client works:
+OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY).
+
+One worker thread runs every generation, one after the other: requests never share a batch or
+a KV cache, so concurrent clients each get the answer they would get alone. No request can take
+the server down: bodies, stop sequences and the requests held at once are bounded (RequestLimits),
+tokenization runs off the event loop, and a generation stops when its client goes away.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lorakit.core.cli import InputError, parse_args, run_cli
+from lorakit.models.loader import trust_remote_code_field
+from lorakit.records.readers import PROMPT, conversation_of
+from lorakit.serve.inference import (
+    ChatGenerator,
+    Completion,
+    InferenceModelArguments,
+    SamplingSettings,
+    TextDeltaStreamer,
+    chat_template_of,
+    context_limit,
+    inference_tokenizer,
+    load_for_inference,
+    log_mapped_flags,
+    template_kwargs_of,
+)
+
+logger = logging.getLogger(__name__)
+
+# Where the API key may come from without showing in `ps` (as --api_key does).
+API_KEY_VARIABLE = "OPENAI_SERVER_API_KEY"
+
+
+@dataclass
+class ServerArguments:
+    host: str = field(
+        default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."}
+    )
+    port: int = field(default=8000, metadata={"help": "TCP port."})
+    api_key_file: Optional[str] = field(
+        default=None, metadata={"help": "A file holding the key that every request must send as 'Authorization: "
+                                        f"Bearer KEY'; the key may also come from ${API_KEY_VARIABLE}. Without "
+                                        "a key the server serves anyone who can reach it."}
+    )
+    api_key: Optional[str] = field(
+        default=None, metadata={"help": "The key itself: every user of this machine sees it in `ps`; prefer "
+                                        f"--api_key_file or ${API_KEY_VARIABLE}."}
+    )
+    model_name: Optional[str] = field(
+        default=None, metadata={"help": "The model id clients name; default: the adapter's or model's directory name."}
+    )
+    default_max_tokens: int = field(
+        default=512,
+        metadata={"help": "Answer length limit for requests that set no max_tokens (capped by the context)."},
+    )
+    trust_remote_code: bool = trust_remote_code_field()
+
+
+@dataclass
+class RequestLimits:
+    """What one request may ask of the server. Beyond them it is refused with OpenAI's error body
+    rather than let it hold the server's memory or its one generation worker."""
+
+    max_request_bytes: int = field(default=1 << 20, metadata={"help": "Largest request body in bytes; 413 beyond."})
+    max_pending_requests: int = field(
+        default=32, metadata={"help": "Requests held at once (being tokenized, waiting for the generation worker or "
+                                      "generating); 503 beyond, at once, instead of an ever longer queue."}
+    )
+    max_stop_sequences: int = field(default=4, metadata={"help": "Most stop sequences per request (OpenAI's 4)."})
+    max_stop_length: int = field(
+        default=64, metadata={"help": "Longest stop sequence in characters. For each new set of stops, transformers "
+                                      "walks the whole vocabulary and builds a vocabulary x length table: 4 stops of "
+                                      "64 characters on a 128k vocabulary take up to ~130 MB and seconds of the "
+                                      "generation worker."}
+    )
+
+    def __post_init__(self):
+        for name, least in (("max_request_bytes", 1024), ("max_pending_requests", 1), ("max_stop_sequences", 0),
+                            ("max_stop_length", 1)):
+            if getattr(self, name) < least:
+                raise InputError(f"--{name} {getattr(self, name)}: must be at least {least}")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 error_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.error_type = status, message, param, code, error_type
+
+
+def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class SamplingRequest(BaseModel):
+    """Fields both completion endpoints take. top_k and repetition_penalty are extensions (as in
+    vLLM); fields of OpenAI's API that change nothing here are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+    n: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range; torch takes it
+    stream: Optional[bool] = False
+    stream_options: Optional[dict[str, Any]] = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[str]]
+
+
+def sse(payload) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def request_messages(raw: list) -> list:
+    """Validated chat messages; text content parts are joined, 'developer' is the system turn."""
+    messages = []
+    for index, message in enumerate(raw):
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise APIError(400, f"messages[{index}].content: only text parts are supported",
+                               param=f"messages[{index}].content", code="invalid_value")
+            content = "".join(part["text"] for part in content)
+        role = "system" if message.get("role") == "developer" else message.get("role")
+        messages.append({**message, "role": role, "content": content})
+    try:
+        return conversation_of("request", {"messages": messages}, PROMPT)
+    except InputError as err:
+        raise APIError(400, str(err).removeprefix("request: "), param="messages", code="invalid_value") from None
+
+
+def stop_list(stop) -> list:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [item for item in stop if item]
+
+
+class RequestSlots:
+    """The requests the server holds at once, each from its admission until its generation ends
+    (or until it is refused). Touched from the event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.taken = limit, 0
+
+    @contextlib.contextmanager
+    def admission(self):
+        """A place for one request, or 503 when all are taken. The place is freed at the end of the
+        block, or, once handed to a generation job (Slot.free_when_done), when that job ends."""
+        if self.taken >= self.limit:
+            raise APIError(503, f"The server is busy: {self.limit} requests are being served or waiting; retry later",
+                           error_type="server_error", code="server_overloaded")
+        self.taken += 1
+        slot = Slot(self)
+        try:
+            yield slot
+        finally:
+            if not slot.handed:
+                slot.free()
+
+
+class Slot:
+    def __init__(self, slots: RequestSlots):
+        self.slots, self.handed, self.freed = slots, False, False
+
+    def free(self, *_) -> None:
+        if not self.freed:
+            self.freed = True
+            self.slots.taken -= 1
+
+    def free_when_done(self, job: asyncio.Future) -> None:
+        self.handed = True
+        job.add_done_callback(self.free)
+
+
+async def cancel_when_gone(request: Request, cancel: threading.Event) -> None:
+    """Sets cancel once the client has gone away: with the body read, the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
+
+
+class CompletionService:
+    """Request checks, the generation worker and the response bodies."""
+
+    def __init__(self, generator: ChatGenerator, model_name: str, default_max_tokens: int,
+                 limits: Optional[RequestLimits] = None):
+        self.generator = generator
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.limits = limits or RequestLimits()
+        self.slots = RequestSlots(self.limits.max_pending_requests)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self.created = int(time.time())
+
+    def check_request(self, request: SamplingRequest) -> None:
+        if request.model != self.model_name:
+            raise APIError(404, f"The model '{request.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        if request.n not in (None, 1):
+            raise APIError(400, f"n={request.n} is not supported: one choice per request", param="n",
+                           code="invalid_value")
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stops) > self.limits.max_stop_sequences:
+            raise APIError(400, f"stop holds {len(stops)} sequences; at most {self.limits.max_stop_sequences} "
+                                "are allowed", param="stop", code="invalid_value")
+        longest = max(map(len, stops), default=0)
+        if longest > self.limits.max_stop_length:
+            raise APIError(400, f"stop holds a sequence of {longest} characters; at most "
+                                f"{self.limits.max_stop_length} are allowed", param="stop", code="invalid_value")
+
+    def settings_for(self, request: SamplingRequest, prompt_tokens: int, prompt_param: str) -> SamplingSettings:
+        context = self.generator.context_tokens
+        remaining = context - prompt_tokens
+        if remaining < 1:
+            raise APIError(400, f"This model's context holds {context} tokens, and the prompt is {prompt_tokens} "
+                                "tokens, leaving no room for an answer; shorten the prompt",
+                           param=prompt_param, code="context_length_exceeded")
+        max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, remaining)
+        elif max_tokens > remaining:
+            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt is {prompt_tokens} tokens and this "
+                                f"model's context holds {context}: at most {remaining} tokens are left for the answer",
+                           param="max_tokens", code="context_length_exceeded")
+        return SamplingSettings(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            seed=request.seed,
+        )
+
+    def submit(self, slot: Slot, prompt_ids: list, settings: SamplingSettings, stops: list, cancel: threading.Event,
+               streamer: Optional[TextDeltaStreamer] = None, on_end=None) -> asyncio.Future:
+        """The generation queued on the worker, holding the request's slot until it ends. A job whose
+        client left while it waited (cancel set) is skipped: nothing is generated for nobody."""
+
+        def job():
+            try:
+                if cancel.is_set():
+                    return None
+                return self.generator.generate([prompt_ids], settings, stops, streamer, cancel)[0]
+            finally:
+                if on_end is not None:
+                    on_end()
+
+        result = asyncio.get_running_loop().run_in_executor(self.worker, job)
+        slot.free_when_done(result)
+        return result
+
+    async def complete(self, slot: Slot, http_request: Request, prompt_ids: list, settings: SamplingSettings,
+                       stops: list) -> Optional[Completion]:
+        """The completion, or None when the client went away first: its generation then stops (or is
+        skipped, if it was still waiting for the worker)."""
+        cancel = threading.Event()
+        result = self.submit(slot, prompt_ids, settings, stops, cancel)
+        watch = asyncio.ensure_future(cancel_when_gone(http_request, cancel))
+        try:
+            completion = await result
+        except asyncio.CancelledError:  # the server is stopping: so does the generation
+            cancel.set()
+            raise
+        finally:
+            watch.cancel()
+        if cancel.is_set():
+            logger.info("client went away: generation stopped after %s tokens",
+                        completion.completion_tokens if completion else 0)
+            return None
+        return completion
+
+    def stream(self, slot: Slot, prompt_ids: list, settings: SamplingSettings, stops: list, chunk, opening=None,
+               include_usage: bool = False) -> StreamingResponse:
+        """Server-sent events: text deltas as the worker generates them, then the finish reason
+        (and usage if asked), then [DONE]. A client that goes away stops its generation."""
+        loop = asyncio.get_running_loop()
+        deltas, end, cancel = asyncio.Queue(), object(), threading.Event()
+        streamer = TextDeltaStreamer(self.generator.tokenizer,
+                                     lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta), stops)
+        result = self.submit(slot, prompt_ids, settings, stops, cancel, streamer,
+                             on_end=lambda: loop.call_soon_threadsafe(deltas.put_nowait, end))
+
+        async def events():
+            sent = ""
+            try:
+                if opening is not None:
+                    yield sse(opening)
+                while (delta := await deltas.get()) is not end:
+                    sent += delta
+                    yield sse(chunk(delta, None))
+                completion = await result
+                rest = completion.text[len(sent):] if completion.text.startswith(sent) else ""
+                if rest:
+                    yield sse(chunk(rest, None))
+                yield sse(chunk(None, completion.finish_reason))
+                if include_usage:
+                    yield sse({**chunk(None, None), "choices": [], "usage": usage(completion)})
+            except Exception as err:  # the stream has begun: report the failure in it, without its details
+                yield sse(error_body(failure_message(err), "server_error"))
+            finally:
+                cancel.set()
+            yield "data: [DONE]\n\n"
+
+        # The background task also stops a generation whose client left before the first event.
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(cancel.set))
+
+
+# nginx's status for a request whose client went away first: only the access log sees it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def usage(completion) -> dict:
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+
+
+def include_usage(request: SamplingRequest) -> bool:
+    return bool(request.stream_options and request.stream_options.get("include_usage"))
+
+
+def create_app(service: CompletionService, api_key: Optional[str]) -> FastAPI:
+    """The server: the API key check, the body size limit, OpenAI-style error bodies, and the /v1
+    endpoints. The key check comes first (the middleware added last), so that a client without the
+    key gets 401 before any of its body is read."""
+    app = FastAPI(title="OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.add_middleware(RequestSizeLimit, max_bytes=service.limits.max_request_bytes)
+    app.middleware("http")(api_key_check(api_key))
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+    app.include_router(openai_routes(service))
+    return app
+
+
+def api_key_check(api_key: Optional[str]):
+    """HTTP middleware answering 401, in OpenAI's error format, to a request without the key
+    (every request passes when the server has no key)."""
+
+    async def require_api_key(request: Request, call_next):
+        if api_key is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return JSONResponse(error_body("Missing API key: send 'Authorization: Bearer KEY'",
+                                               code="invalid_api_key"), status_code=401)
+            if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+                return JSONResponse(error_body("Incorrect API key provided", code="invalid_api_key"),
+                                    status_code=401)
+        return await call_next(request)
+
+    return require_api_key
+
+
+# Bytes still read (and dropped) after a body went over the limit: a client that is still sending
+# when the server closes the connection sees a reset rather than the 413.
+DRAIN_BYTES = 64 << 20
+
+
+class RequestSizeLimit:
+    """ASGI middleware answering 413 to a request body over max_bytes before any of it is parsed:
+    a declared Content-Length over the limit is refused unread, and a body without one is counted as
+    it arrives. The body (at most max_bytes) is handed on whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        # A client waiting for '100 Continue' sends nothing more once it reads the 413.
+        drain = headers.get(b"expect", b"").lower() != b"100-continue"
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.refuse(scope, receive, send, drain)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: nobody to answer
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self.refuse(scope, receive, send, drain and more)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send, drain: bool) -> None:
+        dropped = 0
+        while drain and dropped < DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            drain = message.get("more_body", False)
+        response = JSONResponse(error_body(f"The request body is over {self.max_bytes} bytes, the most this server "
+                                           "accepts", code="request_too_large"), status_code=413)
+        await response(scope, receive, send)
+
+
+async def api_error(request: Request, err: APIError):
+    return JSONResponse(error_body(err.message, err.error_type, err.param, err.code), status_code=err.status)
+
+
+async def validation_error(request: Request, err: RequestValidationError):
+    # FastAPI answers 422 in its own format; OpenAI clients expect 400 with an error body.
+    problems = err.errors()
+    locations = [".".join(str(part) for part in problem["loc"] if part != "body") for problem in problems]
+    message = "; ".join(f"{where}: {problem['msg']}" if where else problem["msg"]
+                        for where, problem in zip(locations, problems))
+    return JSONResponse(error_body(message or "invalid request", param=locations[0] if locations else None,
+                                   code="invalid_value"), status_code=400)
+
+
+async def http_error(request: Request, err: StarletteHTTPException):
+    return JSONResponse(error_body(str(err.detail), code=None), status_code=err.status_code)
+
+
+async def server_error(request: Request, err: Exception):
+    return JSONResponse(error_body(failure_message(err), "server_error"), status_code=500)
+
+
+def failure_message(err: BaseException) -> str:
+    """What a client is told of a failure: an id to find it in the server's log, never the exception's
+    text (it may hold file paths, settings or another request's prompt)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("request failed (error id %s)", error_id, exc_info=err)
+    return f"The server had an error while processing your request (error id {error_id})"
+
+
+def openai_routes(service: CompletionService) -> APIRouter:
+    """GET /v1/models, POST /v1/chat/completions and POST /v1/completions, served by service."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                            "created": service.created, "owned_by": "owner"}]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+        return await chat_completion_response(service, request, http_request)
+
+    @router.post("/v1/completions")
+    async def completions(request: CompletionRequest, http_request: Request):
+        return await text_completion_response(service, request, http_request)
+
+    return router
+
+
+async def chat_completion_response(service: CompletionService, request: ChatCompletionRequest, http_request: Request):
+    """A chat.completion body, or a stream of chat.completion.chunk events."""
+    generator = service.generator
+    service.check_request(request)
+    messages = request_messages(request.messages)
+    stops = generator.chat_stops(stop_list(request.stop))
+    reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": reply_id, "created": created, "model": service.model_name, "system_fingerprint": None}
+
+    def chunk(text, finish_reason):
+        delta = {} if text is None else {"content": text}
+        return {**head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    with service.slots.admission() as slot:
+        # Off the event loop: rendering and tokenizing a long conversation would hold up every other client.
+        prompt_ids = await run_in_threadpool(generator.encode_chat, messages)
+        settings = service.settings_for(request, len(prompt_ids), "messages")
+        if request.stream:
+            opening = chunk("", None)
+            opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            return service.stream(slot, prompt_ids, settings, stops, chunk, opening, include_usage(request))
+        completion = await service.complete(slot, http_request, prompt_ids, settings, stops)
+    if completion is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return {**head, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+                         "logprobs": None, "finish_reason": completion.finish_reason}],
+            "usage": usage(completion)}
+
+
+async def text_completion_response(service: CompletionService, request: CompletionRequest, http_request: Request):
+    """A text_completion body, or a stream of text_completion events."""
+    service.check_request(request)
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if len(prompts) != 1:
+        raise APIError(400, f"prompt holds {len(prompts)} prompts; send one per request", param="prompt",
+                       code="invalid_value")
+    stops = stop_list(request.stop)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name,
+            "object": "text_completion", "system_fingerprint": None}
+
+    def chunk(text, finish_reason):
+        return {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                     "finish_reason": finish_reason}]}
+
+    with service.slots.admission() as slot:
+        prompt_ids = await run_in_threadpool(service.generator.encode_text, prompts[0])  # off the event loop
+        if not prompt_ids:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        settings = service.settings_for(request, len(prompt_ids), "prompt")
+        if request.stream:
+            return service.stream(slot, prompt_ids, settings, stops, chunk, include_usage=include_usage(request))
+        completion = await service.complete(slot, http_request, prompt_ids, settings, stops)
+    if completion is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return {**head, "choices": [{"index": 0, "text": completion.text, "logprobs": None,
+                                 "finish_reason": completion.finish_reason}],
+            "usage": usage(completion)}
+
+
+def api_key_of(args: ServerArguments) -> Optional[str]:
+    """The key every request must send: from --api_key_file, --api_key or $OPENAI_SERVER_API_KEY, in
+    that order; None (serve without one) when none is given."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise InputError("--api_key and --api_key_file: give the key one way (--api_key_file keeps it out of ps)")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as key_file:
+                key, source = key_file.read().strip(), f"{args.api_key_file}: --api_key_file"
+        except OSError as err:
+            raise InputError(f"{args.api_key_file}: --api_key_file cannot be read ({err.strerror or err})") from None
+    elif args.api_key is not None:
+        logger.warning("--api_key shows the key to every user of this machine (ps); prefer --api_key_file or $%s",
+                       API_KEY_VARIABLE)
+        key, source = args.api_key.strip(), "--api_key"
+    elif API_KEY_VARIABLE in os.environ:
+        key, source = os.environ[API_KEY_VARIABLE].strip(), f"${API_KEY_VARIABLE}"
+    else:
+        return None
+    if not key:
+        raise InputError(f"{source}: the API key is empty")
+    return key
+
+
+def main():
+    model_args, server_args, limits = parse_args((InferenceModelArguments, ServerArguments, RequestLimits))
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO, stream=sys.stderr, force=True)
+    log_mapped_flags(model_args)
+    api_key = api_key_of(server_args)
+    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
+                                    trust_remote_code=server_args.trust_remote_code,
+                                    tokenizer_path=model_args.tokenizer_path)
+    template = chat_template_of(tokenizer, model_args.template)
+    model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
+                                          model_args.load_in_kbits, model_args.dtype, tokenizer,
+                                          trust_remote_code=server_args.trust_remote_code,
+                                          tokenizer_path=model_args.tokenizer_path, device=model_args.device)
+    generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
+                              template_kwargs_of(model_args))
+    name = server_args.model_name or os.path.basename(os.path.normpath(model_args.lora_model or model_args.base_model))
+    service = CompletionService(generator, name, server_args.default_max_tokens, limits)
+    app = create_app(service, api_key)
+    if api_key is None and server_args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key (--api_key_file or $%s): anyone who can reach it can use it",
+                       server_args.host, API_KEY_VARIABLE)
+    logger.info("serving %s on http://%s:%d/v1", name, server_args.host, server_args.port)
+    import uvicorn
+
+    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level="info")
+
+
+def entry_point() -> None:
+    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    entry_point()

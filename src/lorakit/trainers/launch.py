@@ -1,0 +1,89 @@
+"""torchrun, keeping the bad-input contract through the launcher: every process meets the same bad
+input (or the same diverged loss), so each leaves its one-line message in torchrun's error file
+(cli.hand_to_launcher) instead of printing it; when the job failed only on that (the other
+processes exited with the same status or were stopped by torchrun after the first), the launcher
+prints the first message once and exits with that status (2 for bad input), without torchrun's
+traceback and failure report. Any other failure is torchrun's, reported in full."""
+
+import logging
+import os
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+from lorakit.core.cli import LAUNCHER_REPORTS_INPUT_ERRORS
+
+INPUT_ERROR_STATUS = 2
+# What torchrun's agent does to the other processes once one has failed: SIGTERM, then SIGKILL after a grace time.
+STOPPED_BY_TORCHRUN = {-signal.SIGTERM, -signal.SIGKILL}
+# The agent's own lines about the first failure and stopping the other processes: held back until the failure
+# is known to be something other than bad input, which gets one line only.
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+AGENT_FAILURE_LINES = ("failed (exitcode", "Sending process")
+
+
+class HeldBack(logging.Filter):
+    """Keeps the agent's failure records instead of letting them through, for replay() to emit later."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(AGENT_FAILURE_LINES):
+            return True
+        self.records.append(record)
+        return False
+
+    def replay(self, logger: logging.Logger) -> None:
+        logger.removeFilter(self)
+        for record in self.records:
+            logger.handle(record)
+
+
+def reported_failure(err: ChildFailedError) -> tuple:
+    """(exit status, message) when every process that failed by itself exited with one status and reported it
+    (cli.hand_to_launcher: bad input, a diverged run), the message being the earliest one; (2, None) when they
+    exited 2 without a message (an argument the parser refused, which every process has printed already);
+    None for any other failure."""
+    failures = [f for f in err.failures.values() if f.exitcode not in STOPPED_BY_TORCHRUN]
+    statuses = {failure.exitcode for failure in failures}
+    if len(statuses) != 1:
+        return None
+    status = statuses.pop()
+    reported = [failure for failure in failures if isinstance(failure.message, str)
+                and failure.error_file_data.get("message") == failure.message]
+    if reported:
+        return status, min(reported, key=lambda failure: (failure.timestamp, failure.local_rank)).message
+    return (status, None) if status == INPUT_ERROR_STATUS else None
+
+
+def main() -> None:
+    os.environ[LAUNCHER_REPORTS_INPUT_ERRORS] = "1"
+    agent_logger = logging.getLogger(AGENT_LOGGER)
+    held_back = HeldBack()
+    agent_logger.addFilter(held_back)
+    try:
+        run(parse_args(sys.argv[1:]))
+    except ChildFailedError as err:
+        reported = reported_failure(err)
+        if reported is None:
+            raise
+        held_back.records.clear()  # the agent's lines about it say nothing the message does not
+        status, message = reported
+        if message is not None:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(status)
+    finally:
+        held_back.replay(agent_logger)
+
+
+def entry_point() -> None:
+    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
+    main()
+
+
+if __name__ == "__main__":
+    entry_point()
