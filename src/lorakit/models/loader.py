@@ -424,6 +424,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing(training_args))
+        keep_4bit_layers_differentiable(model)
     if not model_args.full_finetuning:
         model = attach_lora(model, model_args, task, adapter_flag)
         keep_trainable_float32(model, training_args)
@@ -432,6 +433,16 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
             model.enable_input_require_grads()
     log_trainable(model)
     return model
+
+
+def keep_4bit_layers_differentiable(model) -> None:
+    """bitsandbytes (0.50) repacks a 4-bit layer's weights for its AVX512-BF16 CPU kernel at the first forward in
+    eval mode without grad (PPO's generation, an evaluation) and keeps them so: the layer's matmul then has no
+    backward, and every LoRA below it silently stops learning (a QLoRA PPO actor trained nothing). A model that
+    trains keeps the layout that has one."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def check_load_plan(model_args: ModelArguments, training_args, config, tokenizer, task: str = "causal_lm",
