@@ -47,7 +47,6 @@ from lorakit.pipeline.config import StageConfig, load_config
 from lorakit.pipeline.stages import plan_stages
 
 REPO = Path(ROOT)  # the demo runs the repository's own scripts and configs
-TRAINING_DIR = REPO / "scripts" / "training"
 PIPELINE = REPO / "scripts" / "run_pipeline.py"
 DEMO_CONFIG = REPO / "configs" / "pipeline" / "demo.yaml"
 

@@ -41,7 +41,6 @@ from lorakit.core.cli import InputError, parse_args, read_json, run_cli
 from lorakit.core.repository import DS_CONFIGS
 from lorakit.models.chunked_loss import positions_per_chunk
 
-DS_CONFIG_DIR = DS_CONFIGS
 GIB = 2**30
 FP32_BYTES = 4
 # DeepSpeed's estimators' default margin on CPU memory; applied to our CPU terms too.
@@ -168,7 +167,7 @@ class MemoryEstimate:
         return self.trained_cpu + self.frozen_cpu
 
 
-def shipped_zero_configs(directory: str = DS_CONFIG_DIR) -> list:
+def shipped_zero_configs(directory: str = DS_CONFIGS) -> list:
     """The ZeRO stage and offloads of every config in ds_configs/, fastest first (no offload, lower stage)."""
     configs = []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):

@@ -17,30 +17,35 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from lorakit.commands import module_of_script
+from lorakit.commands import COMMANDS
 from lorakit.core.cli import InputError
-from lorakit.core.repository import ROOT
+from lorakit.core.repository import script_path
 from lorakit.pipeline.config import Deployment, PipelineConfig, StageConfig
 
-REPO = ROOT  # the stages run the repository's entry scripts: the commands a user types
-LAUNCHER = os.path.join(REPO, "scripts", "training", "launch.py")
+# The stages run the repository's entry scripts: the commands a user types.
+LAUNCHER = script_path(COMMANDS["launch"].script)
 
 
 @dataclass(frozen=True)
 class Script:
-    path: str  # relative to the repository
+    command: str  # the stage's command in lorakit.commands.COMMANDS: its script and package module
     distributed: bool  # runs under torchrun with the deployment's processes
+
+    @property
+    def path(self) -> str:
+        """The entry script, relative to the repository."""
+        return COMMANDS[self.command].script
 
 
 SCRIPTS = {
-    "vocabulary": Script("scripts/merge/merge_tokenizers.py", False),
-    "pretraining": Script("scripts/training/run_clm_pt_with_peft.py", True),
-    "sft": Script("scripts/training/run_sft_with_peft.py", True),
-    "reward": Script("scripts/training/run_reward.py", True),
-    "ppo": Script("scripts/training/run_ppo.py", True),
-    "dpo": Script("scripts/training/run_dpo.py", True),
-    "merge": Script("scripts/merge/merge_llama_with_lora.py", False),
-    "chat": Script("scripts/inference/chat.py", False),
+    "vocabulary": Script("merge-tokenizers", False),
+    "pretraining": Script("pt", True),
+    "sft": Script("sft", True),
+    "reward": Script("reward", True),
+    "ppo": Script("ppo", True),
+    "dpo": Script("dpo", True),
+    "merge": Script("merge", False),
+    "chat": Script("chat", False),
 }
 # The adapter directory each training stage writes into its output_dir.
 ADAPTER_DIRS = {"pretraining": "pt_lora_model", "sft": "sft_lora_model", "reward": "rm_lora_model",
@@ -99,7 +104,7 @@ def plan_stages(config: PipelineConfig, python: str) -> list:
         upstream_hash = digest({"kind": stage.kind, "flags": stage.flags, "turns": stage.turns,
                                 "upstream": upstream_hash})
         command = [python, *launcher_arguments(config.deployment)] if script.distributed else [python]
-        command += [os.path.join(REPO, script.path), *argv_of(flags, hf_parser(stage.kind))]
+        command += [script_path(script.path), *argv_of(flags, hf_parser(stage.kind))]
         stdin = "".join(turn + "\n" for turn in stage.turns) + "/quit\n" if stage.kind == "chat" else None
         planned.append(PlannedStage(stage, out_dir, command, upstream_hash, script.distributed, stdin))
     return planned
@@ -141,7 +146,7 @@ def argv_of(flags: dict, hf: bool) -> list:
 
 def script_module(kind: str):
     """The package module behind the stage's script: its argument classes or parser (never the script itself)."""
-    return importlib.import_module(module_of_script(SCRIPTS[kind].path))
+    return importlib.import_module(COMMANDS[SCRIPTS[kind].command].module)
 
 
 def hf_parser(kind: str) -> bool:
