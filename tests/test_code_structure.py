@@ -218,3 +218,26 @@ def test_training_arguments_pickle_under_their_package_path(module):
 
     classes = importlib.import_module(module).ARGUMENT_CLASSES
     assert all(cls.__module__.startswith("lorakit.") for cls in classes), [cls.__module__ for cls in classes]
+
+
+# Where a rename or an fsync may appear outside lorakit.core.atomic, and why it is not a file write.
+RENAMES_ELSEWHERE = {
+    "lorakit/data/cache.py": "publishes a whole cache directory; a process that loses the race reads the winner's",
+    "lorakit/demo/prepare_default.py": "publishes the extracted demo model the same way, and a downloaded wheel",
+    "lorakit/core/model_files.py": "swaps an identical file for a hard link: no content is written",
+}
+
+
+def test_atomic_writes_have_one_home():
+    """Every writer publishes through lorakit.core.atomic (temporary sibling, fsync, rename, directory fsync)."""
+    found = []
+    for path in python_files(REPO / "src", SCRIPTS):
+        relative = path.relative_to(REPO / "src").as_posix() if PACKAGE in path.parents else str(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and node.attr in {"replace", "rename", "fsync"}
+                    and getattr(node.value, "id", None) == "os"):
+                found.append((relative, node.lineno))
+    stray = [f"{name}:{line}" for name, line in found
+             if name != "lorakit/core/atomic.py" and name not in RENAMES_ELSEWHERE]
+    assert not stray, "rename or fsync outside lorakit.core.atomic: " + ", ".join(stray)
+    assert {name for name, _ in found} >= set(RENAMES_ELSEWHERE) | {"lorakit/core/atomic.py"}

@@ -16,6 +16,7 @@ from typing import Optional
 
 from datasets import load_from_disk
 
+from lorakit.core.atomic import write_json_atomically
 from lorakit.data.run_record import note_data
 
 logger = logging.getLogger(__name__)
@@ -96,10 +97,7 @@ class FingerprintMemo:
         if memo == stored:
             return
         try:
-            handle, tmp_path = tempfile.mkstemp(prefix=".tmp-", dir=entry_dir)
-            with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                json.dump(memo, stream)
-            os.replace(tmp_path, memo_path)
+            write_json_atomically(memo_path, memo, indent=None)
         except OSError as err:
             logger.info("data file fingerprints not memoized in %s: %s", entry_dir, err)
 

@@ -1,18 +1,14 @@
 """What the two merge tools share: the bad-input contract (one line, exit 2, nothing written),
-output-directory rules (refuse what would overwrite, build in a temporary sibling and rename it
-into place when complete); which files make up a tokenizer comes from model_files.py.
+output-directory rules (refuse what would overwrite; lorakit.core.atomic builds the result in a temporary
+sibling and renames it into place when complete); which files make up a tokenizer comes from core.model_files.
 
-InputError, read_json and run_cli come from scripts/training/cli.py, which imports nothing heavy:
-the LoRA merge must start with torch alone (training_utils would pull in transformers' 6 s and
-500 MB of imports)."""
+InputError, read_json and run_cli come from lorakit.core.cli, which imports nothing heavy: the LoRA merge must
+start with torch alone (trainers.common would pull in transformers' 6 s and 500 MB of imports)."""
 
 import logging
 import os
 import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
-from typing import Iterator
 
 from lorakit.core.cli import InputError, read_json, run_cli  # noqa: F401  (re-exported to the merge tools)
 from lorakit.core.model_files import tokenizer_files  # noqa: F401  (re-exported to the merge tools)
@@ -42,23 +38,6 @@ def check_output_dir(output_dir: str, inputs: dict) -> None:
         if os.listdir(output_dir):
             raise InputError(f"{output_dir}: --output_dir exists and is not empty; "
                              "choose a new directory or remove it first")
-
-
-@contextmanager
-def atomic_output_dir(output_dir: str) -> Iterator[str]:
-    """Yield a temporary sibling of output_dir to fill; rename it to output_dir when the block
-    completes, delete it if the block fails. Readers never see a half-written result."""
-    parent = os.path.dirname(os.path.abspath(output_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.tmp-", dir=parent)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
-        if os.path.isdir(output_dir) and not os.listdir(output_dir):
-            os.rmdir(output_dir)
-        os.rename(tmp, output_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # only still there after a failure
 
 
 def code_files(directory: str) -> list:

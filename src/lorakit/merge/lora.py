@@ -50,10 +50,10 @@ from typing import Optional
 
 import torch
 
+from lorakit.core.atomic import atomic_output_dir
 from lorakit.core.model_files import check_recorded_base
 from lorakit.merge.common import (
     InputError,
-    atomic_output_dir,
     check_output_dir,
     code_files,
     copy_files,
@@ -889,12 +889,10 @@ def main(argv=None) -> None:
     with atomic_output_dir(args.output_dir) as tmp:
         write_model(plan, layout, tmp, int(args.chunk_mb * 2**20), workspace)
         write_model_files(plan, args.base_model, tokenizer_dir, tokenizer_names, tmp)
-        sync_tree(tmp)  # before the rename that publishes it: a crash then leaves a whole model or none
         merge_seconds = time.perf_counter() - start_time
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if args.verify:
             verify_or_exit(args, adapter_paths, tmp, plan)
-    sync_path(os.path.dirname(os.path.abspath(args.output_dir)))  # the rename itself
     print(f"merged {len(adapters)} adapter(s) into {args.output_dir}: {len(layout)} file(s), "
           f"{total / 1e6:.1f} MB, vocab {plan.vocab_rows}, {merge_seconds:.1f}s, peak RSS {peak_mb:.0f} MiB",
           flush=True)
@@ -940,7 +938,7 @@ def check_free_space(output_dir: str, total: int) -> None:
 
 def leftover_temp_dirs(output_dir: str) -> list:
     """Temporary directories of earlier merges into output_dir that never completed (killed while
-    writing), by the name atomic_output_dir (merge_utils) gives them: .<output name>.tmp-<random>."""
+    writing), by the name core.atomic.atomic_output_dir gives them: .<output name>.tmp-<random>."""
     parent, name = os.path.split(os.path.abspath(output_dir))
     if not os.path.isdir(parent):
         return []
@@ -965,25 +963,6 @@ def directory_bytes(path: str) -> int:
             with contextlib.suppress(OSError):  # gone meanwhile: a merge that was still running finished
                 total += os.path.getsize(os.path.join(root, name))
     return total
-
-
-def sync_path(path: str) -> None:
-    """os.fsync a file, or a directory (which makes the names it holds durable)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def sync_tree(directory: str) -> None:
-    """Every file under directory on disk, then the directories naming them: otherwise the kernel
-    may write the rename that publishes the directory before the data, and a power loss right
-    after the merge would leave a complete-looking model with empty or torn shards."""
-    for root, _, names in os.walk(directory, topdown=False):
-        for name in names:
-            sync_path(os.path.join(root, name))
-        sync_path(root)
 
 
 def log_plan(plan: MergePlan, base: BaseModel, adapter_count: int, layout: list, total: int) -> None:

@@ -52,9 +52,9 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lorakit.core.atomic import atomic_output_dir
 from lorakit.merge.common import (
     InputError,
-    atomic_output_dir,
     check_output_dir,
     code_files,
     copy_files,

@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
+from lorakit.core.atomic import write_json_atomically
 from lorakit.core.cli import InputError
 from lorakit.core.model_files import complete_checkpoints
 from lorakit.pipeline.stages import PlannedStage
@@ -59,12 +60,8 @@ def read_marker(output_dir: str, name: str) -> Optional[dict]:
         return None  # no marker, or one cut short: the stage did not complete
 
 
-def write_marker(output_dir: str, name: str, record: dict) -> None:
-    path = marker_path(output_dir, name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=2)
-    os.replace(path + ".tmp", path)  # a marker is whole or absent
+def write_stage_marker(output_dir: str, name: str, record: dict) -> None:
+    write_json_atomically(marker_path(output_dir, name), record)  # a marker is whole or absent
 
 
 def inputs_of(planned: list, stage: PlannedStage, output_dir: str) -> dict:
@@ -103,7 +100,7 @@ def run_stage(stage: PlannedStage, output_dir: str, decision: Decision, inputs: 
             shutil.rmtree(stage.out_dir, ignore_errors=True)
         else:  # a resume continues the run it was
             marker["run_id"] = read_marker(output_dir, name)["run_id"]
-        write_marker(output_dir, name, marker)
+        write_stage_marker(output_dir, name, marker)
     log_path = os.path.join(output_dir, LOG_DIR, f"{name}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     started = time.time()
@@ -115,7 +112,7 @@ def run_stage(stage: PlannedStage, output_dir: str, decision: Decision, inputs: 
     if stage.config.kind == "chat":
         write_transcript(stage, output)
     if node_rank == 0:
-        write_marker(output_dir, name, {**marker, "complete": True, "seconds": time.time() - started})
+        write_stage_marker(output_dir, name, {**marker, "complete": True, "seconds": time.time() - started})
     return time.time() - started
 
 

@@ -16,12 +16,12 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from transformers import set_seed
 
+from lorakit.core.atomic import write_atomically
 from lorakit.core.cli import InputError, parse_args, run_cli
 from lorakit.models.loader import note_accepted_flags, trust_remote_code_field
 from lorakit.records.readers import read_records, request_of
@@ -144,13 +144,9 @@ def predict_file(generator: ChatGenerator, prompts: list, settings: SamplingSett
         for index, completion in zip(chunk, results):
             completions[index] = completion
         logger.info("answered %d of %d prompts", min(start + batch_size, len(order)), len(order))
-    directory = os.path.dirname(os.path.abspath(predictions_file))
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=directory, suffix=".tmp", delete=False) as handle:
-        for (name, value, _), completion in zip(prompts, completions):
-            record = {name: value, "response": completion.text, "finish_reason": completion.finish_reason}
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(handle.name, predictions_file)
+    lines = [json.dumps({name: value, "response": completion.text, "finish_reason": completion.finish_reason},
+                        ensure_ascii=False) + "\n" for (name, value, _), completion in zip(prompts, completions)]
+    write_atomically(predictions_file, "".join(lines))
     logger.info("wrote %d predictions to %s", len(prompts), predictions_file)
 
 

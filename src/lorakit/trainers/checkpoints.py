@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from lorakit.core.atomic import sync_path, sync_tree, write_json_atomically
 from lorakit.core.cli import InputError
 from lorakit.core.model_files import COMPLETION_MARKER, checkpoint_problem, checkpoint_states, link_identical_files
 from lorakit.data import run_record
@@ -148,17 +149,6 @@ def resumable_checkpoint_data(checkpoint: str, identity: dict) -> list:
 # ----------------------------------------------------------------------------- writing a checkpoint
 
 
-def sync_to_disk(directory: str) -> None:
-    """fsync every file and directory below `directory` (the ones this node wrote reach its disk)."""
-    for root, _, files in os.walk(directory):
-        for name in files + ["."]:
-            handle = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(handle)
-            finally:
-                os.close(handle)
-
-
 def file_sizes(directory: str) -> dict:
     sizes = {}
     for root, _, files in os.walk(directory):
@@ -168,20 +158,10 @@ def file_sizes(directory: str) -> dict:
     return dict(sorted(sizes.items()))
 
 
-def write_marker(checkpoint: str, record: dict) -> None:
-    """The completion marker, atomically (a temporary file synced, renamed, the directory synced)."""
-    path = os.path.join(checkpoint, COMPLETION_MARKER)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(path + ".tmp", path)
-    for directory in (checkpoint, os.path.dirname(checkpoint)):
-        handle = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
+def write_completion_marker(checkpoint: str, record: dict) -> None:
+    """The completion marker, atomically; then the output directory that names checkpoint-N is synced too."""
+    write_json_atomically(os.path.join(checkpoint, COMPLETION_MARKER), record, indent=1)
+    sync_path(os.path.dirname(checkpoint))
 
 
 def clear_for_checkpoint(args, step: int) -> None:
@@ -216,12 +196,12 @@ def mark_checkpoint_complete(args, state) -> None:
     until now: it would remove the last complete checkpoint before the new one is complete)."""
     checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
     if os.path.isdir(checkpoint):
-        sync_to_disk(checkpoint)
+        sync_tree(checkpoint)  # what this node wrote reaches its disk
     barrier()
     if not args.should_save:
         return
     run = run_record.current_run
-    write_marker(checkpoint, {"step": state.global_step, "identity": run.identity, "data": sorted(run.data),
+    write_completion_marker(checkpoint, {"step": state.global_step, "identity": run.identity, "data": sorted(run.data),
                               "files": file_sizes(checkpoint)})
     best = state.best_model_checkpoint
     rotate_checkpoints(args.output_dir, args.save_total_limit, checkpoint, {best} if best else set())

@@ -1,0 +1,75 @@
+"""Writing so that a reader, or a crash, sees the old content or the new and never a part: every file and directory
+the toolkit publishes (checkpoint and stage markers, data-cache memos, predictions, merged models and tokenizers)
+is written under a temporary sibling name, synced to disk, renamed over its target, and the directory that names
+it synced (without the last sync a power loss can undo the rename, or keep it and lose the data)."""
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+
+def sync_path(path: str) -> None:
+    """os.fsync a file, or a directory (which makes the names it holds durable)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(directory: str) -> None:
+    """Every file under directory on disk, then the directories naming them, deepest first: otherwise the kernel may
+    write a rename that publishes the directory before its data, and a power loss right after would leave a
+    complete-looking directory with empty or torn files."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names:
+            sync_path(os.path.join(root, name))
+        sync_path(root)
+
+
+def write_atomically(path: str, content: str | bytes) -> None:
+    """Write content to path: a temporary file beside it, synced, renamed over it, then the directory synced."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    descriptor, tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(content.encode("utf-8") if isinstance(content, str) else content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_path, 0o644)  # mkstemp makes it private; the result is an ordinary file
+        os.replace(tmp_path, path)
+    except BaseException:
+        with suppress(FileNotFoundError):  # renamed already, or never made
+            os.unlink(tmp_path)
+        raise
+    sync_path(directory)
+
+
+def write_json_atomically(path: str, value: object, indent: int | None = 2) -> None:
+    """value as JSON (non-ASCII kept readable), written by write_atomically."""
+    write_atomically(path, json.dumps(value, indent=indent, ensure_ascii=False) + "\n")
+
+
+@contextmanager
+def atomic_output_dir(output_dir: str) -> Iterator[str]:
+    """Yield a temporary sibling of output_dir to fill; when the block completes, sync it to disk and rename it to
+    output_dir (an empty output_dir is replaced), then sync the parent; if the block fails, delete it. Readers never
+    see a half-written result, and a crash leaves the whole result or none. The temporary name is
+    .<output name>.tmp-<random>, which merge.lora's leftover check looks for."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.tmp-", dir=parent)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
+        sync_tree(tmp)
+        if os.path.isdir(output_dir) and not os.listdir(output_dir):
+            os.rmdir(output_dir)
+        os.rename(tmp, output_dir)
+        sync_path(parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only still there after a failure
