@@ -263,7 +263,7 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
     from peft import PeftModel
     from transformers import AutoConfig
 
-    from lorakit.models.loader import reward_model_class
+    from lorakit.models.heads import reward_model_class
 
     config = AutoConfig.from_pretrained(model_dir)
     config.num_labels = 1
@@ -298,7 +298,7 @@ def lora_reward_models(model_dir: str, tokenizer, seed: int, lr: float) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from lorakit.models.loader import reward_model_class
+    from lorakit.models.heads import reward_model_class
 
     config = AutoConfig.from_pretrained(model_dir)
     config.num_labels = 1
@@ -331,7 +331,7 @@ def ours_training_step(model, optimizer, tokenizer, max_length: int):
     import torch.nn.functional as F
 
     from lorakit.data.build_dataset import DataCollatorForPreferencePairs
-    from lorakit.models.loader import score_pairs
+    from lorakit.models.heads import score_pairs
     from lorakit.records.readers import preference_of
 
     tokenize = ours_tokenizer(tokenizer, max_length)

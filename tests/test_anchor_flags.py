@@ -24,7 +24,7 @@ from helpers.commands import (
 from helpers.run_outputs import adapter_weights, log_history
 from lorakit.core.cli import InputError, parse_args
 from lorakit.demo.sft_tasks import arithmetic_records
-from lorakit.models.loader import ModelArguments
+from lorakit.models.arguments import ModelArguments
 from lorakit.records.chat_templates import named_template
 
 ZERO2 = os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")

@@ -44,7 +44,7 @@ def small_chunks(monkeypatch):
 
 
 def training_args(tmp_path, chunked: bool, **overrides):
-    from lorakit.trainers.common import CausalLMTrainingArguments
+    from lorakit.trainers.arguments import CausalLMTrainingArguments
 
     options = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": "none", "save_strategy": "no",
                "seed": 0, "disable_tqdm": True, "chunked_loss": chunked, **overrides}
@@ -54,7 +54,8 @@ def training_args(tmp_path, chunked: bool, **overrides):
 def lora_model(model_dir, args, **model_options):
     from transformers import AutoTokenizer, set_seed
 
-    from lorakit.models.loader import ModelArguments, load_model
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.loader import load_model
 
     set_seed(0)  # the same new LoRA weights each time
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -106,7 +107,7 @@ def test_chunked_loss_equals_transformers_loss_without_full_logits(adapter, pack
     <= 1e-5), with the Trainer's token count (num_items_in_batch) and with a per-batch mean; the
     full-logits way makes a [B, T, V] float32 tensor, the chunked one nothing vocabulary-wide over
     one chunk of 5 positions."""
-    from lorakit.trainers.common import build_trainer
+    from lorakit.trainers.causal_lm import build_trainer
 
     results = {}
     for chunked in (False, True):
@@ -139,7 +140,7 @@ def test_gradient_accumulation_trains_the_same_weights(tiny_model_dir, tmp_path,
     head trained: the same losses and weights with and without --chunked_loss."""
     from transformers import default_data_collator
 
-    from lorakit.trainers.common import build_trainer
+    from lorakit.trainers.causal_lm import build_trainer
 
     rows = []
     for index in range(8):
@@ -173,7 +174,7 @@ def test_a_head_that_does_not_give_the_logits_keeps_transformers_loss(tmp_path):
     check turns it off and the loss stays transformers' own."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from lorakit.trainers.common import build_trainer
+    from lorakit.trainers.causal_lm import build_trainer
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -306,7 +307,7 @@ QWEN3_NORM_SCALE = 32
 def float64_loss_and_gradients(model, batch: dict, num_items_in_batch):
     """The causal-LM loss and gradients computed in float64 throughout: the reference both float32 paths are
     measured against (transformers' own loss upcasts half-precision logits to float32, and so casts float64 down)."""
-    from lorakit.trainers.common import without_labels
+    from lorakit.trainers.causal_lm import without_labels
 
     model.double()
     model.zero_grad()
@@ -329,7 +330,7 @@ def test_chunked_loss_on_qwen3s_tied_head(adapter, family_model_dir, tmp_path, s
     """Qwen3 (tied embeddings, a 151k vocabulary; with --modules_to_save one trained copy shared by both ends) at
     a trained model's logit range, the fixture on which test_family_stages' SFT runs: the chunked loss and every
     gradient equal transformers' own, and are at least as close as transformers' own to the float64 loss."""
-    from lorakit.trainers.common import build_trainer
+    from lorakit.trainers.causal_lm import build_trainer
 
     args = training_args(tmp_path, True)
     model, tokenizer = lora_model(family_model_dir("qwen3"), args, **adapter)

@@ -7,8 +7,8 @@ import pytest
 
 from lorakit.commands import module_of_script
 from lorakit.core.cli import InputError, parse_args
-from lorakit.models.loader import ModelArguments
-from lorakit.trainers.common import ToolkitTrainingArguments
+from lorakit.models.arguments import ModelArguments
+from lorakit.trainers.arguments import ToolkitTrainingArguments
 
 CONFIG = """\
 model_name_or_path: base

@@ -332,7 +332,7 @@ def random_reward_model(family_dir: str):
     """The family's model with a random score head, pooled as the reward stage pools."""
     from transformers import AutoConfig
 
-    from lorakit.models.loader import reward_model_class
+    from lorakit.models.heads import reward_model_class
 
     config = AutoConfig.from_pretrained(family_dir, num_labels=1)
     torch.manual_seed(0)
@@ -385,7 +385,7 @@ def test_scores_are_read_at_the_end_of_the_rendered_turn(name, variant, family_m
     token, closed by append_turn_end, are exactly those rows and score the same, whatever the pad token."""
     from lorakit.data.build_dataset import DataCollatorForPreferencePairs
     from lorakit.data.conversation_tokenizer import ConversationTokenizer
-    from lorakit.models.loader import score_pairs, score_sequences
+    from lorakit.models.heads import score_pairs, score_sequences
 
     tokenizer = pair_tokenizer(family_model_dir(name), variant)
     assert (tokenizer.pad_token is None) == (name == "llama3")

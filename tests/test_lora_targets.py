@@ -17,7 +17,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lorakit.models.loader import DEFAULT_LORA_TARGETS, ModelArguments, attach_lora, lora_target_modules
+from lorakit.models.adapters import attach_lora, lora_target_modules
+from lorakit.models.arguments import DEFAULT_LORA_TARGETS, ModelArguments
 from lorakit.rl.ppo import PPOModelArguments
 
 # The default before all-linear: Llama's names, which every other architecture lacked.
@@ -82,7 +83,7 @@ def test_modules_to_save_are_not_targets():
 def test_attach_lora_adapts_every_decoder_layer_and_no_head(build, task, head, caplog):
     """The resolved names are what peft gets and saves (not the 'all-linear' shorthand), every
     linear layer of the decoder gets an adapter, the head none, and the list is logged."""
-    with caplog.at_level(logging.INFO, logger="lorakit.models.loader"):
+    with caplog.at_level(logging.INFO, logger="lorakit.models"):
         model = attach_lora(build(), ModelArguments(model_name_or_path="unused"), task)
     targets = model.peft_config["default"].target_modules
     assert isinstance(targets, set) and "all-linear" not in targets

@@ -34,7 +34,7 @@ def test_a_diverged_run_stops_before_saving_nonfinite_weights(tmp_path, tiny_mod
 def test_only_consecutive_nonfinite_steps_stop_and_none_of_them_saves(tmp_path):
     from transformers import TrainerControl
 
-    from lorakit.trainers.common import StopOnNonFinite, TrainingDiverged
+    from lorakit.trainers.causal_lm import StopOnNonFinite, TrainingDiverged
 
     stop = StopOnNonFinite(max_nonfinite_steps=3)
     args = SimpleNamespace(output_dir=str(tmp_path))

@@ -89,7 +89,8 @@ def test_collator_gives_flash_attention_the_sample_bounds_across_rows():
 
 
 def test_packed_rows_under_flash_attention_equal_each_sample_alone(tiny_model_dir, cpu_flash_attention):
-    from lorakit.models.loader import ModelArguments, load_model
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.loader import load_model
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = load_model(ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0,

@@ -12,8 +12,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorakit.core.model_files import checkpoint_shapes
-from lorakit.models.loader import ModelArguments, load_model, load_model_config
-from lorakit.trainers.common import ToolkitTrainingArguments
+from lorakit.models.arguments import ModelArguments
+from lorakit.models.loader import load_model, load_model_config
+from lorakit.trainers.arguments import ToolkitTrainingArguments
 
 # One AdamW step moves each weight by about the learning rate: far below bfloat16's resolution
 # (2^-8 of a weight) and float16's (2^-11) at the tiny model's weights, far above float32's.

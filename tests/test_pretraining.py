@@ -132,8 +132,9 @@ def test_extended_vocabulary_trains_new_rows(tiny_model_dir, extended_tokenizer_
 def test_new_rows_start_at_mean(tiny_model_dir, extended_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from lorakit.models.loader import ModelArguments, load_model
-    from lorakit.trainers.common import ToolkitTrainingArguments
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.loader import load_model
+    from lorakit.trainers.arguments import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(extended_tokenizer_dir)
     model_args = ModelArguments(model_name_or_path=tiny_model_dir, tokenizer_name_or_path=extended_tokenizer_dir,
@@ -154,8 +155,9 @@ def test_new_rows_start_at_mean(tiny_model_dir, extended_tokenizer_dir, tmp_path
 def test_new_rows_start_at_their_pieces_mean_with_subword_init(tiny_model_dir, extended_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from lorakit.models.loader import ModelArguments, load_model
-    from lorakit.trainers.common import ToolkitTrainingArguments
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.loader import load_model
+    from lorakit.trainers.arguments import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(extended_tokenizer_dir)
     base_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -28,8 +28,10 @@ def tiny_rm_args(model_dir, output_dir, cache_dir, **overrides):
 def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_model_dir, tiny_tokenizer_dir):
     from peft import PeftModel
 
-    from lorakit.models.loader import ModelArguments, load_model, score_sequences
-    from lorakit.trainers.common import ToolkitTrainingArguments
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.heads import score_sequences
+    from lorakit.models.loader import load_model
+    from lorakit.trainers.arguments import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model_args = ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0)
@@ -68,8 +70,10 @@ def test_shared_prefix_rows_give_the_scores_and_gradients_of_separate_rows(atten
     gradients, and holds fewer tokens. Pairs: a long shared prompt, an answer that extends the
     other, and two sequences that differ from their first token."""
     from lorakit.data.build_dataset import DataCollatorForPreferencePairs
-    from lorakit.models.loader import ModelArguments, load_model, score_pairs
-    from lorakit.trainers.common import ToolkitTrainingArguments
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.heads import score_pairs
+    from lorakit.models.loader import load_model
+    from lorakit.trainers.arguments import ToolkitTrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model_args = ModelArguments(model_name_or_path=tiny_model_dir, torch_dtype="float32", lora_dropout=0.0,
@@ -135,7 +139,7 @@ def test_learns_a_marker_preference_and_reloads_exactly(tiny_model_dir, marker_f
     from peft import PeftModel
 
     from lorakit.data.build_dataset import DataCollatorForPreferencePairs, build_preference_dataset
-    from lorakit.models.loader import reward_model_class, score_sequences
+    from lorakit.models.heads import reward_model_class, score_sequences
     from lorakit.records.chat_templates import named_template
 
     train, valid = marker_files
@@ -173,7 +177,8 @@ def test_learns_a_marker_preference_and_reloads_exactly(tiny_model_dir, marker_f
 def stage_reward_adapter(model_dir, adapter_dir):
     """A reward adapter (LoRA with non-zero updates + score head) and its tokenizer saved as run_reward.py saves
     them: the stage's chat template and pad token (not EOS, which ends every row). Returns the tokenizer."""
-    from lorakit.models.loader import ModelArguments, choose_pad_token, load_model
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.loader import choose_pad_token, load_model
     from lorakit.records.chat_templates import parse_template_kwargs, use_template
     from lorakit.trainers.checkpoints import save_adapter
 
@@ -200,7 +205,9 @@ def test_merged_reward_model_scores_as_base_plus_adapter_and_a_failed_merge_publ
     from peft import PeftModel
 
     from lorakit.core.cli import ReportedError
-    from lorakit.models.loader import ModelArguments, load_model, score_sequences
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.heads import score_sequences
+    from lorakit.models.loader import load_model
     from lorakit.rl.ppo import check_reward_source
     from lorakit.trainers.reward import save_merged
 

@@ -12,7 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from lorakit.core.cli import InputError, parse_args
 from lorakit.models import loader as model_utils
-from lorakit.models.loader import ModelArguments, load_model, load_model_config, load_tokenizer, reward_model_class
+from lorakit.models.arguments import ModelArguments
+from lorakit.models.heads import reward_model_class
+from lorakit.models.loader import load_model, load_model_config, load_tokenizer
 from lorakit.rl.policy import actor_model_args, load_frozen
 from lorakit.rl.ppo import PPOModelArguments
 
@@ -126,7 +128,7 @@ def test_own_code_is_refused_without_the_flag(remote_model_dir):
 def test_own_code_runs_with_the_flag_and_says_so_once(remote_model_dir, tmp_path, caplog):
     model_utils.warn_remote_code.cache_clear()
     args = ModelArguments(model_name_or_path=remote_model_dir, trust_remote_code=True)
-    with caplog.at_level(logging.INFO, logger="lorakit.models.loader"):
+    with caplog.at_level(logging.INFO, logger="lorakit.models"):
         tokenizer = load_tokenizer(args)
         model = load_model(args, TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"), tokenizer)
     assert type(tokenizer).__name__ == "TinyRemoteTokenizer"

@@ -444,7 +444,9 @@ def load_frozen_model(base: str | Path, adapters: tuple[Path, ...] = (), task: s
     adapter's saved tokenizer (its vocabulary and chat template; the embeddings grown to it first),
     in float32, in eval mode."""
     from lorakit.core.model_files import has_tokenizer
-    from lorakit.models.loader import ModelArguments, load_model, load_peft_adapter, load_tokenizer
+    from lorakit.models.adapters import load_peft_adapter
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.models.loader import load_model, load_tokenizer
 
     first, last = (str(adapters[0]), str(adapters[-1])) if adapters else (None, None)
     model_args = ModelArguments(model_name_or_path=str(base), peft_path=first,
@@ -521,7 +523,7 @@ def heldout_reward(demo: Demo, *policy: Path) -> dict:
     prompt + answer + EOS + the template's turn end, read at the last token."""
     import torch
 
-    from lorakit.models.loader import score_sequences
+    from lorakit.models.heads import score_sequences
 
     model, tokenizer = load_frozen_model(demo.path("pt_merged"), policy)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

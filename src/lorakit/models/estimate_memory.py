@@ -205,7 +205,8 @@ def build_meta_model(config, args: EstimateArguments):
     attach_lora; all on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from lorakit.models.loader import ModelArguments, attach_lora, comma_list
+    from lorakit.models.adapters import attach_lora
+    from lorakit.models.arguments import ModelArguments, comma_list
 
     model_args = ModelArguments(model_name_or_path=args.model_name_or_path or args.model_shape,
                                 lora_rank=args.lora_rank, trainable=args.trainable,

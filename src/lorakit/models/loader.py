@@ -1,196 +1,45 @@
 """The one model loader (load_model) of every stage, every PPO role, the merged reward save,
 inference and the demo: dtype, bitsandbytes k-bit quantization (QLoRA), attention
-implementation, vocabulary resize with mean-initialised rows, a new, continued or folded-in peft
-LoRA adapter, and DeepSpeed's communication set-up for ZeRO-3; the argument checks made before
-any weight is loaded, the pad-token rule, and the reward model's pooled forward."""
+implementation, vocabulary resize with mean-initialised rows, the LoRA adapter (models.adapters) or the task head
+(models.heads) on top, and DeepSpeed's communication set-up for ZeRO-3; the argument checks made before
+any weight is loaded, and the pad-token rule. The flags are models.arguments'."""
 
 import copy
 import dataclasses
 import functools
-import inspect
 import json
 import logging
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     BitsAndBytesConfig,
 )
 from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from transformers.utils import ModelOutput
 
 from lorakit.core.cli import InputError, read_json
 from lorakit.core.model_files import check_adapter_fits_base, checkpoint_shapes
-from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_REJECTED
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
-from lorakit.models.chunked_loss import agreed_across_ranks, head_gives_logits, label_logprobs, token_logprobs
-from lorakit.models.positions import last_position, positions_from_mask
+from lorakit.models.adapters import (
+    attach_lora,
+    check_foldable,
+    fold_in_adapter,
+    frozen,
+    load_peft_adapter,
+    log_trainable,
+)
+from lorakit.models.arguments import DTYPES, ModelArguments, comma_list
+from lorakit.models.heads import answer_logps_model_class, reward_model_class
 from lorakit.models.zero3 import gathered
 from lorakit.records.chat_templates import special_token_texts
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Resolved per model by lora_target_modules: Llama's q/k/v/o/gate/up/down, Phi-3's qkv_proj and
-# gate_up_proj, GPT-2's c_attn/c_proj/c_fc, ... with no per-family name list to keep up to date.
-ALL_LINEAR = "all-linear"
-DEFAULT_LORA_TARGETS = ALL_LINEAR
-
-
-def trust_remote_code_field():
-    """--trust_remote_code, the same in every stage's arguments."""
-    return field(
-        default=False,
-        metadata={"help": "Run the Python code a model directory ships (config.json auto_map) to build its config, "
-                          "tokenizer and model. Only for directories you trust: that code runs with your rights."},
-    )
-
-
-@dataclass
-class ModelArguments:
-    """Which model to load and how to make it trainable (names follow Chinese-LLaMA-Alpaca-2;
-    DeepSpeed-Chat's LoRA flags are mapped onto them)."""
-
-    model_name_or_path: str = field(metadata={"help": "Base model directory (HF format, safetensors)."})
-    tokenizer_name_or_path: Optional[str] = field(
-        default=None, metadata={"help": "Tokenizer directory, if not the model's (e.g. an extended vocabulary)."}
-    )
-    torch_dtype: str = field(
-        default="auto",
-        metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)},
-    )
-    load_in_kbits: int = field(
-        default=16,
-        metadata={"help": "4 or 8: quantize the base with bitsandbytes (QLoRA); 16: no.", "choices": [4, 8, 16]},
-    )
-    quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["nf4", "fp4"]})
-    double_quant: bool = field(default=True, metadata={"help": "Quantize the 4-bit quantization constants too."})
-    attn_implementation: Optional[str] = field(
-        default=None, metadata={"help": "eager, sdpa, flash_attention_2, ...; default: transformers' choice."}
-    )
-    trust_remote_code: bool = trust_remote_code_field()
-    trainable: str = field(
-        default=DEFAULT_LORA_TARGETS,
-        metadata={"help": "LoRA target modules, comma list; all-linear: every linear layer of the decoder "
-                          "(not the LM head or a score head)."},
-    )
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r."})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
-    modules_to_save: Optional[str] = field(
-        default=None,
-        metadata={"help": "Modules trained in full and saved with the adapter, "
-                          "comma list (e.g. embed_tokens,lm_head)."},
-    )
-    new_embeddings_init: str = field(
-        default="mean",
-        metadata={"help": "How rows for tokens the base model lacks (an extended vocabulary) start: 'mean' = the mean "
-                  "of all old rows; 'subword_mean' = the mean of the rows of the base tokenizer's pieces for that "
-                  "token (starts each new token close to what the model already knows of its text).",
-                  "choices": ["mean", "subword_mean"]},
-    )
-    peft_path: Optional[str] = field(default=None, metadata={"help": "An existing adapter to continue training."})
-    full_finetuning: bool = field(default=False, metadata={"help": "Train every weight; no LoRA."})
-    lora_dim: Optional[int] = field(
-        default=None, metadata={"help": "DeepSpeed-Chat's LoRA rank: mapped to --lora_rank (0: --full_finetuning)."}
-    )
-    lora_module_name: Optional[str] = field(
-        default=None,
-        metadata={"help": "DeepSpeed-Chat's LoRA scope (a module path part, e.g. 'layers.'): the decoder layers' "
-                          "scope is mapped to --trainable all-linear."},
-    )
-
-    def __post_init__(self):
-        # Logging is not configured yet; the scripts report these notes with the Trainer's own.
-        self.mapped_flags = []
-        map_flags(self, DEEPSPEED_CHAT_MODEL_FLAGS, self.mapped_flags)
-
-
-def lora_scope_targets(scope: str) -> str:
-    """DeepSpeed-Chat's --lora_module_name puts LoRA on every linear layer whose module path contains
-    it; its scripts pass the decoder layers ("decoder.layers." for OPT, "layers." for Llama), which is
-    --trainable all-linear. Another scope has no counterpart in peft's target names."""
-    if scope.strip(".").split(".")[-1] == "layers":
-        return ALL_LINEAR
-    raise InputError(f"--lora_module_name {scope}: only the decoder layers' scope ('layers.') maps to a set of LoRA "
-                     "targets here; name the layers with --trainable (e.g. q_proj,v_proj, or all-linear)")
-
-
-def lora_dim_flag(dim: int) -> tuple:
-    """DeepSpeed-Chat's --lora_dim: the LoRA rank, or 0 for training every weight without LoRA."""
-    if dim < 0:
-        raise InputError(f"--lora_dim must be 0 (no LoRA) or a positive LoRA rank, got {dim}")
-    if dim == 0:
-        return "full_finetuning", True, "DeepSpeed-Chat's --lora_dim 0 trains every weight without LoRA"
-    return "lora_rank", dim
-
-
-# DeepSpeed-Chat's model flags (steps 1-3) -> (our flag, value[, why]); map_flags applies them.
-DEEPSPEED_CHAT_MODEL_FLAGS = {
-    "lora_dim": lora_dim_flag,
-    "lora_module_name": lambda scope: ("trainable", lora_scope_targets(scope), "every linear layer of the decoder"),
-}
-
-
-def field_default(args, name: str):
-    """The default of a dataclass field of args (None when it has none)."""
-    for item in fields(args):
-        if item.name == name:
-            if item.default is not MISSING:
-                return item.default
-            return item.default_factory() if item.default_factory is not MISSING else None
-    raise KeyError(name)
-
-
-def flag_text(name: str, value) -> str:
-    """A flag as a user types it: a bare --flag for a switched-on boolean, '' for an empty value."""
-    return f"--{name}" if value is True else f"--{name} {value if value != '' else repr(value)}"
-
-
-def map_flags(args, table: dict, notes: list) -> None:
-    """The one way every script accepts another project's flag name (Chinese-LLaMA-Alpaca-2's,
-    DeepSpeed-Chat's, transformers 4's): each flag of table that was given (its value is not its
-    default) sets the flag and value table[flag](value) returns, with an optional reason, noted as
-    "--old value -> --new value" for the 'flag mapped' log line. The old flag is reset to its
-    default, so mapping again (a copy of the arguments) changes nothing. A different value given to
-    the new flag as well, or set by another old flag, is refused."""
-    set_by = {}
-    for old, translate in table.items():
-        given = getattr(args, old)
-        if given == field_default(args, old):
-            continue
-        new, value, *why = translate(given)
-        current = getattr(args, new)
-        if current != value and (new in set_by or current != field_default(args, new)):
-            other = set_by.get(new, flag_text(new, current))
-            raise InputError(f"{flag_text(old, given)} and {other} both given: {flag_text(old, given)} means "
-                             f"{flag_text(new, value)}; give only one" + (f" ({why[0]})" if why else ""))
-        setattr(args, new, value)
-        setattr(args, old, field_default(args, old))
-        set_by[new] = flag_text(old, given)
-        notes.append(f"{flag_text(old, given)} -> {flag_text(new, value)}" + (f" ({why[0]})" if why else ""))
-
-
-def note_accepted_flags(args, table: dict, notes: list) -> None:
-    """Flags other projects' scripts pass that need nothing here: each one given (not its default)
-    is noted with table's reason why nothing changes."""
-    for name, reason in table.items():
-        value = getattr(args, name, None)
-        if value is not None and value != field_default(args, name):
-            notes.append(f"{flag_text(name, value)} accepted: {reason}")
-
-
-def comma_list(value: Optional[str]) -> list:
-    return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,12 +319,6 @@ def check_quantization(model_args: ModelArguments) -> None:
         raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
 
 
-def check_foldable(path: str, flag: str) -> None:
-    if is_deepspeed_zero3_enabled():
-        raise InputError(f"{flag} {path} with a ZeRO-3 DeepSpeed config: the adapter cannot be folded into "
-                         "partitioned weights; merge it first (scripts/merge) and pass the merged model")
-
-
 def empty_model(model_args: ModelArguments, config, task: str, tokenizer):
     """The model load_base builds, as an empty skeleton (accelerate's init_empty_weights): every
     module, each parameter on the meta device, the embeddings grown to the tokenizer."""
@@ -625,254 +468,3 @@ def outside_zero3_init():
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
-def frozen(model, model_args: ModelArguments, quantized: bool, adapter_flag: str):
-    """A model that is only run: the --peft_path adapter folded into the weights (one plain forward
-    per pass), or on a quantized base left as LoRA layers inside the model (folding would round
-    it into the quantized weights); no parameter trains, eval mode."""
-    if model_args.peft_path:
-        model = load_peft_adapter(model, model_args.peft_path, is_trainable=False, flag=adapter_flag)
-        model = model.get_base_model() if quantized else model.merge_and_unload()
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def fold_in_adapter(model, path: str, flag: str):
-    """The adapter at path merged into the loaded base's weights (in memory, nothing written)."""
-    check_foldable(path, flag)
-    logger.info("folding the adapter %s into the base in memory: a new LoRA trains on base + adapter", path)
-    return load_peft_adapter(model, path, is_trainable=False, flag=flag).merge_and_unload()
-
-
-def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adapter_flag: str = "--peft_path",
-                empty: bool = False):
-    """The --peft_path adapter continued, or a new LoRA adapter; empty: model is check_load_plan's empty skeleton,
-    and the adapter's weights stay on the meta device too (nothing is logged: the real load logs it)."""
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    if model_args.peft_path:
-        if not empty:
-            logger.info("continuing LoRA adapter %s", model_args.peft_path)
-        return load_peft_adapter(model, model_args.peft_path, is_trainable=True, flag=adapter_flag,
-                                 low_cpu_mem_usage=empty)
-    modules_to_save = comma_list(model_args.modules_to_save)
-    targets = lora_target_modules(model, model_args.trainable, modules_to_save)
-    if not targets:
-        raise InputError("--trainable must name at least one module for LoRA (or use --full_finetuning)")
-    if model_args.trainable.strip() == ALL_LINEAR and not empty:
-        logger.info("LoRA targets (%s): %s", ALL_LINEAR, ",".join(targets))
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    # A tied model keeps one matrix for embed_tokens and lm_head; training two separate copies
-    # would untie them and change what the merged model means.
-    ensure_tying = tied and bool(modules_to_save) and bool({"embed_tokens", "lm_head"} & set(modules_to_save))
-    lora_config = LoraConfig(
-        # SEQ_CLS also trains the score head in full and saves it with the adapter.
-        task_type=TaskType.SEQ_CLS if task == "reward" else TaskType.CAUSAL_LM,
-        target_modules=targets,
-        r=model_args.lora_rank,
-        lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout,
-        modules_to_save=modules_to_save or None,
-        ensure_weight_tying=ensure_tying,
-    )
-    try:
-        return get_peft_model(model, lora_config, low_cpu_mem_usage=empty)
-    except ValueError as err:
-        raise InputError(f"--trainable {model_args.trainable}: {err}") from None
-
-
-def lora_target_modules(model, trainable: str, modules_to_save: list) -> list:
-    """--trainable as peft target names: the comma list as given, or for all-linear the names found
-    in this model (attach_lora logs them). Resolved here rather than by peft so adapter_config.json
-    lists the layers by name, and a reader of the log sees what is trained."""
-    if trainable.strip() != ALL_LINEAR:
-        return comma_list(trainable)
-    return [name for name in linear_layer_names(model) if name not in modules_to_save]
-
-
-def linear_layer_names(model) -> list:
-    """Target names (peft matches them as name suffixes) of every linear layer of the decoder body, in
-    model order: torch.nn.Linear, which bitsandbytes' Linear4bit and Linear8bitLt subclass, and
-    transformers' Conv1D (GPT-2's c_attn/c_proj/c_fc). Only the body (model.base_model) is searched,
-    so the LM head and task heads (score, classifier, ...) next to it are left out whatever their
-    names; the output embedding is excluded by identity for a model whose body holds it."""
-    from transformers.pytorch_utils import Conv1D
-
-    output_embedding = model.get_output_embeddings()
-    names = []
-    for path, module in model.base_model.named_modules():
-        if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output_embedding:
-            name = layer_suffix(path)
-            if name not in names:
-                names.append(name)
-    return names
-
-
-def layer_suffix(path: str) -> str:
-    """The module path from its last non-numeric part: "layers.0.mlp.up_proj" -> "up_proj", and
-    "mlp.fc.0" -> "fc.0", since a bare "0" would match every module whose name ends in ".0"."""
-    parts = path.split(".")
-    start = max((i for i, part in enumerate(parts) if not part.isdigit()), default=0)
-    return ".".join(parts[start:])
-
-
-def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_path", low_cpu_mem_usage=False):
-    """A saved LoRA adapter on model; an adapter made for another base is refused in one line.
-    low_cpu_mem_usage: peft's, the adapter's weights put on the device of the layers they adapt (an
-    empty skeleton's meta device)."""
-    from peft import PeftModel
-
-    try:
-        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable, low_cpu_mem_usage=low_cpu_mem_usage)
-    except RuntimeError as err:
-        if "size mismatch" in str(err):
-            first = str(err).split("size mismatch", 1)[1].split("\n", 1)[0]
-            raise InputError(f"{path}: {flag} adapter does not fit this base model (size mismatch{first})") from None
-        raise
-
-
-def log_trainable(model) -> None:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    logger.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100.0 * trainable / max(total, 1))
-
-
-# Attention implementations that take an arbitrary 4D mask (flash attention does not).
-MASKABLE_ATTENTION = ("sdpa", "eager")
-
-
-def pair_attention_mask(pair_segments, attn_implementation: str, dtype):
-    """The 4D mask of shared-prefix pair rows: causal, except that the rejected answer does not
-    see the chosen one, so it sees exactly the prefix and itself, as in a row of its own. Padding
-    is at the end, where causality already hides it from real tokens. sdpa takes it as bool
-    (True: attend), eager as an additive float mask."""
-    width = pair_segments.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=pair_segments.device).tril()
-    hidden_chosen = (pair_segments[:, :, None] == PAIR_REJECTED) & (pair_segments[:, None, :] == PAIR_CHOSEN)
-    allowed = (causal[None] & ~hidden_chosen)[:, None]
-    if attn_implementation == "sdpa":
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                        labels=None, pair_segments=None, **kwargs):
-    """One score per row, read at the row's last attended token: right for left and right padding
-    and mixed lengths. transformers' own pooling takes the last id that is not the pad id, which
-    is wrong when the pad token is EOS, as it often is. Positions come from the mask, so left
-    padding does not shift them; the head runs on the pooled rows only.
-
-    With pair_segments (rows of prefix + chosen answer + rejected answer, their position_ids
-    given), one row scores a pair: the chosen scores of all rows, then the rejected ones."""
-    if pair_segments is not None:
-        mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
-                                   self.get_input_embeddings().weight.dtype)
-        hidden = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                            inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        pooled = torch.cat([hidden[rows, last_position(pair_segments == PAIR_CHOSEN)],
-                            hidden[rows, last_position(pair_segments == PAIR_REJECTED)]])
-        return SequenceClassifierOutputWithPast(logits=self.score(pooled))
-    if attention_mask is None:
-        attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
-    if position_ids is None:
-        position_ids = positions_from_mask(attention_mask)
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
-    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
-    return SequenceClassifierOutputWithPast(logits=self.score(pooled))
-
-
-def reward_model_class(config):
-    """The checkpoint's own sequence-classification class with mask_pooled_forward."""
-    mapping = AutoModelForSequenceClassification._model_mapping
-    if type(config) not in mapping:
-        # A --trust_remote_code config class: its own code may have no classifier, nor the
-        # .model/.score layout mask_pooled_forward reads.
-        raise InputError(f"{getattr(config, '_name_or_path', '')}: the reward model needs an architecture "
-                         f"transformers has a sequence classifier for; {type(config).__name__} has none here")
-    base = mapping[type(config)]
-    # Named as its base: save_pretrained writes the class name into config.json's architectures,
-    # and a saved (merged) reward model must name a class transformers has.
-    return type(base.__name__, (base,), {"forward": mask_pooled_forward, "__doc__": mask_pooled_forward.__doc__})
-
-
-def score_sequences(model, input_ids, attention_mask):
-    """Scores of a batch from a model loaded with task="reward" (one float per row)."""
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-
-
-def score_pairs(model, batch: dict) -> tuple:
-    """(chosen, rejected) scores of a DataCollatorForPreferencePairs batch, either layout."""
-    inputs = {name: value for name, value in batch.items() if name != "margin"}
-    return model(**inputs).logits.squeeze(-1).float().chunk(2)
-
-
-@dataclass
-class AnswerLogps(ModelOutput):
-    """answer_logps_forward's output: the log-probability of each answer token, float32 [len(answer_index)]."""
-
-    token_logps: Optional[torch.FloatTensor] = None
-
-
-def head_alone_gives_logits(model, input_ids) -> bool:
-    """Whether the output embeddings applied to the last hidden states give the model's own logits (no
-    soft-capping or scaling after the head), checked on one row in eval mode (dropout, of a LoRA on the head
-    say, would make the two differ). The model's own forward is called as a function, not through the module,
-    so it can run inside answer_logps_forward (under ZeRO-3 only the submodules' gathering hooks run, as in
-    any forward)."""
-    forward = super(type(model), model).forward
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            outputs = forward(input_ids=input_ids[:1], use_cache=False, output_hidden_states=True, **keep)
-            return head_gives_logits(model.get_output_embeddings(), outputs)
-    finally:
-        model.train(was_training)
-
-
-def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids=None, pair_segments=None,
-                         answer_index=None, answer_targets=None, **kwargs):
-    """With answer_index (flat indices into the batch's [rows * width] positions) and answer_targets (the
-    token each of those positions predicts): AnswerLogps, each answer token's log-probability. The LM head
-    runs on those positions only, in chunks of positions recomputed in backward (self.chunked_loss,
-    chunked_loss.token_logprobs): no vocabulary-wide work on prompt or padding positions, no float32
-    [answer tokens, vocabulary] tensor kept. A model that changes its logits after the head (Gemma-2's
-    soft-capping; found on the first call) gets its own full forward instead. pair_segments: shared-prefix
-    pair rows with their position ids, masked as the reward model masks them. Without answer_index, the
-    model's own forward."""
-    own_forward = super(type(self), self).forward
-    if answer_index is None:
-        return own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-    if self.answer_head_exact is None:
-        self.answer_head_exact = agreed_across_ranks(head_alone_gives_logits(self, input_ids),
-                                                     self.get_output_embeddings(), input_ids.device)
-        if not self.answer_head_exact:
-            logger.info("answer log-probs from the model's full logits: its forward changes the logits after "
-                        "the output embeddings")
-    if pair_segments is not None:
-        attention_mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
-                                             self.get_input_embeddings().weight.dtype)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-              "use_cache": False}
-    if not self.answer_head_exact:
-        return AnswerLogps(label_logprobs(own_forward(**inputs).logits.flatten(0, 1)[answer_index], answer_targets))
-    hidden = self.base_model(**inputs).last_hidden_state.flatten(0, 1)[answer_index]
-    head = self.get_output_embeddings()
-    if self.chunked_loss:
-        return AnswerLogps(token_logprobs(hidden, head, answer_targets))
-    return AnswerLogps(label_logprobs(head(hidden), answer_targets))
-
-
-def answer_logps_model_class(config):
-    """The checkpoint's own causal-LM class with answer_logps_forward, named as its base so a saved config
-    names a class transformers has. chunked_loss: set from --chunked_loss by the stage; answer_head_exact:
-    decided on the first call with answers."""
-    mapping = AutoModelForCausalLM._model_mapping
-    if type(config) not in mapping:
-        raise InputError(f"{getattr(config, '_name_or_path', '')}: DPO needs an architecture transformers has a "
-                         f"causal LM for; {type(config).__name__} has none here")
-    base = mapping[type(config)]
-    return type(base.__name__, (base,), {"forward": answer_logps_forward, "__doc__": answer_logps_forward.__doc__,
-                                         "chunked_loss": True, "answer_head_exact": None})

@@ -14,16 +14,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from lorakit.core.cli import InputError
+from lorakit.models.adapters import log_trainable
+from lorakit.models.arguments import DTYPES, ModelArguments
 from lorakit.models.chunked_loss import token_logprobs
 from lorakit.models.loader import (
-    DTYPES,
-    ModelArguments,
     checkpoint_dtype,
     empty_model,
     frozen_precision,
     keep_trainable_float32,
     load_model,
-    log_trainable,
     outside_zero3_init,
 )
 from lorakit.models.positions import last_position, positions_from_mask

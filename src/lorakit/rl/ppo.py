@@ -46,14 +46,13 @@ from lorakit.data.cache import cache_key, data_cache_dir, report_prepared_data, 
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.prompts import build_prompt_sets
 from lorakit.data.run_record import note_data
+from lorakit.models.arguments import ModelArguments, map_flags
 from lorakit.models.loader import (
-    ModelArguments,
     check_load_plan,
     check_model_inputs,
     choose_pad_token,
     load_model_config,
     load_tokenizer,
-    map_flags,
     read_adapter_config,
 )
 from lorakit.records.chat_templates import parse_template_kwargs, use_template
@@ -67,14 +66,9 @@ from lorakit.rl.policy import (
     role_model_args,
 )
 from lorakit.rl.ppo_trainer import PPOTrainer
+from lorakit.trainers.arguments import CausalLMTrainingArguments
 from lorakit.trainers.checkpoints import SavePeftModelCallback
-from lorakit.trainers.common import (
-    CausalLMTrainingArguments,
-    check_held_out_data,
-    resolve_resume_checkpoint,
-    setup_logging,
-    train_and_finish,
-)
+from lorakit.trainers.common import check_held_out_data, resolve_resume_checkpoint, setup_logging, train_and_finish
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from lorakit.rl.ppo_checkpoint import (
     write_ppo_state,
 )
 from lorakit.rl.ppo_math import make_kl_controller, policy_loss, value_loss
-from lorakit.trainers.common import ResumableTrainer
+from lorakit.trainers.causal_lm import ResumableTrainer
 
 logger = logging.getLogger(__name__)
 

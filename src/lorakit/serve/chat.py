@@ -23,7 +23,7 @@ from transformers import set_seed
 
 from lorakit.core.atomic import write_atomically
 from lorakit.core.cli import InputError, parse_args, run_cli
-from lorakit.models.loader import note_accepted_flags, trust_remote_code_field
+from lorakit.models.arguments import note_accepted_flags, trust_remote_code_field
 from lorakit.records.readers import read_records, request_of
 from lorakit.serve.inference import (
     ChatGenerator,

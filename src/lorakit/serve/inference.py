@@ -14,14 +14,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from lorakit.core.cli import InputError
 from lorakit.core.model_files import check_adapter_fits_base, checkpoint_shapes, has_tokenizer
-from lorakit.models.loader import (
-    DTYPES,
-    ModelArguments,
-    load_model,
-    load_model_config,
-    load_tokenizer,
-    map_flags,
-)
+from lorakit.models.arguments import DTYPES, ModelArguments, map_flags
+from lorakit.models.loader import load_model, load_model_config, load_tokenizer
 from lorakit.records.chat_templates import (
     TEMPLATES,
     named_template,

@@ -38,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorakit.core.cli import InputError, parse_args, run_cli
-from lorakit.models.loader import trust_remote_code_field
+from lorakit.models.arguments import trust_remote_code_field
 from lorakit.records.readers import PROMPT, conversation_of
 from lorakit.serve.inference import (
     ChatGenerator,

@@ -24,15 +24,12 @@ from lorakit.data.build_dataset import (
 )
 from lorakit.data.cache import data_cache_dir, report_prepared_data
 from lorakit.data.splits import first_samples, held_out_check, split_validation
-from lorakit.models.loader import ModelArguments, load_model
+from lorakit.models.arguments import ModelArguments
+from lorakit.models.loader import load_model
+from lorakit.trainers.arguments import CausalLMTrainingArguments
+from lorakit.trainers.causal_lm import build_trainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
-from lorakit.trainers.common import (
-    CausalLMTrainingArguments,
-    build_trainer,
-    resolve_sequence_length,
-    start_run,
-    train_and_finish,
-)
+from lorakit.trainers.common import resolve_sequence_length, start_run, train_and_finish
 
 logger = logging.getLogger(__name__)
 

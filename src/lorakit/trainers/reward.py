@@ -35,25 +35,15 @@ from lorakit.data.build_dataset import (
 )
 from lorakit.data.cache import data_cache_dir, report_prepared_data
 from lorakit.data.splits import first_samples, held_out_check, split_validation
-from lorakit.models.loader import (
-    MASKABLE_ATTENTION,
-    ModelArguments,
-    choose_pad_token,
-    load_model,
-    score_pairs,
-)
+from lorakit.models.arguments import ModelArguments
+from lorakit.models.heads import MASKABLE_ATTENTION, score_pairs
+from lorakit.models.loader import choose_pad_token, load_model
 from lorakit.records.chat_templates import parse_template_kwargs, use_template
 from lorakit.records.readers import find_record_files
+from lorakit.trainers.arguments import DeepSpeedChatDataArguments, ToolkitTrainingArguments
+from lorakit.trainers.causal_lm import ResumableTrainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
-from lorakit.trainers.common import (
-    DeepSpeedChatDataArguments,
-    ResumableTrainer,
-    ToolkitTrainingArguments,
-    padding_multiple,
-    resolve_sequence_length,
-    start_run,
-    train_and_finish,
-)
+from lorakit.trainers.common import padding_multiple, resolve_sequence_length, start_run, train_and_finish
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,130 @@
+"""LoRA through peft: a new adapter on the layers --trainable names (all-linear resolved per model), a saved one
+continued, folded into the base in memory, or kept on a frozen model; a saved adapter made for another base refused
+in one line."""
+
+import logging
+
+import torch
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from lorakit.core.cli import InputError
+from lorakit.models.arguments import ALL_LINEAR, ModelArguments, comma_list
+
+logger = logging.getLogger(__name__)
+
+
+def check_foldable(path: str, flag: str) -> None:
+    if is_deepspeed_zero3_enabled():
+        raise InputError(f"{flag} {path} with a ZeRO-3 DeepSpeed config: the adapter cannot be folded into "
+                         "partitioned weights; merge it first (scripts/merge) and pass the merged model")
+
+
+def frozen(model, model_args: ModelArguments, quantized: bool, adapter_flag: str):
+    """A model that is only run: the --peft_path adapter folded into the weights (one plain forward
+    per pass), or on a quantized base left as LoRA layers inside the model (folding would round
+    it into the quantized weights); no parameter trains, eval mode."""
+    if model_args.peft_path:
+        model = load_peft_adapter(model, model_args.peft_path, is_trainable=False, flag=adapter_flag)
+        model = model.get_base_model() if quantized else model.merge_and_unload()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def fold_in_adapter(model, path: str, flag: str):
+    """The adapter at path merged into the loaded base's weights (in memory, nothing written)."""
+    check_foldable(path, flag)
+    logger.info("folding the adapter %s into the base in memory: a new LoRA trains on base + adapter", path)
+    return load_peft_adapter(model, path, is_trainable=False, flag=flag).merge_and_unload()
+
+
+def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adapter_flag: str = "--peft_path",
+                empty: bool = False):
+    """The --peft_path adapter continued, or a new LoRA adapter; empty: model is check_load_plan's empty skeleton,
+    and the adapter's weights stay on the meta device too (nothing is logged: the real load logs it)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    if model_args.peft_path:
+        if not empty:
+            logger.info("continuing LoRA adapter %s", model_args.peft_path)
+        return load_peft_adapter(model, model_args.peft_path, is_trainable=True, flag=adapter_flag,
+                                 low_cpu_mem_usage=empty)
+    modules_to_save = comma_list(model_args.modules_to_save)
+    targets = lora_target_modules(model, model_args.trainable, modules_to_save)
+    if not targets:
+        raise InputError("--trainable must name at least one module for LoRA (or use --full_finetuning)")
+    if model_args.trainable.strip() == ALL_LINEAR and not empty:
+        logger.info("LoRA targets (%s): %s", ALL_LINEAR, ",".join(targets))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # A tied model keeps one matrix for embed_tokens and lm_head; training two separate copies
+    # would untie them and change what the merged model means.
+    ensure_tying = tied and bool(modules_to_save) and bool({"embed_tokens", "lm_head"} & set(modules_to_save))
+    lora_config = LoraConfig(
+        # SEQ_CLS also trains the score head in full and saves it with the adapter.
+        task_type=TaskType.SEQ_CLS if task == "reward" else TaskType.CAUSAL_LM,
+        target_modules=targets,
+        r=model_args.lora_rank,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        modules_to_save=modules_to_save or None,
+        ensure_weight_tying=ensure_tying,
+    )
+    try:
+        return get_peft_model(model, lora_config, low_cpu_mem_usage=empty)
+    except ValueError as err:
+        raise InputError(f"--trainable {model_args.trainable}: {err}") from None
+
+
+def lora_target_modules(model, trainable: str, modules_to_save: list) -> list:
+    """--trainable as peft target names: the comma list as given, or for all-linear the names found
+    in this model (attach_lora logs them). Resolved here rather than by peft so adapter_config.json
+    lists the layers by name, and a reader of the log sees what is trained."""
+    if trainable.strip() != ALL_LINEAR:
+        return comma_list(trainable)
+    return [name for name in linear_layer_names(model) if name not in modules_to_save]
+
+
+def linear_layer_names(model) -> list:
+    """Target names (peft matches them as name suffixes) of every linear layer of the decoder body, in
+    model order: torch.nn.Linear, which bitsandbytes' Linear4bit and Linear8bitLt subclass, and
+    transformers' Conv1D (GPT-2's c_attn/c_proj/c_fc). Only the body (model.base_model) is searched,
+    so the LM head and task heads (score, classifier, ...) next to it are left out whatever their
+    names; the output embedding is excluded by identity for a model whose body holds it."""
+    from transformers.pytorch_utils import Conv1D
+
+    output_embedding = model.get_output_embeddings()
+    names = []
+    for path, module in model.base_model.named_modules():
+        if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output_embedding:
+            name = layer_suffix(path)
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def layer_suffix(path: str) -> str:
+    """The module path from its last non-numeric part: "layers.0.mlp.up_proj" -> "up_proj", and
+    "mlp.fc.0" -> "fc.0", since a bare "0" would match every module whose name ends in ".0"."""
+    parts = path.split(".")
+    start = max((i for i, part in enumerate(parts) if not part.isdigit()), default=0)
+    return ".".join(parts[start:])
+
+
+def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_path", low_cpu_mem_usage=False):
+    """A saved LoRA adapter on model; an adapter made for another base is refused in one line.
+    low_cpu_mem_usage: peft's, the adapter's weights put on the device of the layers they adapt (an
+    empty skeleton's meta device)."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable, low_cpu_mem_usage=low_cpu_mem_usage)
+    except RuntimeError as err:
+        if "size mismatch" in str(err):
+            first = str(err).split("size mismatch", 1)[1].split("\n", 1)[0]
+            raise InputError(f"{path}: {flag} adapter does not fit this base model (size mismatch{first})") from None
+        raise
+
+
+def log_trainable(model) -> None:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100.0 * trainable / max(total, 1))

@@ -1,0 +1,165 @@
+"""The task heads beyond the causal LM: the reward model's sequence classifier pooled at each row's last attended
+token (a chosen/rejected pair packed in one row scored with a block mask), and DPO's model that returns its answer
+tokens' log-probabilities, its LM head run on answer positions only."""
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from transformers.utils import ModelOutput
+
+from lorakit.core.cli import InputError
+from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_REJECTED
+from lorakit.models.chunked_loss import agreed_across_ranks, head_gives_logits, label_logprobs, token_logprobs
+from lorakit.models.positions import last_position, positions_from_mask
+
+logger = logging.getLogger(__name__)
+
+
+# Attention implementations that take an arbitrary 4D mask (flash attention does not).
+MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+def pair_attention_mask(pair_segments, attn_implementation: str, dtype):
+    """The 4D mask of shared-prefix pair rows: causal, except that the rejected answer does not
+    see the chosen one, so it sees exactly the prefix and itself, as in a row of its own. Padding
+    is at the end, where causality already hides it from real tokens. sdpa takes it as bool
+    (True: attend), eager as an additive float mask."""
+    width = pair_segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=pair_segments.device).tril()
+    hidden_chosen = (pair_segments[:, :, None] == PAIR_REJECTED) & (pair_segments[:, None, :] == PAIR_CHOSEN)
+    allowed = (causal[None] & ~hidden_chosen)[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                        labels=None, pair_segments=None, **kwargs):
+    """One score per row, read at the row's last attended token: right for left and right padding
+    and mixed lengths. transformers' own pooling takes the last id that is not the pad id, which
+    is wrong when the pad token is EOS, as it often is. Positions come from the mask, so left
+    padding does not shift them; the head runs on the pooled rows only.
+
+    With pair_segments (rows of prefix + chosen answer + rejected answer, their position_ids
+    given), one row scores a pair: the chosen scores of all rows, then the rejected ones."""
+    if pair_segments is not None:
+        mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
+                                   self.get_input_embeddings().weight.dtype)
+        hidden = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        pooled = torch.cat([hidden[rows, last_position(pair_segments == PAIR_CHOSEN)],
+                            hidden[rows, last_position(pair_segments == PAIR_REJECTED)]])
+        return SequenceClassifierOutputWithPast(logits=self.score(pooled))
+    if attention_mask is None:
+        attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+    if position_ids is None:
+        position_ids = positions_from_mask(attention_mask)
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
+    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
+    return SequenceClassifierOutputWithPast(logits=self.score(pooled))
+
+
+def reward_model_class(config):
+    """The checkpoint's own sequence-classification class with mask_pooled_forward."""
+    mapping = AutoModelForSequenceClassification._model_mapping
+    if type(config) not in mapping:
+        # A --trust_remote_code config class: its own code may have no classifier, nor the
+        # .model/.score layout mask_pooled_forward reads.
+        raise InputError(f"{getattr(config, '_name_or_path', '')}: the reward model needs an architecture "
+                         f"transformers has a sequence classifier for; {type(config).__name__} has none here")
+    base = mapping[type(config)]
+    # Named as its base: save_pretrained writes the class name into config.json's architectures,
+    # and a saved (merged) reward model must name a class transformers has.
+    return type(base.__name__, (base,), {"forward": mask_pooled_forward, "__doc__": mask_pooled_forward.__doc__})
+
+
+def score_sequences(model, input_ids, attention_mask):
+    """Scores of a batch from a model loaded with task="reward" (one float per row)."""
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+
+
+def score_pairs(model, batch: dict) -> tuple:
+    """(chosen, rejected) scores of a DataCollatorForPreferencePairs batch, either layout."""
+    inputs = {name: value for name, value in batch.items() if name != "margin"}
+    return model(**inputs).logits.squeeze(-1).float().chunk(2)
+
+
+@dataclass
+class AnswerLogps(ModelOutput):
+    """answer_logps_forward's output: the log-probability of each answer token, float32 [len(answer_index)]."""
+
+    token_logps: Optional[torch.FloatTensor] = None
+
+
+def head_alone_gives_logits(model, input_ids) -> bool:
+    """Whether the output embeddings applied to the last hidden states give the model's own logits (no
+    soft-capping or scaling after the head), checked on one row in eval mode (dropout, of a LoRA on the head
+    say, would make the two differ). The model's own forward is called as a function, not through the module,
+    so it can run inside answer_logps_forward (under ZeRO-3 only the submodules' gathering hooks run, as in
+    any forward)."""
+    forward = super(type(model), model).forward
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = forward(input_ids=input_ids[:1], use_cache=False, output_hidden_states=True, **keep)
+            return head_gives_logits(model.get_output_embeddings(), outputs)
+    finally:
+        model.train(was_training)
+
+
+def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids=None, pair_segments=None,
+                         answer_index=None, answer_targets=None, **kwargs):
+    """With answer_index (flat indices into the batch's [rows * width] positions) and answer_targets (the
+    token each of those positions predicts): AnswerLogps, each answer token's log-probability. The LM head
+    runs on those positions only, in chunks of positions recomputed in backward (self.chunked_loss,
+    chunked_loss.token_logprobs): no vocabulary-wide work on prompt or padding positions, no float32
+    [answer tokens, vocabulary] tensor kept. A model that changes its logits after the head (Gemma-2's
+    soft-capping; found on the first call) gets its own full forward instead. pair_segments: shared-prefix
+    pair rows with their position ids, masked as the reward model masks them. Without answer_index, the
+    model's own forward."""
+    own_forward = super(type(self), self).forward
+    if answer_index is None:
+        return own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    if self.answer_head_exact is None:
+        self.answer_head_exact = agreed_across_ranks(head_alone_gives_logits(self, input_ids),
+                                                     self.get_output_embeddings(), input_ids.device)
+        if not self.answer_head_exact:
+            logger.info("answer log-probs from the model's full logits: its forward changes the logits after "
+                        "the output embeddings")
+    if pair_segments is not None:
+        attention_mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
+                                             self.get_input_embeddings().weight.dtype)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": False}
+    if not self.answer_head_exact:
+        return AnswerLogps(label_logprobs(own_forward(**inputs).logits.flatten(0, 1)[answer_index], answer_targets))
+    hidden = self.base_model(**inputs).last_hidden_state.flatten(0, 1)[answer_index]
+    head = self.get_output_embeddings()
+    if self.chunked_loss:
+        return AnswerLogps(token_logprobs(hidden, head, answer_targets))
+    return AnswerLogps(label_logprobs(head(hidden), answer_targets))
+
+
+def answer_logps_model_class(config):
+    """The checkpoint's own causal-LM class with answer_logps_forward, named as its base so a saved config
+    names a class transformers has. chunked_loss: set from --chunked_loss by the stage; answer_head_exact:
+    decided on the first call with answers."""
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping:
+        raise InputError(f"{getattr(config, '_name_or_path', '')}: DPO needs an architecture transformers has a "
+                         f"causal LM for; {type(config).__name__} has none here")
+    base = mapping[type(config)]
+    return type(base.__name__, (base,), {"forward": answer_logps_forward, "__doc__": answer_logps_forward.__doc__,
+                                         "chunked_loss": True, "answer_head_exact": None})

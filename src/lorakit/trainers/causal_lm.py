@@ -1,0 +1,219 @@
+"""The Trainer every stage builds on: ResumableTrainer (a resume provably continues the same run: sample order, data
+read, a non-finite loss stops it), the causal-LM Trainer of pretraining and SFT with its chunked loss, the epoch-
+seeded length-grouped sampler, and next-token metrics."""
+
+import logging
+import math
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from lorakit.core.cli import ReportedError
+from lorakit.core.model_files import complete_checkpoints
+from lorakit.models.chunked_loss import agreed_across_ranks, causal_lm_loss, head_reproduces_logits
+from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def argmax_logits_for_metrics(logits, labels):
+    """Keep only the predicted ids: accumulating full logits over an eval set costs vocab x more memory."""
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def next_token_accuracy(eval_prediction) -> dict:
+    """Accuracy of next-token prediction over positions that have a label."""
+    predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
+    predictions = np.asarray(predictions)[:, :-1]
+    labels = np.asarray(labels)[:, 1:]
+    mask = labels != -100
+    correct = (predictions == labels) & mask
+    return {"accuracy": float(correct.sum() / max(mask.sum(), 1))}
+
+
+def add_perplexity(metrics: dict, prefix: str = "eval") -> dict:
+    loss = metrics.get(f"{prefix}_loss")
+    if loss is not None:
+        metrics[f"{prefix}_perplexity"] = math.exp(loss) if loss < 50 else float("inf")
+    return metrics
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """LengthGroupedSampler whose shuffle is a function of (seed, epoch). transformers builds it
+    without a generator, so it draws from the global RNG mid-run, which resuming restores to the
+    checkpoint's state: a resumed run would see other batches than an uninterrupted one."""
+
+    def __init__(self, batch_size: int, lengths: list, seed: int):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+class TrainingDiverged(ReportedError):
+    """The loss or gradient norm stayed non-finite: the weights are lost, the last checkpoint is not."""
+
+    exit_status = 3
+
+
+class StopOnNonFinite(TrainerCallback):
+    """Stops a run whose logged loss or gradient norm is NaN or infinite max_nonfinite_steps logged steps in a
+    row (one fp16 overflow step, skipped by the loss scaler, is not a reason), or whose last step is. While the
+    last logged step is non-finite nothing is saved, so the last checkpoint on disk holds finite weights and
+    resumes; every save step and the last step are made logged steps so that no save goes unchecked. The logged
+    loss is the mean over every process, so each rank stops at the same step."""
+
+    def __init__(self, max_nonfinite_steps: int):
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.nonfinite_steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save or control.should_training_stop:
+            control.should_log = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        values = {name: logs[name] for name in ("loss", "grad_norm") if name in (logs or {})}
+        if not values:
+            return control  # an eval or end-of-training log
+        bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+        if not bad:
+            self.nonfinite_steps = []
+            return control
+        self.nonfinite_steps.append(state.global_step)
+        control.should_save = False
+        # The last step too: ending the run would save its weights as the final adapter.
+        if len(self.nonfinite_steps) >= self.max_nonfinite_steps or state.global_step >= state.max_steps:
+            raise TrainingDiverged(self.stop_message(args.output_dir, bad))
+        return control
+
+    def stop_message(self, output_dir: str, bad: dict) -> str:
+        checkpoints = complete_checkpoints(output_dir)
+        last = (f"the last checkpoint {checkpoints[-1]} holds finite weights and resumes"
+                if checkpoints else "no checkpoint was saved")
+        what = " and ".join(f"{name} {value}" for name, value in bad.items())
+        steps = ", ".join(map(str, self.nonfinite_steps))
+        return (f"training stopped: {what} at {len(self.nonfinite_steps)} logged step(s) in a row (steps {steps}; "
+                f"--max_nonfinite_steps {self.max_nonfinite_steps}); nothing was saved from them, {last}; "
+                "lower --learning_rate or check the data before resuming")
+
+
+class ResumableTrainer(Trainer):
+    """Trainer whose length-grouped sampling is reproducible across a resume, which stops a run whose loss
+    diverged (StopOnNonFinite) before it saves non-finite weights, and whose checkpoints are complete only once
+    their completion marker is written, after everything else (checkpoint_state.CheckpointCompletion)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        max_nonfinite_steps = getattr(self.args, "max_nonfinite_steps", 0)
+        if max_nonfinite_steps > 0:
+            self.add_callback(StopOnNonFinite(max_nonfinite_steps))
+        if not any(isinstance(callback, CheckpointCompletion) for callback in self.callback_handler.callbacks):
+            self.add_callback(CheckpointCompletion())  # a full fine-tuning run has no SavePeftModelCallback
+
+    def train(self, *args, **kwargs):
+        # The marker's writer last (a stable sort, after any callback added since __init__): after every on_save.
+        self.callback_handler.callbacks.sort(key=lambda callback: isinstance(callback, CheckpointCompletion))
+        try:
+            return super().train(*args, **kwargs)
+        except TrainingDiverged:
+            # The progress bar is still open mid-line: closed, so the error starts a line of its own.
+            for callback in self.callback_handler.callbacks:
+                if getattr(callback, "training_bar", None) is not None:
+                    callback.training_bar.close()
+            raise
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # transformers 5.23 trains a step before its callbacks check max_steps: a rerun resuming the final
+        # checkpoint (a kill during the last save or eval) would train step max_steps + 1. Nothing is left.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _save_checkpoint(self, model, trial):
+        clear_for_checkpoint(self.args, self.state.global_step)
+        # The Trainer rotates checkpoints (--save_total_limit) inside this call, before the adapter copy and the
+        # completion marker are written: it could remove the last complete checkpoint for one a crash leaves
+        # incomplete. CheckpointCompletion rotates once the new one is complete.
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = save_total_limit
+
+    def _get_train_sampler(self, train_dataset=None):
+        sampler = super()._get_train_sampler(train_dataset)
+        if isinstance(sampler, LengthGroupedSampler):
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
+        return sampler
+
+
+def without_labels(batch: dict) -> dict:
+    """A causal-LM batch's model inputs: all but its (shifted) labels."""
+    return {name: value for name, value in batch.items() if name not in ("labels", "shift_labels")}
+
+
+class CausalLMTrainer(ResumableTrainer):
+    """Trainer whose eval logs carry perplexity next to the loss, during training and at the end, and whose
+    loss is chunked_loss.causal_lm_loss (--chunked_loss) where that equals the model's own: no float32 logits
+    of the whole batch and vocabulary. The model runs with logits_to_keep=1 and returns its hidden states."""
+
+    chunked_loss_exact = None  # decided on the first batch (head_reproduces_logits)
+
+    def log(self, logs, *args, **kwargs):
+        add_perplexity(logs)
+        super().log(logs, *args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or not self.uses_chunked_loss(model, inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**without_labels(inputs), output_hidden_states=True, logits_to_keep=1)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        with self.accelerator.autocast():  # the mixed precision the model's forward ran its head in
+            loss = causal_lm_loss(outputs.hidden_states[-1], head, inputs.get("labels"), num_items_in_batch,
+                                  inputs.get("shift_labels"))
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # As Trainer.compute_loss: the count spans every process, whose gradients are averaged.
+            loss = loss * self.accelerator.num_processes
+        return loss
+
+    def uses_chunked_loss(self, model, inputs) -> bool:
+        """--chunked_loss, a batch with labels, plain data parallelism (no tensor, sequence or context
+        parallelism, no DataParallel), and a model whose head reproduces its logits."""
+        if not (getattr(self.args, "chunked_loss", False) and "labels" in inputs and self.args.n_gpu <= 1
+                and getattr(self.accelerator, "parallelism_config", None) is None):
+            return False
+        if self.chunked_loss_exact is None:
+            unwrapped = self.accelerator.unwrap_model(model)
+            with self.accelerator.autocast():
+                exact = head_reproduces_logits(unwrapped, without_labels(inputs))
+            self.chunked_loss_exact = agreed_across_ranks(exact, unwrapped.get_output_embeddings(),
+                                                          inputs["input_ids"].device)
+            if not self.chunked_loss_exact:
+                logger.info("chunked loss off: this model's forward does not take logits_to_keep or changes the "
+                            "logits after its output embeddings; transformers' loss over the full logits is used")
+        return self.chunked_loss_exact
+
+
+def build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, data_collator, callbacks):
+    """The CausalLMTrainer every causal-LM stage uses, with token accuracy on its eval set."""
+    has_eval = eval_dataset is not None
+    return CausalLMTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=data_collator,
+        compute_metrics=next_token_accuracy if has_eval else None,
+        preprocess_logits_for_metrics=argmax_logits_for_metrics if has_eval else None,
+        callbacks=callbacks,
+    )
