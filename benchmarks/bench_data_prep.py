@@ -255,7 +255,7 @@ def measure_num_proc(args, work: Path, corpus: dict, tokenizer, suffix, num_proc
                                          tokens, lines[:200] if check else None, suffix)
         clm_cold, clm_warm, clm_blocks = time_run_clm(corpus["files"], tokenizer, num_proc,
                                                       work / f"clm-np{num_proc}-r{rep}")
-        for name, seconds in zip(times, (raw_s, fast_s, ours_cold, ours_warm, clm_cold, clm_warm)):
+        for name, seconds in zip(times, (raw_s, fast_s, ours_cold, ours_warm, clm_cold, clm_warm), strict=True):
             times[name].append(seconds)
         print(f"  num_proc={num_proc} repeat {rep + 1}: raw {raw_s:.2f}s, fast {fast_s:.2f}s, ours {ours_cold:.2f}s "
               f"(warm {ours_warm:.2f}s), run_clm {clm_cold:.2f}s (warm {clm_warm:.2f}s)", flush=True)

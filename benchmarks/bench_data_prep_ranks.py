@@ -271,7 +271,7 @@ def launch(run: str, work: Path, model_dir: str, corpus: dict, cache: Path, proc
 def check_launch(result: dict, files: int, hashed: list, built: list, entry: str | None = None) -> str:
     """Each rank hashed every file or none (hashed: 1 or 0 a rank) and built or loaded (built) the one entry
     expected; that entry's name."""
-    for rank, hashed_files, was_built in zip(result["ranks"], hashed, built):
+    for rank, hashed_files, was_built in zip(result["ranks"], hashed, built, strict=True):
         assert rank["files_hashed"] == hashed_files * files, (result["run"], rank)
         assert [e["built"] for e in rank["entries"]] == [was_built], (result["run"], rank["entries"])
     names = {rank["entries"][0]["name"] for rank in result["ranks"]}

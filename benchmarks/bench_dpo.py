@@ -108,7 +108,7 @@ def compare(runs: list) -> dict:
 
     first_diffs = {name: max(abs(o["first_step"][name] - t["first_step"][name])
                              for o, t in zip([r for r in runs if r["side"] == "ours"],
-                                             [r for r in runs if r["side"] == "trl"]))
+                                             [r for r in runs if r["side"] == "trl"], strict=True))
                    for name in ("loss", "logps/chosen", "logps/rejected")}
     result = {"first_step_max_abs_diff": first_diffs,
               "time_per_step_ratio": mean("ours", "time_per_step_s") / mean("trl", "time_per_step_s"),

@@ -13,7 +13,7 @@ the model's embeddings keep their full vocabulary, so the LM head costs what it 
 Data: seeded single-turn chats ("human_assistant" template) of uniformly spread lengths up to --seq_len.
 
 Every figure comes from the toolkit's own code: scripts/training/run_sft_with_peft.py and run_ppo.py run
-unmodified as __main__ (runpy) in a child process per measurement, so model loading is model_utils'
+unmodified as __main__ (runpy) in a child process per measurement, so model loading is lorakit.models.loader's
 load_model, packing is build_dataset's pack_samples and collator (with the flash-attention varlen bounds
 under flash_attention_2), the loss is CausalLMTrainer's (chunked_loss.py with --chunked_loss true), PPO is
 the PPO trainer. The child only adds a callback (CUDA-synchronised step clock, memory readings) and wraps
@@ -69,6 +69,7 @@ import statistics
 import sys
 from collections import deque
 from contextlib import contextmanager, nullcontext
+from itertools import pairwise
 from pathlib import Path
 
 from measure import (
@@ -203,7 +204,7 @@ def peak_bf16_flops(device_name: str):
 def sample_spans(position_ids) -> list:
     """(start, end) of each sample of a packed row: its positions restart at 0 where a sample starts."""
     starts = [index for index, position in enumerate(position_ids) if position == 0]
-    return list(zip(starts, starts[1:] + [len(position_ids)]))
+    return list(pairwise(starts + [len(position_ids)]))
 
 
 # ----------------------------------------------------------------------------- inputs (parent)
@@ -477,9 +478,9 @@ def packing_check(trainer, collator, rows: list) -> dict:
                               labels, spans)
     model.train()
     tolerance = 2e-2 if trainer.args.bf16 else 1e-4
-    packed_diff = max(abs(a - b) for a, b in zip(packed, alone))
+    packed_diff = max(abs(a - b) for a, b in zip(packed, alone, strict=True))
     return {"samples": len(alone), "mean_loss": statistics.mean(alone), "packed_max_abs_diff": packed_diff,
-            "cross_attending_max_abs_diff": max(abs(a - b) for a, b in zip(across, alone)),
+            "cross_attending_max_abs_diff": max(abs(a - b) for a, b in zip(across, alone, strict=True)),
             "tolerance": tolerance, "equal": packed_diff <= tolerance}
 
 

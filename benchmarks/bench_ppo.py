@@ -471,7 +471,8 @@ def summarise(run: str, metrics: dict, iterations: int) -> dict:
     if run == "trl":
         split = {"generation_s": [s.get("generation_s", 0.0) for s in steps],
                  "experience_s": [s.get("experience_s", 0.0) for s in steps]}
-        split["training_s"] = [w - g - e for w, g, e in zip(walls, split["generation_s"], split["experience_s"])]
+        split["training_s"] = [w - g - e for w, g, e in zip(walls, split["generation_s"], split["experience_s"],
+                                                           strict=True)]
         summary["generated_steps"] = [s.get("generated_steps") for s in steps]
         summary["response_tokens"] = [s.get("response_tokens") for s in steps]
         logs = [log for log in metrics["logs"] if "objective/scores" in log]
@@ -484,7 +485,7 @@ def summarise(run: str, metrics: dict, iterations: int) -> dict:
         split = {"generation_s": [log["time_generation"] for log in logs],
                  "experience_s": [log.get("time_scoring", 0.0) for log in logs],
                  "training_s": [log["time_training"] for log in logs]}
-        split["other_s"] = [w - sum(parts) for w, parts in zip(walls, zip(*split.values()))]
+        split["other_s"] = [w - sum(parts) for w, parts in zip(walls, zip(*split.values(), strict=True), strict=True)]
         for key in ("reward_mean", "kl"):
             summary[key] = [log.get(key) for log in logs]
         for key in ("generated_steps", "response_tokens", "response_length"):

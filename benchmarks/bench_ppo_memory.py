@@ -6,7 +6,7 @@ float32 logits (issue 15, item 3).
            entropy; the reference's and the actor's log-probs come from [B, A, V] logits.
 * after  - run_ppo.py --chunked_loss true (the default): each sampled token's log-prob and
            entropy are recorded as it is sampled (one step's [B, V] at a time); log-probs come from
-           the hidden states over chunks of positions (scripts/training/chunked_loss.py), the
+           the hidden states over chunks of positions (lorakit.models.chunked_loss), the
            actor's head checkpointed chunk by chunk for the backward pass.
 
 Model: a tiny Llama built from a config, random seeded weights (nothing downloaded): hidden 64, 2

@@ -123,7 +123,8 @@ def build_pairs(tokenizer, positives: list, negatives: list, wanted: int, max_le
     """Pairs from the two review streams (in order), keeping a pair only if both of TRL's full
     sequences fit in max_length. Returns (pairs, counts of dropped candidates)."""
     pairs, dropped = [], {"chosen_too_long": 0, "rejected_too_long": 0, "both_too_long": 0}
-    for positive, negative in zip(positives, negatives):
+    # The streams differ in length and only `wanted` pairs are needed: the shorter one ends the pairing.
+    for positive, negative in zip(positives, negatives, strict=False):
         if len(pairs) == wanted:
             break
         prompt = rng.choice(PROMPTS)
@@ -284,16 +285,16 @@ def common_scores(model_dir: str, adapter_dir: str, tokenizer, pairs: list, batc
             lengths = torch.tensor([len(s) for s in batch])
             scores += inner.score(hidden[rows, lengths - 1]).squeeze(-1).tolist()
     chosen, rejected = scores[0::2], scores[1::2]
-    wins = [c > r for c, r in zip(chosen, rejected)]
+    wins = [c > r for c, r in zip(chosen, rejected, strict=True)]
     return {"accuracy": sum(wins) / len(wins), "wins": wins,
-            "margin": statistics.mean(c - r for c, r in zip(chosen, rejected))}
+            "margin": statistics.mean(c - r for c, r in zip(chosen, rejected, strict=True))}
 
 
 
 
 def lora_reward_models(model_dir: str, tokenizer, seed: int, lr: float) -> dict:
     """Each side's reward model class with the same LoRA (same seed) and an AdamW: {side: (model,
-    optimizer)}; ours: model_utils' reward model class, TRL: transformers' sequence classifier."""
+    optimizer)}; ours: models.heads' reward model class, TRL: transformers' sequence classifier."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -396,7 +397,7 @@ def interleaved_steps(model_dir: str, tokenizer, pairs: list, args, lr: float) -
             tokens[name] += padded
     return {"steps": args.interleaved_steps, "ours_s": times["ours"], "trl_s": times["trl"],
             "ours_median_s": statistics.median(times["ours"]), "trl_median_s": statistics.median(times["trl"]),
-            "ratio_ours_to_trl": statistics.median(o / t for o, t in zip(times["ours"], times["trl"])),
+            "ratio_ours_to_trl": statistics.median(o / t for o, t in zip(times["ours"], times["trl"], strict=True)),
             "padded_tokens_ours": tokens["ours"], "padded_tokens_trl": tokens["trl"]}
 
 
@@ -501,21 +502,20 @@ def compare_sides(args, runs: list) -> list:
         ours = [r for r in runs if r["side"] == "ours" and r["learning_rate"] == lr]
         theirs = [r for r in runs if r["side"] == "trl" and r["learning_rate"] == lr]
         # Pair by seed; discordant held-out pairs are pooled over seeds for McNemar's test.
-        ours_only = sum(o and not t for a, b in zip(ours, theirs) for o, t in zip(a["_wins"], b["_wins"]))
-        trl_only = sum(t and not o for a, b in zip(ours, theirs) for o, t in zip(a["_wins"], b["_wins"]))
-
-        def mean_ratio(key):
-            return mean_of(ours, key) / mean_of(theirs, key)
+        verdicts = [(o, t) for a, b in zip(ours, theirs, strict=True)
+                    for o, t in zip(a["_wins"], b["_wins"], strict=True)]
+        ours_only = sum(o and not t for o, t in verdicts)
+        trl_only = sum(t and not o for o, t in verdicts)
 
         comparisons.append({
             "learning_rate": lr, "seeds": args.seeds,
             "ours_mean_common_accuracy": mean_of(ours, "common_accuracy"),
             "trl_mean_common_accuracy": mean_of(theirs, "common_accuracy"),
             "per_seed_accuracy_diff_common": [a["common_accuracy"] - b["common_accuracy"]
-                                              for a, b in zip(ours, theirs)],
-            "time_ratio_ours_to_trl": mean_ratio("s_per_step"),
-            "median_step_ratio_ours_to_trl": mean_ratio("median_step_wall_s"),
-            "cpu_step_ratio_ours_to_trl": mean_ratio("median_step_cpu_s"),
+                                              for a, b in zip(ours, theirs, strict=True)],
+            "time_ratio_ours_to_trl": ratio_of_means(ours, theirs, "s_per_step"),
+            "median_step_ratio_ours_to_trl": ratio_of_means(ours, theirs, "median_step_wall_s"),
+            "cpu_step_ratio_ours_to_trl": ratio_of_means(ours, theirs, "median_step_cpu_s"),
             "rss_ratio_ours_to_trl": max(r["peak_rss_mb"] for r in ours) / max(r["peak_rss_mb"] for r in theirs),
             "accuracy_diff_own_metric": mean_of(ours, "own_eval_accuracy") - mean_of(theirs, "own_eval_accuracy"),
             "accuracy_diff_common": mean_of(ours, "common_accuracy") - mean_of(theirs, "common_accuracy"),
@@ -529,6 +529,10 @@ def compare_sides(args, runs: list) -> list:
 
 def mean_of(rows: list, key: str) -> float:
     return statistics.mean(r[key] for r in rows)
+
+
+def ratio_of_means(ours: list, theirs: list, key: str) -> float:
+    return mean_of(ours, key) / mean_of(theirs, key)
 
 
 def print_runs(runs: list) -> None:

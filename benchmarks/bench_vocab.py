@@ -77,7 +77,7 @@ def encoding_figures(tokenizer, lines: list) -> dict:
     tokens = sum(map(len, encoded))
     chars = sum(map(len, lines))
     return {"tokens": tokens, "characters": chars, "tokens_per_char": tokens / chars,
-            "round_trip": sum(a == b for a, b in zip(lines, decoded)), "lines": len(lines),
+            "round_trip": sum(a == b for a, b in zip(lines, decoded, strict=True)), "lines": len(lines),
             "encode_s": seconds, "characters_per_s": chars / seconds, "ids": encoded}
 
 
@@ -132,7 +132,8 @@ def measure_tokenizers(tokenizers: dict, text: dict) -> dict:
         held, english_ids = rows[name]["heldout"], rows[name]["english"]["ids"]
         held["reduction"] = 1 - held["tokens_per_char"] / rows["base"]["heldout"]["tokens_per_char"]
         held["new_tokens_used"] = len({i for ids in held["ids"] for i in ids if i >= base_vocab})
-        rows[name]["english_lines_changed"] = sum(a != b for a, b in zip(english_ids, rows["base"]["english"]["ids"]))
+        base_ids = rows["base"]["english"]["ids"]
+        rows[name]["english_lines_changed"] = sum(a != b for a, b in zip(english_ids, base_ids, strict=True))
     for row in rows.values():
         for part in ("heldout", "english"):
             del row[part]["ids"]

@@ -219,7 +219,7 @@ def test_a_node_that_cannot_read_rank_zeros_checkpoint_makes_every_rank_refuse(s
     assert time.time() - started < 240
     expected = ("out/checkpoint-4: rank 0 resumes from it, but rank(s) 1 cannot (out/checkpoint-4: no such "
                 "directory): every node must see the same --output_dir")
-    for launcher, (stdout, stderr) in zip(launchers, results):
+    for launcher, (stdout, stderr) in zip(launchers, results, strict=True):
         result = type("Result", (), {"returncode": launcher.returncode, "stdout": stdout, "stderr": stderr})
         check_refused(result, expected)
     assert os.listdir(nodes[1] / "out") == [] and snapshot(nodes[0] / "out") == before

@@ -1,4 +1,4 @@
-"""The chunked loss (scripts/training/chunked_loss.py) and PPO's step-by-step sampling statistics: the
+"""The chunked loss (lorakit.models.chunked_loss) and PPO's step-by-step sampling statistics: the
 same losses, log-probs, entropies and gradients as transformers' loss and the stacked output_logits,
 and no float32 [batch, positions, vocabulary] tensor where the full-logits way makes one."""
 
@@ -74,7 +74,7 @@ def sft_batch(vocab_size: int, packed: bool) -> dict:
         starts = ([0, 7, 15], [0, 11])
         positions = torch.zeros_like(ids)
         for row, row_starts in enumerate(starts):
-            for start, end in zip(row_starts, list(row_starts[1:]) + [WIDTH]):
+            for start, end in zip(row_starts, list(row_starts[1:]) + [WIDTH], strict=True):
                 positions[row, start:end] = torch.arange(end - start)
                 labels[row, start : start + 3] = -100  # each sample's prompt
         return {"input_ids": ids, "position_ids": positions, "labels": labels}
@@ -125,7 +125,8 @@ def test_chunked_loss_equals_transformers_loss_without_full_logits(adapter, pack
         results[chunked] = [loss_and_gradients(trainer, batch, items) for items in (counted + 7, None)]
         assert trainer.chunked_loss_exact is (True if chunked else None)
     full_logits_bytes = batch["input_ids"].numel() * vocab_size * 4
-    for (loss, gradients, largest), (chunked_loss_value, chunked_gradients, chunked_largest) in zip(*results.values()):
+    for (loss, gradients, largest), (chunked_loss_value, chunked_gradients, chunked_largest) in zip(
+            *results.values(), strict=True):
         torch.testing.assert_close(chunked_loss_value, loss, atol=1e-5, rtol=1e-5)
         assert chunked_gradients.keys() == gradients.keys() and len(gradients) >= 4
         for name, gradient in gradients.items():

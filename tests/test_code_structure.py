@@ -241,3 +241,66 @@ def test_atomic_writes_have_one_home():
              if name != "lorakit/core/atomic.py" and name not in RENAMES_ELSEWHERE]
     assert not stray, "rename or fsync outside lorakit.core.atomic: " + ", ".join(stray)
     assert {name for name, _ in found} >= set(RENAMES_ELSEWHERE) | {"lorakit/core/atomic.py"}
+
+
+# Functions whose fixed-length tuple return a library's protocol dictates, and which protocol.
+TRAINER_COMPUTE_LOSS = "transformers.Trainer.compute_loss: the loss, or (loss, outputs) with return_outputs"
+TRAINER_PREDICTION_STEP = "transformers.Trainer.prediction_step: (loss, logits, labels)"
+PROTOCOL_TUPLES = {
+    "src/lorakit/models/loader.py:inputs_in_float32": "a torch forward pre-hook with kwargs returns (args, kwargs)",
+    "src/lorakit/rl/policy.py:contexts": "torch.utils.checkpoint's context_fn returns (forward, recompute) contexts",
+    "src/lorakit/rl/ppo_checkpoint.py:_prepare_for_training": "Trainer._prepare_for_training: (model, dataloader)",
+    "src/lorakit/rl/ppo_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
+    "src/lorakit/trainers/causal_lm.py:get_batch_samples": "Trainer.get_batch_samples: (batches, items in batch)",
+    "src/lorakit/trainers/causal_lm.py:compute_loss": TRAINER_COMPUTE_LOSS,
+    "src/lorakit/trainers/dpo.py:compute_loss": TRAINER_COMPUTE_LOSS,
+    "src/lorakit/trainers/dpo.py:prediction_step": TRAINER_PREDICTION_STEP,
+    "src/lorakit/trainers/reward.py:compute_loss": TRAINER_COMPUTE_LOSS,
+    "src/lorakit/trainers/reward.py:prediction_step": TRAINER_PREDICTION_STEP,
+}
+BARE_CONTAINERS = {"tuple", "list", "dict", "set", "Tuple", "List", "Dict", "Set"}
+
+
+def annotation_node(node: ast.expr) -> ast.expr:
+    """A string annotation ("torch.Tensor", written so under TYPE_CHECKING) parsed to the expression it names."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return ast.parse(node.value, mode="eval").body
+    return node
+
+
+def loose_return(annotation: ast.expr) -> bool:
+    """A bare container, or a fixed-length tuple of parts that deserve names (tuple[X, ...] is a sequence)."""
+    annotation = annotation_node(annotation)
+    if isinstance(annotation, ast.BinOp):  # X | Y
+        return loose_return(annotation.left) or loose_return(annotation.right)
+    if isinstance(annotation, ast.Name):
+        return annotation.id in BARE_CONTAINERS
+    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", None) in {"tuple", "Tuple"}:
+        parts = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+        return not (len(parts) == 2 and isinstance(parts[1], ast.Constant) and parts[1].value is Ellipsis)
+    return False
+
+
+def loose_return_types(*roots: Path) -> list:
+    found = []
+    for path in python_files(*roots):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+                where = f"{path.relative_to(REPO)}:{node.name}"
+                if loose_return(node.returns) and where not in PROTOCOL_TUPLES:
+                    found.append(f"{where} -> {ast.unparse(node.returns)}")
+    return found
+
+
+def test_returns_name_their_parts():
+    """Types say what travels: no function returns a bare tuple, list or dict, and none a fixed tuple of parts
+    that a NamedTuple or dataclass would name (ruff's ANN rules, in `make lint`, require the annotations)."""
+    assert not loose_return_types(REPO / "src", SCRIPTS), "\n".join(loose_return_types(REPO / "src", SCRIPTS))
+
+
+def test_loose_returns_are_recognised():
+    samples = {"tuple": True, "dict": True, "tuple[int, str]": True, "'tuple[torch.Tensor, torch.Tensor]'": True,
+               "list[str] | None": False, "tuple[int, ...]": False, "dict[str, int]": False, "Scores": False,
+               "tuple | None": True}
+    for text, loose in samples.items():
+        assert loose_return(ast.parse(text, mode="eval").body) is loose, text

@@ -44,7 +44,7 @@ def data_cache(tmp_path_factory):
 def full_logits_logps(model, sequences, starts):
     """Reference computation: each sequence alone, the full LM head, log_softmax, its answer tokens."""
     sums = []
-    for ids, start in zip(sequences, starts):
+    for ids, start in zip(sequences, starts, strict=True):
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
         logps = logits[:-1].log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         sums.append(logps[start - 1:].sum())

@@ -309,7 +309,7 @@ def test_ppo_placements_give_the_same_iterations(ppo_runs):
     shared, separate = ([entry for entry in log_history(ppo_runs["qwen2.5", placement][0]) if "loss" in entry]
                         for placement in ("shared", "separate"))
     assert len(shared) == len(separate) == 2
-    for first, second in zip(shared, separate):
+    for first, second in zip(shared, separate, strict=True):
         for key in PPO_STEP_KEYS:
             assert abs(first[key] - second[key]) <= 1e-4 * max(1.0, abs(first[key])), (key, first, second)
 
@@ -346,7 +346,7 @@ def assert_pooled_at_row_ends(batch: dict, rows: list, share_prefix: bool) -> No
 
     if share_prefix:
         segments = batch["pair_segments"]
-        for row, segment in zip(rows, (PAIR_CHOSEN, PAIR_REJECTED)):
+        for row, segment in zip(rows, (PAIR_CHOSEN, PAIR_REJECTED), strict=True):
             at = last_position(segments == segment)[0]
             assert batch["input_ids"][0, at] == row[-1] and batch["position_ids"][0, at] == len(row) - 1
     else:
@@ -410,7 +410,7 @@ def test_scores_are_read_at_the_end_of_the_rendered_turn(name, variant, family_m
             torch.testing.assert_close(torch.cat(score_pairs(model, batch)), alone, atol=1e-5, rtol=1e-5)
         ids, mask, end_id, tail = closed_rollout(tokenizer, template, rows)
         assert tokenizer.decode([end_id]) == TURN_END[name] and tokenizer.decode(tail) == TURN_TAIL[name]
-        for row, row_ids, row_mask in zip(rows, ids, mask):
+        for row, row_ids, row_mask in zip(rows, ids, mask, strict=True):
             assert row_ids[row_mask.bool()].tolist() == row
         torch.testing.assert_close(score_sequences(model, ids, mask), alone, atol=1e-5, rtol=1e-5)
 
@@ -471,7 +471,7 @@ def test_batch_chat_replies_stop_at_the_turn_end(name, own_template_sft, data_fi
     tokenizer, outputs = greedy_until_eos(base, str(out / "sft_lora_model"), [prompt_messages(r) for r in records])
     end_id = tokenizer.convert_tokens_to_ids(TURN_END[name])
     stopped = went_on = 0
-    for record, line, generated in zip(records, lines, outputs):
+    for record, line, generated in zip(records, lines, outputs, strict=True):
         assert line.get("prompt", line.get("messages")) == record.get("prompt", record.get("messages"))
         assert TURN_END[name] not in line["response"]
         if end_id in generated:

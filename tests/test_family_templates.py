@@ -50,7 +50,7 @@ def family(request):
 def trained_runs(sample) -> list:
     """Token ids of each contiguous trained run."""
     runs, current = [], []
-    for token, label in zip(sample["input_ids"], sample["labels"]):
+    for token, label in zip(sample["input_ids"], sample["labels"], strict=True):
         if label == -100:
             runs, current = (runs + [current], []) if current else (runs, current)
         else:

@@ -375,7 +375,7 @@ def test_batch_predictions_in_input_order_equal_one_by_one_greedy(tmp_path, chat
     lines = [json.loads(line) for line in predictions.read_text(encoding="utf-8").splitlines()]
     assert len(lines) == len(BATCH_RECORDS)
     lengths = set()
-    for record, line in zip(BATCH_RECORDS, lines):
+    for record, line in zip(BATCH_RECORDS, lines, strict=True):
         (name, value), = record.items()
         assert line[name] == value
         messages = user(value) if name == "prompt" else value

@@ -34,10 +34,10 @@ def run_two_nodes(args_of_node, node0_probes: tuple = ()) -> list:
     for process in processes:
         try:
             stdout, stderr = process.communicate(timeout=NODE_TIMEOUT)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
             for other in processes:
                 other.kill()
-            raise AssertionError("a node did not finish in time (hung waiting for its peer?)")
+            raise AssertionError("a node did not finish in time (hung waiting for its peer?)") from err
         results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
     return results
 

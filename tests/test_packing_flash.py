@@ -8,6 +8,7 @@ flash-attn's two kernels that computes what they compute (causal attention over 
 segment) with torch's sdpa."""
 
 import json
+from itertools import pairwise
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def cpu_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     assert bounds == cu_seqlens_k.tolist()
     return torch.cat([cpu_flash_attn_func(q[None, start:end], k[None, start:end], v[None, start:end],
                                           softmax_scale=softmax_scale, causal=causal)[0]
-                      for start, end in zip(bounds, bounds[1:])])
+                      for start, end in pairwise(bounds)])
 
 
 @pytest.fixture
@@ -111,7 +112,7 @@ def test_packed_rows_under_flash_attention_equal_each_sample_alone(tiny_model_di
         difference = 0.0
         for row, features in enumerate(rows):
             starts = [i for i, p in enumerate(features["position_ids"]) if p == 0] + [features["length"]]
-            for start, end in zip(starts, starts[1:]):
+            for start, end in pairwise(starts):
                 expected = alone[tuple(features["input_ids"][start:end])]
                 difference = max(difference, (logits[row, start:end] - expected).abs().max().item())
         return difference

@@ -91,7 +91,7 @@ def step_logs(output_dir):
 
 def assert_same_steps(expected, actual, tolerance):
     assert [e["step"] for e in expected] == [e["step"] for e in actual]
-    for first, second in zip(expected, actual):
+    for first, second in zip(expected, actual, strict=True):
         for key in COMPARED:
             assert abs(first[key] - second[key]) <= tolerance * max(1.0, abs(first[key])), (key, first, second)
 
@@ -394,7 +394,7 @@ def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer
     template = named_template("human_assistant", tokenizer)
     full = tokenize_prompts(prompts, tokenizer, template, 10_000, "all")
     cut = tokenize_prompts(prompts, tokenizer, template, 12, "cut")
-    for whole, kept in zip(full, cut):
+    for whole, kept in zip(full, cut, strict=True):
         assert kept == whole[-12:]  # truncated from the left: the generation prompt stays
     text = tokenizer.decode(full[0])
     assert text.rstrip().endswith("Assistant:")

@@ -1,4 +1,4 @@
-"""The PPO math (ppo_utils) against numbers worked out by hand: the expected values below were
+"""The PPO math (lorakit.rl.ppo_math) against numbers worked out by hand: the expected values below were
 computed on paper from the definitions, step by step in the comments, never by the function
 under test."""
 

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -79,7 +80,7 @@ def test_labels_are_exactly_the_answers_plus_eos(record_format, template_name, t
     sample = ConversationTokenizer(tokenizer, template_for(template_name, tokenizer), 1024)("test:1", messages)
     runs = label_runs(sample["labels"])
     assert len(runs) == len(answers)
-    for run, answer in zip(runs, answers):
+    for run, answer in zip(runs, answers, strict=True):
         expected = answer + TERMINATORS[template_name] + tokenizer.eos_token
         assert squash(tokenizer.decode(run)) == squash(expected)
         assert run[-1] == tokenizer.eos_token_id
@@ -169,7 +170,7 @@ def test_packed_loss_equals_unpacked(tokenizer, tiny_model_dir):
     packed_loss = {}
     for row in range(len(packed)):
         starts = [i for i, p in enumerate(packed[row]["position_ids"]) if p == 0] + [packed[row]["length"]]
-        for start, end in zip(starts, starts[1:]):
+        for start, end in pairwise(starts):
             ids = tuple(packed[row]["input_ids"][start:end])
             span = slice(start, end - 1)
             packed_loss[ids] = (losses[row, span][mask[row, span]].sum() / mask[row, span].sum()).item()

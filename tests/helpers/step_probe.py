@@ -19,7 +19,6 @@ import json
 import os
 import signal
 from dataclasses import dataclass
-from typing import Optional
 
 import transformers
 from transformers.trainer_callback import TrainerCallback, TrainerState
@@ -27,10 +26,10 @@ from transformers.trainer_callback import TrainerCallback, TrainerState
 
 @dataclass(frozen=True)
 class Probes:
-    record_steps: Optional[str] = None
-    kill_at_step: Optional[int] = None
-    kill_mid_save: Optional[int] = None
-    kill_output: Optional[str] = None
+    record_steps: str | None = None
+    kill_at_step: int | None = None
+    kill_mid_save: int | None = None
+    kill_output: str | None = None
 
     def as_argv(self) -> list:
         """These probes as helpers/run_and_kill.py's options."""

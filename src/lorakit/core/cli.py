@@ -9,7 +9,11 @@ import logging
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import argparse
 
 
 class ReportedError(Exception):
@@ -62,7 +66,7 @@ def hand_to_launcher(message: str) -> bool:
 ARGUMENT_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
 
-def parse_args(dataclass_types, argv=None):
+def parse_args(dataclass_types: type | Iterable[type], argv: Sequence[str] | None = None) -> tuple[Any, ...]:
     """Parse the dataclasses from the command line, optionally led by a .json/.yaml file of
     arguments: `script.py my.yaml --learning_rate 1e-4` takes the file first and lets the command
     line win. The file may also follow the `--local_rank=N` the DeepSpeed launcher puts first."""
@@ -75,9 +79,9 @@ def parse_args(dataclass_types, argv=None):
     return parser.parse_args_into_dataclasses(args=file_tokens + bare_switch_as_empty(command_line, "--deepspeed"))
 
 
-def bare_switch_as_empty(argv: list, flag: str) -> list:
+def bare_switch_as_empty(argv: list[str], flag: str) -> list[str]:
     """DeepSpeed-Chat's scripts take --deepspeed as a bare switch (--zero_stage picks the config); here it
-    names a config file. A bare one gets an empty value, which training_utils.map_zero_stage notes."""
+    names a config file. A bare one gets an empty value, which trainers.arguments.map_zero_stage notes."""
     tokens = []
     for index, token in enumerate(argv):
         tokens.append(token)
@@ -86,19 +90,26 @@ def bare_switch_as_empty(argv: list, flag: str) -> list:
     return tokens
 
 
-def split_argument_file(argv: list) -> tuple:
-    """(argument file or None, the other arguments)."""
+class ArgumentFile(NamedTuple):
+    """A command line split into its leading argument file (None without one) and the other arguments."""
+
+    path: str | None
+    rest: list[str]
+
+
+def split_argument_file(argv: list[str]) -> ArgumentFile:
+    """The argument file (or None) and the other arguments."""
     launcher = []
     rest = list(argv)
     while rest and rest[0].startswith("--local_rank"):
         taken = 1 if "=" in rest[0] else 2
         launcher, rest = launcher + rest[:taken], rest[taken:]
     if rest and not rest[0].startswith("-") and rest[0].endswith(ARGUMENT_FILE_SUFFIXES):
-        return rest[0], launcher + rest[1:]
-    return None, list(argv)
+        return ArgumentFile(rest[0], launcher + rest[1:])
+    return ArgumentFile(None, list(argv))
 
 
-def argument_file_tokens(path: str, parser) -> list:
+def argument_file_tokens(path: str, parser: "argparse.ArgumentParser") -> list[str]:
     """The file's arguments as command-line tokens, so they go through the same parsing (types,
     choices, the old flags' mapping) as typed ones; an unknown name is refused, naming the file."""
     if path.endswith(".json"):
@@ -118,7 +129,7 @@ def argument_file_tokens(path: str, parser) -> list:
     return tokens
 
 
-def read_yaml(path: str, what: str) -> dict:
+def read_yaml(path: str, what: str) -> dict[str, Any]:
     import yaml
 
     try:
@@ -137,7 +148,7 @@ def read_yaml(path: str, what: str) -> dict:
     return value
 
 
-def read_json(path: str, what: str) -> dict:
+def read_json(path: str, what: str) -> dict[str, Any]:
     """The JSON object in the file at path. A missing, unreadable or invalid file, or one that
     holds something other than an object, is an InputError naming the file; what says which
     file it is to the user ("config.json", "adapter_config.json")."""

@@ -10,7 +10,7 @@ import json
 import os
 import re
 import struct
-from typing import Optional
+from typing import Any, NamedTuple
 
 from lorakit.core.cli import InputError, read_json
 
@@ -37,20 +37,20 @@ TOKENIZER_FILES = (
 )
 
 
-def has_tokenizer(directory: Optional[str]) -> bool:
+def has_tokenizer(directory: str | None) -> bool:
     """Whether directory holds a loadable tokenizer (its vocabulary, in any of the three forms)."""
     return bool(directory) and any(os.path.isfile(os.path.join(directory, name))
                                    for name in TOKENIZER_VOCABULARY_FILES)
 
 
-def tokenizer_files(directory: str) -> list:
+def tokenizer_files(directory: str) -> list[str]:
     """The tokenizer files present in directory (empty if it holds no tokenizer)."""
     if not has_tokenizer(directory):
         return []
     return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
 
 
-def safetensors_names(path: str) -> list:
+def safetensors_names(path: str) -> list[str]:
     """Tensor names of a .safetensors file, from its header alone (an 8-byte little-endian
     length, then that many bytes of JSON); [] for a file too short to hold one."""
     with open(path, "rb") as handle:
@@ -61,7 +61,7 @@ def safetensors_names(path: str) -> list:
     return [name for name in header if name != "__metadata__"]
 
 
-def checkpoint_weight_names(model_dir: str) -> list:
+def checkpoint_weight_names(model_dir: str) -> list[str]:
     """Weight names of a model directory, single file or sharded (its index), from headers only."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -72,12 +72,12 @@ def checkpoint_weight_names(model_dir: str) -> list:
 
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-# Written last into checkpoint-N, once every rank's files and the adapter copy are on disk (checkpoint_state.py):
+# Written last into checkpoint-N, once every rank's files and the adapter copy are on disk (trainers.checkpoints):
 # the run identity and every file of the checkpoint with its size. A checkpoint without it was cut short.
 COMPLETION_MARKER = "checkpoint_complete.json"
 
 
-def checkpoint_problem(path: str) -> Optional[str]:
+def checkpoint_problem(path: str) -> str | None:
     """Why checkpoint directory `path` cannot be resumed from (its completion marker missing or damaged, or a
     file the marker lists missing or of another size than when it was saved), or None when it is complete."""
     if not os.path.isdir(path):
@@ -101,8 +101,16 @@ def checkpoint_problem(path: str) -> Optional[str]:
     return None
 
 
-def checkpoint_states(output_dir: str) -> list:
-    """[(N, checkpoint-N directory, why it cannot be resumed from or None)] in output_dir, by step."""
+class CheckpointState(NamedTuple):
+    """One checkpoint-N directory of an output_dir."""
+
+    step: int  # N
+    path: str
+    problem: str | None  # why it cannot be resumed from (checkpoint_problem), None when complete
+
+
+def checkpoint_states(output_dir: str) -> list[CheckpointState]:
+    """The checkpoint-N directories in output_dir, by step."""
     if not os.path.isdir(output_dir):
         return []
     found = []
@@ -111,10 +119,10 @@ def checkpoint_states(output_dir: str) -> list:
         path = os.path.join(output_dir, name)
         if match and os.path.isdir(path):
             found.append((int(match.group(1)), path))
-    return [(step, path, checkpoint_problem(path)) for step, path in sorted(found)]
+    return [CheckpointState(step, path, checkpoint_problem(path)) for step, path in sorted(found)]
 
 
-def complete_checkpoints(output_dir: str) -> list:
+def complete_checkpoints(output_dir: str) -> list[str]:
     """checkpoint-N directories holding a completion marker whose files are all there, oldest first: a crash
     mid-save leaves one without it. The training scripts resume from the last; the pipeline launcher decides from
     it whether a stage resumes."""
@@ -151,7 +159,7 @@ def link_identical_files(directory: str, reference_dir: str) -> int:
     return freed
 
 
-def safetensors_header(path: str) -> dict:
+def safetensors_header(path: str) -> dict[str, dict[str, Any]]:
     """{tensor name: {"dtype", "shape", "data_offsets"}} of a .safetensors file, from its header alone; a file
     whose header is damaged, or whose tensors would lie beyond its end, is an InputError naming it."""
     size = os.path.getsize(path)
@@ -176,7 +184,7 @@ def safetensors_header(path: str) -> dict:
     return tensors
 
 
-def checkpoint_shapes(model_dir: str) -> dict:
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[str | None, tuple[int, ...]]]:
     """{weight name: (dtype, shape)} of a model directory's safetensors weights, single file or sharded, from
     headers only; {} when it holds none (a legacy .bin model: its loader compares shapes itself)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -194,7 +202,8 @@ def checkpoint_shapes(model_dir: str) -> dict:
     return shapes
 
 
-def check_recorded_base(adapter_dir: str, adapter_config: dict, base_config: dict, flag: str) -> None:
+def check_recorded_base(adapter_dir: str, adapter_config: dict[str, Any], base_config: dict[str, Any],
+                        flag: str) -> None:
     """Where the adapter's recorded base is a directory here, its model type must be the base's (the path itself
     may differ: a moved copy, or the merged model a later stage trained on)."""
     recorded = adapter_config.get("base_model_name_or_path")
@@ -207,7 +216,7 @@ def check_recorded_base(adapter_dir: str, adapter_config: dict, base_config: dic
                          f"base is a {ours} model: an adapter for another model?")
 
 
-def base_weight(name: str, base: dict) -> Optional[str]:
+def base_weight(name: str, base: dict[str, Any]) -> str | None:
     """The base checkpoint's name for a weight of the model peft wrapped: the same, or without the leading
     module (a checkpoint saved from the bare model, or GPT-2's un-prefixed one); a tied lm_head is the input
     embedding."""
@@ -219,7 +228,7 @@ def base_weight(name: str, base: dict) -> Optional[str]:
     return None
 
 
-def adapter_updates(adapter_config: dict, tensors: dict) -> dict:
+def adapter_updates(adapter_config: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> dict[str, tuple[int, ...]]:
     """{weight name: the shape the adapter needs the base's weight to have} for every LoRA module (B @ A,
     transposed for fan_in_fan_out and embeddings) and every tensor the adapter saved whole (modules_to_save)."""
     pairs, needed = {}, {}
@@ -240,7 +249,8 @@ def adapter_updates(adapter_config: dict, tensors: dict) -> dict:
     return needed
 
 
-def shape_mismatch(name: str, needed: tuple, base: dict, adapter_config: dict) -> Optional[str]:
+def shape_mismatch(name: str, needed: tuple[int, ...], base: dict[str, Any],
+                   adapter_config: dict[str, Any]) -> str | None:
     """Why the base cannot take the adapter's weight `name` of shape `needed`, or None if it can."""
     found = base_weight(name, base)
     if found is None:

@@ -1,14 +1,15 @@
 """The cached tokenize-and-group pipelines of every stage (pretraining blocks, SFT samples,
-preference pairs), their collators, and SavePeftModelCallback. Records come from records.py, the
-cache from data_cache.py, the answer masks from conversation_tokenizer.py."""
+preference pairs) and their collators. Records come from records.readers, the cache from data.cache,
+the answer masks from data.conversation_tokenizer."""
 
 import logging
 import os
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, pairwise
 from multiprocessing import get_context
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -19,10 +20,12 @@ from tqdm.auto import tqdm
 
 from lorakit.core.cli import InputError
 from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_PADDING, PAIR_PREFIX, PAIR_REJECTED
-from lorakit.data.cache import FingerprintMemo, build_or_load_cached, cache_key, tokenizer_fingerprint
+from lorakit.data.cache import DatasetCheck, FingerprintMemo, build_or_load_cached, cache_key, tokenizer_fingerprint
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.splits import phase_part
 from lorakit.records.readers import (
+    Conversation,
+    Message,
     find_pretraining_files,
     preference_of,
     read_conversations,
@@ -30,7 +33,15 @@ from lorakit.records.readers import (
     records_of,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
+
+# The parts of map_shards and shards_of that pass through them unchanged.
+State = TypeVar("State")
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 # Part of every cache key: bump it whenever a change here changes the blocks produced.
 PRETRAINING_CACHE_VERSION = "pt-blocks-1"
@@ -40,16 +51,23 @@ TOKENIZE_BATCH_LINES = 1000
 # ----------------------------------------------------------------------------- pretraining
 
 
-def document_affixes(tokenizer) -> tuple:
+class DocumentAffixes(NamedTuple):
+    """Ids around each document: the tokenizer's own BOS convention before it, then EOS after it."""
+
+    prefix: list[int]
+    suffix: list[int]
+
+
+def document_affixes(tokenizer: "PreTrainedTokenizerBase") -> DocumentAffixes:
     """Ids around each document: the tokenizer's own BOS convention, then EOS between documents."""
     special = tokenizer("", add_special_tokens=True)["input_ids"]
     prefix = [i for i in special if i != tokenizer.eos_token_id]
     if tokenizer.eos_token_id is None:
         raise InputError("the tokenizer has no eos_token: documents could not be separated")
-    return prefix, [tokenizer.eos_token_id]
+    return DocumentAffixes(prefix, [tokenizer.eos_token_id])
 
 
-def encode_lines(tokenizer, lines: list) -> list:
+def encode_lines(tokenizer: "PreTrainedTokenizerBase", lines: list[str]) -> list[list[int]]:
     if getattr(tokenizer, "is_fast", False):
         # The Rust tokenizer directly: skips building offsets and BatchEncoding objects we never use.
         return [encoding.ids for encoding in
@@ -57,7 +75,8 @@ def encode_lines(tokenizer, lines: list) -> list:
     return tokenizer(lines, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_documents(tokenizer, documents: list, prefix: list, suffix: list) -> np.ndarray:
+def tokenize_documents(tokenizer: "PreTrainedTokenizerBase", documents: list[str], prefix: list[int],
+                       suffix: list[int]) -> np.ndarray:
     """One flat int32 array: prefix + ids + suffix for each document, in order."""
     parts = []
     for start in range(0, len(documents), TOKENIZE_BATCH_LINES):
@@ -71,12 +90,13 @@ def tokenize_documents(tokenizer, documents: list, prefix: list, suffix: list) -
 _FORKED_STATE = None
 
 
-def _with_forked_state(task):
+def _with_forked_state(task: tuple[Callable[[Any, list[Any]], Any], list[Any]]) -> Any:
     function, shard = task
     return function(_FORKED_STATE, shard)
 
 
-def map_shards(function, state, shards: list, num_proc: int, progress) -> list:
+def map_shards(function: Callable[[State, list[Item]], Result], state: State, shards: list[list[Item]], num_proc: int,
+               progress: tqdm) -> list[Result]:
     """[function(state, shard) for shard in shards], in order, over num_proc forked processes when
     there is more than one shard (the state, a tokenizer, is inherited by the workers); progress
     advances by each shard's length. An InputError in a worker is raised here."""
@@ -90,7 +110,8 @@ def map_shards(function, state, shards: list, num_proc: int, progress) -> list:
     _FORKED_STATE = state
     try:
         with get_context("fork").Pool(min(num_proc, len(shards))) as pool:
-            for shard, result in zip(shards, pool.imap(_with_forked_state, [(function, s) for s in shards])):
+            results_in_order = pool.imap(_with_forked_state, [(function, s) for s in shards])
+            for shard, result in zip(shards, results_in_order, strict=True):
                 results.append(result)
                 progress.update(len(shard))
     finally:
@@ -98,14 +119,14 @@ def map_shards(function, state, shards: list, num_proc: int, progress) -> list:
     return results
 
 
-def shards_of(items: list, num_proc: int, smallest: int) -> list:
+def shards_of(items: list[Item], num_proc: int, smallest: int) -> list[list[Item]]:
     """items cut into about 4 shards per process (so a slow shard does not idle the others), each
     at least `smallest` long."""
     size = max(smallest, -(-len(items) // max(num_proc, 1) // 4))
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def tokenize_all(tokenizer, documents: list, num_proc: int) -> np.ndarray:
+def tokenize_all(tokenizer: "PreTrainedTokenizerBase", documents: list[str], num_proc: int) -> np.ndarray:
     prefix, suffix = document_affixes(tokenizer)
     with tqdm(total=len(documents), desc="Tokenizing", unit="doc", unit_scale=True) as progress:
         arrays = map_shards(tokenize_document_shard, (tokenizer, prefix, suffix),
@@ -113,12 +134,13 @@ def tokenize_all(tokenizer, documents: list, num_proc: int) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
 
 
-def tokenize_document_shard(state: tuple, documents: list) -> np.ndarray:
+def tokenize_document_shard(state: tuple["PreTrainedTokenizerBase", list[int], list[int]],
+                            documents: list[str]) -> np.ndarray:
     tokenizer, prefix, suffix = state
     return tokenize_documents(tokenizer, documents, prefix, suffix)
 
 
-def group_into_blocks(flat_ids: np.ndarray, block_size: int, fingerprint: Optional[str] = None) -> Dataset:
+def group_into_blocks(flat_ids: np.ndarray, block_size: int, fingerprint: str | None = None) -> Dataset:
     """Cut the token stream into block_size rows (the tail shorter than a block is dropped, as in
     run_clm) with one reshape: no per-example Python lists, no O(n^2) concatenation.
 
@@ -132,14 +154,14 @@ def group_into_blocks(flat_ids: np.ndarray, block_size: int, fingerprint: Option
 
 def build_pretraining_blocks(
     dataset_dir: str,
-    tokenizer,
+    tokenizer: "PreTrainedTokenizerBase",
     block_size: int,
     cache_dir: str,
     num_proc: int = 1,
-    check=None,
+    check: DatasetCheck | None = None,
 ) -> Dataset:
     """Documents of every file in dataset_dir -> token blocks of block_size, cached (check: see
-    data_cache.build_or_load_cached, as for the other builders).
+    data.cache.build_or_load_cached, as for the other builders).
 
     The cache key covers each file's content, the tokenizer, the block size and
     PRETRAINING_CACHE_VERSION, so a changed file or tokenizer never reuses stale blocks."""
@@ -154,7 +176,7 @@ def build_pretraining_blocks(
         }
     )
 
-    def build(tmp_dir):
+    def build(tmp_dir: str) -> None:
         documents = []
         for path in files:
             documents.extend(read_documents(path))
@@ -176,7 +198,7 @@ def build_pretraining_blocks(
 class DataCollatorForPretraining:
     """Stack equal-length blocks; labels are the inputs (the model shifts them)."""
 
-    def __call__(self, features: list) -> dict:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         input_ids = torch.tensor([feature["input_ids"] for feature in features], dtype=torch.long)
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 
@@ -190,7 +212,7 @@ PREPARE_DATA_ONLY_HELP = (
     "ranks then load the cache instead of waiting at a barrier (--ddp_timeout) while one process tokenizes.")
 
 
-def check_prepare_data_only(data_args) -> None:
+def check_prepare_data_only(data_args: "ConversationDataArguments") -> None:
     """--prepare_data_only is one process (per node): under a launcher (WORLD_SIZE > 1), the training arguments,
     parsed next, would start the process group it does without, and every rank would wait on every other."""
     if data_args.prepare_data_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -202,44 +224,44 @@ def check_prepare_data_only(data_args) -> None:
 class ConversationDataArguments:
     """Data arguments of the stages that read conversations (SFT, reward, PPO prompts)."""
 
-    dataset_dir: Optional[str] = field(
+    dataset_dir: str | None = field(
         default=None, metadata={"help": "Directory of *.json / *.jsonl files."}
     )
-    data_path: Optional[list[str]] = field(
+    data_path: list[str] | None = field(
         default=None,
         metadata={"help": "Data files, each its own dataset (DeepSpeed-Chat style), split by --data_split.",
                   "nargs": "+"},
     )
-    data_split: Optional[str] = field(
+    data_split: str | None = field(
         default=None, metadata={"help": "Weights of the SFT,reward,PPO parts of each dataset, e.g. 6,2,2."}
     )
     data_phase: int = field(
         default=1, metadata={"help": "Which part of --data_split this stage takes (1 SFT, 2 reward, 3 PPO)."}
     )
-    validation_file: Optional[str] = field(default=None, metadata={"help": "Held-out data for eval."})
+    validation_file: str | None = field(default=None, metadata={"help": "Held-out data for eval."})
     validation_split_percentage: float = field(
         default=0.0, metadata={"help": "Without --validation_file: held-out share of samples (fraction if < 1)."}
     )
-    template: Optional[str] = field(
+    template: str | None = field(
         default=None,
         metadata={"help": "llama2, alpaca, chatml or human_assistant; default: the tokenizer's own chat_template."},
     )
-    template_kwargs: Optional[str] = field(
+    template_kwargs: str | None = field(
         default=None, metadata={"help": "Keyword arguments the chat template is rendered with, as a JSON object "
                                 "(e.g. '{\"enable_thinking\": false}'); saved with the adapter for inference."})
-    enable_thinking: Optional[bool] = field(
+    enable_thinking: bool | None = field(
         default=None, metadata={"help": "Passed to templates that take it (Qwen3): false renders the empty "
                                 "<think></think> of non-thinking mode in the prompt."})
-    max_seq_length: Optional[int] = field(default=None, metadata={"help": "Tokens per sequence (prompt + answer)."})
+    max_seq_length: int | None = field(default=None, metadata={"help": "Tokens per sequence (prompt + answer)."})
     preprocessing_num_workers: int = field(
         default=1, metadata={"help": "Processes that tokenize (the result does not depend on it)."}
     )
-    data_cache_dir: Optional[str] = field(default=None, metadata={"help": "Where tokenized data is cached."})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train samples."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval samples."})
+    data_cache_dir: str | None = field(default=None, metadata={"help": "Where tokenized data is cached."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many train samples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep at most this many eval samples."})
     prepare_data_only: bool = field(default=False, metadata={"help": PREPARE_DATA_ONLY_HELP})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_prepare_data_only(self)
 
 
@@ -247,8 +269,16 @@ class ConversationDataArguments:
 ROWS_PER_SHARD = 256
 
 
-def tokenize_conversation_shard(conversation_tokenizer, sources: list) -> tuple:
-    """[(where, messages, tools)] -> (rows, samples dropped: no answer token fits)."""
+class TokenizedShard(NamedTuple):
+    """The dataset columns tokenized from a shard of records, and how many records were dropped."""
+
+    rows: dict[str, list[Any]]
+    dropped: int
+
+
+def tokenize_conversation_shard(conversation_tokenizer: ConversationTokenizer,
+                                sources: list[Conversation]) -> TokenizedShard:
+    """Conversations -> their rows, and the samples dropped (no answer token fits)."""
     rows, dropped = {"input_ids": [], "labels": [], "length": []}, 0
     for where, messages, tools in sources:
         sample = conversation_tokenizer(where, messages, tools)
@@ -258,33 +288,33 @@ def tokenize_conversation_shard(conversation_tokenizer, sources: list) -> tuple:
         rows["input_ids"].append(sample["input_ids"])
         rows["labels"].append(sample["labels"])
         rows["length"].append(len(sample["input_ids"]))
-    return rows, dropped
+    return TokenizedShard(rows, dropped)
 
 
-def joined(parts: list) -> tuple:
-    """The (rows, dropped) of each shard, in order -> one (rows, dropped)."""
+def joined(parts: list[TokenizedShard]) -> TokenizedShard:
+    """The shards' rows, in order, and their drops, as one."""
     rows, dropped = {name: [] for name in parts[0][0]} if parts else {}, 0
     for part_rows, part_dropped in parts:
         for name, values in part_rows.items():
             rows[name] += values
         dropped += part_dropped
-    return rows, dropped
+    return TokenizedShard(rows, dropped)
 
 
 def build_sft_dataset(
-    files: list,
-    tokenizer,
+    files: list[str],
+    tokenizer: "PreTrainedTokenizerBase",
     template: str,
     max_length: int,
     cache_dir: str,
     train_on_last_turn_only: bool = False,
-    data_split: Optional[str] = None,
+    data_split: str | None = None,
     data_phase: int = 1,
     seed: int = 42,
-    unsplit_files: tuple = (),
-    template_kwargs: Optional[dict] = None,
+    unsplit_files: tuple[str, ...] = (),
+    template_kwargs: dict[str, Any] | None = None,
     num_proc: int = 1,
-    check=None,
+    check: DatasetCheck | None = None,
 ) -> Dataset:
     """Conversations of every file -> tokenized, masked samples, cached. With data_split, each
     file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part.
@@ -305,7 +335,7 @@ def build_sft_dataset(
     conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, train_on_last_turn_only,
                                                    template_kwargs=template_kwargs)
 
-    def build(tmp_dir):
+    def build(tmp_dir: str) -> None:
         sources = []
         for path in files:
             split = None if path in unsplit_files else data_split
@@ -379,13 +409,13 @@ def cached_packed_rows(dataset: Dataset, max_length: int, cache_dir: str) -> Dat
 POSITION_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
-def is_flash_attention(attn_implementation: Optional[str]) -> bool:
+def is_flash_attention(attn_implementation: str | None) -> bool:
     """transformers' own rule (is_flash_attention_requested): an implementation named flash
     (flash_attention_2/3/4, a hub kernel such as kernels-community/flash-attn2) runs its flash path."""
     return attn_implementation is not None and "flash" in attn_implementation
 
 
-def check_packing_attention(attn_implementation: Optional[str]) -> None:
+def check_packing_attention(attn_implementation: str | None) -> None:
     """Refuse --packing with an attention implementation that cannot keep packed samples apart:
     transformers builds no mask for it, and it takes no sequence boundaries (None: transformers'
     default, sdpa or eager)."""
@@ -397,13 +427,13 @@ def check_packing_attention(attn_implementation: Optional[str]) -> None:
                      "flex_attention or a flash attention, or drop --packing")
 
 
-def flash_varlen_kwargs(position_rows: list, width: int) -> dict:
+def flash_varlen_kwargs(position_rows: list[list[int]], width: int) -> dict[str, torch.Tensor | int]:
     """transformers' FlashAttentionKwargs for padded packed rows (as DataCollatorWithFlattening
     writes them): cu_seq_lens_q/k, where each segment (a sample, or a row's padding) starts in
     the batch flattened to one sequence, then its end; max_length_q/k, the longest segment."""
     bounds = [row * width + i for row, positions in enumerate(position_rows)
               for i, position in enumerate(positions) if position == 0] + [len(position_rows) * width]
-    longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+    longest = max(end - start for start, end in pairwise(bounds))
     cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
     return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
             "max_length_k": longest}
@@ -418,12 +448,13 @@ class DataCollatorForSupervisedDataset:
     flash path finds them from position_ids only in a batch of one row, and would otherwise run
     each row as one causal sequence across its samples."""
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8, attn_implementation: Optional[str] = None):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8,
+                 attn_implementation: str | None = None) -> None:
         self.pad_token_id = pad_token_id
         self.multiple = pad_to_multiple_of
         self.flash = is_flash_attention(attn_implementation)
 
-    def __call__(self, features: list) -> dict:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor | int]:
         longest = max(len(f["input_ids"]) for f in features)
         width = -(-longest // self.multiple) * self.multiple
         packed = "position_ids" in features[0]
@@ -448,17 +479,17 @@ PREFERENCE_CACHE_VERSION = "pairs-4"
 
 
 def build_preference_dataset(
-    files: list,
-    tokenizer,
+    files: list[str],
+    tokenizer: "PreTrainedTokenizerBase",
     template: str,
     max_length: int,
     cache_dir: str,
-    data_split: Optional[str] = None,
+    data_split: str | None = None,
     data_phase: int = 2,
     seed: int = 42,
-    template_kwargs: Optional[dict] = None,
+    template_kwargs: dict[str, Any] | None = None,
     num_proc: int = 1,
-    check=None,
+    check: DatasetCheck | None = None,
 ) -> Dataset:
     """Pairs of every file -> chosen/rejected token ids (each the whole conversation up to the
     end of its answer's turn: the score is read there), cached. A pair whose prompt alone fills
@@ -478,7 +509,7 @@ def build_preference_dataset(
     conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, keep_after_turn_end=True,
                                                    template_kwargs=template_kwargs)
 
-    def build(tmp_dir):
+    def build(tmp_dir: str) -> None:
         records = [item for path in files for item in phase_part(records_of(path), data_split, data_phase, seed)]
         with tqdm(total=len(records), desc="Tokenizing pairs", unit="pair") as progress:
             rows, identical = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
@@ -494,8 +525,9 @@ def build_preference_dataset(
     return dataset
 
 
-def tokenize_pair_shard(conversation_tokenizer, records: list) -> tuple:
-    """([(where, record)] of preference pairs) -> (rows, pairs dropped as identical)."""
+def tokenize_pair_shard(conversation_tokenizer: ConversationTokenizer,
+                        records: list[tuple[str, Any]]) -> TokenizedShard:
+    """[(where, record)] of preference pairs -> their rows, and the pairs dropped (identical answers)."""
     rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "chosen_answer_start": [],
                        "rejected_answer_start": [], "margin": [], "length": []}, 0
     for where, record in records:
@@ -504,17 +536,25 @@ def tokenize_pair_shard(conversation_tokenizer, records: list) -> tuple:
             identical += 1
             continue
         pair = [pair_side(conversation_tokenizer, where, context, answer) for answer in (chosen, rejected)]
-        for side, (input_ids, answer_start) in zip(("chosen", "rejected"), pair):
+        for side, (input_ids, answer_start) in zip(("chosen", "rejected"), pair, strict=True):
             rows[f"{side}_input_ids"].append(input_ids)
             rows[f"{side}_answer_start"].append(answer_start)
         rows["margin"].append(margin)
-        rows["length"].append(max(len(pair[0][0]), len(pair[1][0])))
-    return rows, identical
+        rows["length"].append(max(len(side.input_ids) for side in pair))
+    return TokenizedShard(rows, identical)
 
 
-def pair_side(conversation_tokenizer, where: str, context: list, answer: str) -> tuple:
-    """(token ids of the context followed by one answer of a pair, where that answer's tokens start:
-    the last trained span, which DPO scores)."""
+class PairSide(NamedTuple):
+    """One answer of a pair tokenized after its context, and where that answer's tokens start (the last trained
+    span, which DPO scores)."""
+
+    input_ids: list[int]
+    answer_start: int
+
+
+def pair_side(conversation_tokenizer: ConversationTokenizer, where: str, context: list[Message],
+              answer: str) -> PairSide:
+    """The token ids of the context followed by one answer of a pair, and where that answer's tokens start."""
     sample = conversation_tokenizer(where, context + [{"role": "assistant", "content": answer}])
     if sample is None:
         raise InputError(f"{where}: the prompt alone fills --max_seq_length {conversation_tokenizer.max_length}; "
@@ -522,7 +562,7 @@ def pair_side(conversation_tokenizer, where: str, context: list, answer: str) ->
     labels = sample["labels"]
     last = max(i for i, label in enumerate(labels) if label != -100)
     answer_start = next(i for i in range(last, -1, -1) if i == 0 or labels[i - 1] == -100)
-    return sample["input_ids"], answer_start
+    return PairSide(sample["input_ids"], answer_start)
 
 
 class DataCollatorForPreferencePairs:
@@ -533,10 +573,10 @@ class DataCollatorForPreferencePairs:
     share_prefix: one row per pair instead, the tokens both sequences share (the system prompt,
     the question, the template) once, then the chosen answer, then the rejected answer, with
     their own position ids and pair_segments, from which the model builds the mask that keeps
-    the rejected answer from seeing the chosen one (model_utils.pair_attention_mask). The same
+    the rejected answer from seeing the chosen one (models.heads.pair_attention_mask). The same
     scores from a fifth to a half fewer tokens, the longer the shared prompt the more."""
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8, share_prefix: bool = False):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8, share_prefix: bool = False) -> None:
         self.pad_token_id = pad_token_id
         self.multiple = pad_to_multiple_of
         self.share_prefix = share_prefix
@@ -544,7 +584,7 @@ class DataCollatorForPreferencePairs:
     def padded_width(self, longest: int) -> int:
         return -(-longest // self.multiple) * self.multiple
 
-    def __call__(self, features: list) -> dict:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         margin = torch.tensor([float(f.get("margin", 0.0)) for f in features], dtype=torch.float32)
         if self.share_prefix:
             return {**self.shared_prefix_rows(features), "margin": margin}
@@ -558,7 +598,7 @@ class DataCollatorForPreferencePairs:
             "margin": margin,
         }
 
-    def shared_prefix_rows(self, features: list) -> dict:
+    def shared_prefix_rows(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows = []
         for feature in features:
             chosen, rejected = list(feature["chosen_input_ids"]), list(feature["rejected_input_ids"])

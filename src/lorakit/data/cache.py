@@ -12,14 +12,21 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from datasets import load_from_disk
+from datasets import Dataset, load_from_disk
 
 from lorakit.core.atomic import write_json_atomically
 from lorakit.data.run_record import note_data
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
+
+# A cache entry's check (build_or_load_cached): raises on a dataset the run cannot use (too small to hold out a share).
+DatasetCheck = Callable[[Dataset], object]
 
 
 def file_fingerprint(path: str) -> str:
@@ -38,7 +45,7 @@ RACY_SECONDS = 2.0
 FINGERPRINT_MEMO_NAME = "file-fingerprints.json"
 
 
-def stat_signature(path: str) -> list:
+def stat_signature(path: str) -> list[str | int]:
     """What moves whenever the file's content may have changed. ctime is set by the kernel on every write and
     cannot be set back by the user (os.utime restores mtime only), so an in-place edit of the same size with the
     old mtime put back still changes the signature; inode and device catch a file replaced by another."""
@@ -46,7 +53,7 @@ def stat_signature(path: str) -> list:
     return [os.path.abspath(path), info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
 
 
-def read_fingerprint_memo(path: str) -> dict:
+def read_fingerprint_memo(path: str) -> dict[str, str]:
     """{stat signature as JSON: content fingerprint}; a missing or unreadable memo is an empty one."""
     try:
         with open(path, encoding="utf-8") as handle:
@@ -65,13 +72,13 @@ class FingerprintMemo:
     once; the node's other ranks, and later runs on unchanged files, only stat them. A file that changed while
     it was read, or within RACY_SECONDS, is hashed again next time."""
 
-    def __init__(self, cache_root: str):
-        self.known = {}
+    def __init__(self, cache_root: str) -> None:
+        self.known: dict[str, str] = {}
         if os.path.isdir(cache_root):
             for name in sorted(os.listdir(cache_root)):
                 if not name.startswith("."):
                     self.known.update(read_fingerprint_memo(os.path.join(cache_root, name, FINGERPRINT_MEMO_NAME)))
-        self.settled = {}
+        self.settled: dict[str, str] = {}
 
     def __call__(self, path: str) -> str:
         started_ns = time.time_ns()
@@ -102,7 +109,7 @@ class FingerprintMemo:
             logger.info("data file fingerprints not memoized in %s: %s", entry_dir, err)
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: "PreTrainedTokenizerBase") -> str:
     """Everything about the tokenizer that changes ids: its full serialized model, added and
     special tokens (the anchor's cache ignored the tokenizer entirely)."""
     digest = hashlib.blake2b(digest_size=16)
@@ -115,23 +122,31 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def cache_key(parts: dict) -> str:
+def cache_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()[:20]
 
 
 # The entries this process built or loaded, in order, as (path, built): what --prepare_data_only reports.
-entries_used = []
+entries_used: list[tuple[str, bool]] = []
 
 
-def build_or_load_cached(cache_root: str, name: str, build, check=None, memo: Optional[FingerprintMemo] = None,
-                         record: bool = True) -> tuple:
-    """Return (dataset, hit). `build(tmp_dir)` writes a dataset into tmp_dir; it is renamed into
+class CachedDataset(NamedTuple):
+    """A data cache entry's dataset, and whether the entry was there already (a hit) or built now."""
+
+    dataset: Dataset
+    hit: bool
+
+
+def build_or_load_cached(cache_root: str, name: str, build: Callable[[str], object],
+                         check: DatasetCheck | None = None, memo: FingerprintMemo | None = None,
+                         record: bool = True) -> CachedDataset:
+    """The entry's dataset, and whether it was a hit. `build(tmp_dir)` writes a dataset into tmp_dir; it is renamed into
     place only when complete, so a reader never sees a half-written cache, and when two
     processes build the same entry at once the loser drops its copy and reads the winner's. A
     build that fails (bad input found while tokenizing), or a dataset `check(dataset)` refuses
     (too few samples for the run's held-out share), leaves the cache as it was: no entry, and
     not even the directories made for it. The entry's name is the run's record of its data
-    (checkpoint_state.note_data): a resumed run refuses one its checkpoint was not trained on,
+    (data.run_record.note_data): a resumed run refuses one its checkpoint was not trained on,
     before reading or building it (record=False: an entry derived from recorded ones and the run's identity,
     such as packed rows). memo: the fingerprints of the files in the key, kept in the entry."""
     if record:
@@ -167,11 +182,11 @@ def build_or_load_cached(cache_root: str, name: str, build, check=None, memo: Op
     return used_entry(final_dir, load_from_disk(final_dir), False, memo)
 
 
-def used_entry(path: str, dataset, hit: bool, memo: Optional[FingerprintMemo]) -> tuple:
+def used_entry(path: str, dataset: Dataset, hit: bool, memo: FingerprintMemo | None) -> CachedDataset:
     if memo is not None:
         memo.save_into(path)  # on a hit, files hashed again (racy when the entry was built) are memoized now
     entries_used.append((path, not hit))
-    return dataset, hit
+    return CachedDataset(dataset, hit)
 
 
 def report_prepared_data() -> None:
@@ -183,7 +198,7 @@ def report_prepared_data() -> None:
         print("no data cache entry: this stage's data is tokenized at each launch", flush=True)
 
 
-def missing_directories(path: str) -> list:
+def missing_directories(path: str) -> list[str]:
     """path and those of its parents that do not exist, deepest first: what os.makedirs(path) creates
     (for "out/run/../cache", out/run too, which the kernel needs to resolve the "..")."""
     missing = []
@@ -193,7 +208,7 @@ def missing_directories(path: str) -> list:
     return missing
 
 
-def remove_if_empty(directories: list) -> None:
+def remove_if_empty(directories: list[str]) -> None:
     """Remove those of directories (deepest first) that are empty; another process building into one
     keeps it."""
     for directory in directories:
@@ -205,7 +220,7 @@ def remove_if_empty(directories: list) -> None:
             pass
 
 
-def data_cache_dir(requested: Optional[str]) -> str:
+def data_cache_dir(requested: str | None) -> str:
     import datasets
 
     return requested or os.path.join(datasets.config.HF_DATASETS_CACHE, "llama_lora_toolkit")

@@ -4,14 +4,50 @@ learns, found by character offsets in one render, each trained through its turn-
 import logging
 import os
 from bisect import bisect_right
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from jinja2 import TemplateError
 
 from lorakit.core.cli import InputError
 from lorakit.records.chat_templates import first_special_token, special_token_texts, turn_end_text
+from lorakit.records.readers import Message
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+Tools = list[dict[str, Any]]  # a record's function schemas, as the template lists them
+
+
+class AnswerSpan(NamedTuple):
+    """Where an assistant turn's trained text lies in a render (character offsets), and whether EOS follows it."""
+
+    start: int
+    end: int
+    add_eos: bool  # a plain-text turn end: EOS is appended so the model still learns to stop
+
+
+class Segment(NamedTuple):
+    """A stretch of the rendered conversation: trained (an answer) or not, and whether EOS follows it."""
+
+    text: str
+    trained: bool
+    add_eos: bool
+
+
+class RenderedAnswers(NamedTuple):
+    """A conversation's text and the spans of its answers in it."""
+
+    text: str
+    spans: list[AnswerSpan]
+
+
+class TokenizedConversation(NamedTuple):
+    """Token ids and their labels (-100 where untrained)."""
+
+    input_ids: list[int]
+    labels: list[int]
 
 
 class ConversationTokenizer:
@@ -33,8 +69,9 @@ class ConversationTokenizer:
     transformers' and TRL's reward models read it. after_turn_end_ids() is what that adds, and what PPO
     appends to a generated answer before scoring it."""
 
-    def __init__(self, tokenizer, template: str, max_length: int, train_on_last_turn_only: bool = False,
-                 keep_after_turn_end: bool = False, template_kwargs: Optional[dict] = None):
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", template: str, max_length: int,
+                 train_on_last_turn_only: bool = False, keep_after_turn_end: bool = False,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.max_length = max_length
@@ -46,7 +83,7 @@ class ConversationTokenizer:
         self.turn_end, self.turn_end_is_special = turn_end_text(tokenizer, template, self.template_kwargs)
         self.notes = {}  # what the template does differently from inference, counted once per build
 
-    def render(self, messages: list, add_generation_prompt: bool, tools: Optional[list] = None,
+    def render(self, messages: list[Message], add_generation_prompt: bool, tools: Tools | None = None,
                where: str = "a conversation") -> str:
         try:
             return self.tokenizer.apply_chat_template(
@@ -56,9 +93,9 @@ class ConversationTokenizer:
         except TemplateError as err:  # the template's own raise_exception (roles it does not support, ...)
             raise InputError(f"{where}: the chat template refuses this conversation ({err})") from None
 
-    def segments(self, where: str, messages: list, tools: Optional[list] = None) -> list:
-        """[(text, trained, add_eos)] covering the conversation up to its last answer's turn end
-        (with keep_after_turn_end, up to the end of the render)."""
+    def segments(self, where: str, messages: list[Message], tools: Tools | None = None) -> list[Segment]:
+        """The segments covering the conversation up to its last answer's turn end (with keep_after_turn_end, up
+        to the end of the render)."""
         whole = self.render(messages, add_generation_prompt=False, tools=tools, where=where)
         answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
         spans = self.answer_spans(where, whole, messages, answers, tools)
@@ -68,42 +105,45 @@ class ConversationTokenizer:
             text, spans = self.on_inference_prompt(where, whole, prompt, spans, messages, answers, tools)
         start, end, add_eos = spans[-1]
         if self.keep_after_turn_end and not add_eos:  # an appended EOS ends the row itself: nothing follows it
-            spans[-1] = (start, len(text), add_eos)
+            spans[-1] = AnswerSpan(start, len(text), add_eos)
         segments, position = [], 0
         for turn, (start, end, add_eos) in enumerate(spans):
             trained = not self.last_turn_only or turn == len(spans) - 1
-            segments += [(text[position:start], False, False), (text[start:end], trained, add_eos)]
+            segments += [Segment(text[position:start], False, False), Segment(text[start:end], trained, add_eos)]
             position = end
         return segments
 
-    def answer_spans(self, where: str, text: str, messages: list, answers: list, tools) -> list:
+    def answer_spans(self, where: str, text: str, messages: list[Message], answers: list[int],
+                     tools: Tools | None) -> list[AnswerSpan]:
         spans, position = [], 0
         for index in answers:
             spans.append(self.answer_span(where, text, position, messages, index, tools))
-            position = spans[-1][1]
+            position = spans[-1].end
         return spans
 
-    def on_inference_prompt(self, where, whole, prompt, spans, messages, answers, tools) -> tuple:
+    def on_inference_prompt(self, where: str, whole: str, prompt: str, spans: list[AnswerSpan], messages: list[Message],
+                            answers: list[int], tools: Tools | None) -> RenderedAnswers:
         """The template renders the last answer's prompt differently in a finished conversation than
         as the inference prompt (Mistral-Nemo drops the system prompt unless the last turn is the
         user's; the DeepSeek-R1 distills' generation prompt opens a think block): train on the
         inference prompt itself, followed by the last answer as the conversation renders it, so
-        the model learns to answer the prompt it will be given. (text, spans)."""
+        the model learns to answer the prompt it will be given."""
         last = answers[-1]
         if messages[last].get("reasoning_content"):
             raise InputError(f"{where}: turn {last} (assistant): field 'reasoning_content': the template's "
                              "generation prompt leaves no reasoning for the model to write (is enable_thinking false?)")
         self.note("prompt", f"the chat template renders a finished conversation's last prompt as "
-                            f"{whole[max(0, spans[-1][0] - 40):spans[-1][0]]!r} but the inference prompt as "
+                            f"{whole[max(0, spans[-1].start - 40):spans[-1].start]!r} but the inference prompt as "
                             f"{prompt[-40:]!r}: answers are trained after the inference prompt")
         start, end, add_eos = spans[-1]
         tail = whole[end:] if self.keep_after_turn_end and not add_eos else ""
         text = prompt + whole[start:end] + tail
         earlier = self.answer_spans(where, prompt, messages[:last], answers[:-1], tools)
-        return text, earlier + [(len(prompt), len(prompt) + end - start, add_eos)]
+        return RenderedAnswers(text, earlier + [AnswerSpan(len(prompt), len(prompt) + end - start, add_eos)])
 
-    def answer_span(self, where: str, text: str, position: int, messages: list, index: int, tools) -> tuple:
-        """(start, end, add_eos) of assistant message `index` in the rendered text, at or after
+    def answer_span(self, where: str, text: str, position: int, messages: list[Message], index: int,
+                    tools: Tools | None) -> AnswerSpan:
+        """The span of assistant message `index` in the rendered text, at or after
         `position` (the end of the previous answer)."""
         message = messages[index]
         prompt = self.render(messages[:index], add_generation_prompt=True, tools=tools)
@@ -117,9 +157,9 @@ class ConversationTokenizer:
         if end < 0:
             raise InputError(f"{where_turn}: the chat template does not close this answer with {self.turn_end!r}")
         # A plain-text turn end gets EOS appended, so the model still learns to stop.
-        return start, end + len(self.turn_end), not self.turn_end_is_special
+        return AnswerSpan(start, end + len(self.turn_end), not self.turn_end_is_special)
 
-    def header_end(self, text: str, position: int, messages: list, index: int, tools) -> int:
+    def header_end(self, text: str, position: int, messages: list[Message], index: int, tools: Tools | None) -> int:
         """Where the assistant starts writing when the render is not a growing prefix: after the
         longest head of the template's generation header (what add_generation_prompt adds) found
         between the turns before the answer and the answer's own first text; at that text if the
@@ -144,7 +184,7 @@ class ConversationTokenizer:
                 return at + size
         return body
 
-    def find_body(self, where_turn: str, text: str, start: int, message: dict, last: bool) -> int:
+    def find_body(self, where_turn: str, text: str, start: int, message: Message, last: bool) -> int:
         """The end of what the answer itself renders (reasoning, content, tool calls) after start."""
         anchor = start
         reasoning = (message.get("reasoning_content") or "").strip()
@@ -181,7 +221,7 @@ class ConversationTokenizer:
             logger.warning("%s", message)
         self.notes[kind] = self.notes.get(kind, 0) + 1
 
-    def __call__(self, where: str, messages: list, tools: Optional[list] = None) -> Optional[dict]:
+    def __call__(self, where: str, messages: list[Message], tools: Tools | None = None) -> dict[str, list[int]] | None:
         segments = self.segments(where, messages, tools)
         if getattr(self.tokenizer, "is_fast", False):
             input_ids, labels = self.tokenize_whole(segments)
@@ -199,7 +239,7 @@ class ConversationTokenizer:
             else None
         return self.tokenizer.convert_tokens_to_ids(token) if token else self.tokenizer.eos_token_id
 
-    def after_turn_end_ids(self) -> list:
+    def after_turn_end_ids(self) -> list[int]:
         """The ids the template puts after an answer's EOS to close its turn (empty for templates
         that end a turn at EOS): what a row of keep_after_turn_end adds to one without it."""
         probe = [{"role": "user", "content": "1 + 1 ="}, {"role": "assistant", "content": "2"}]
@@ -212,35 +252,35 @@ class ConversationTokenizer:
                              "choose a --template")
         return whole[len(short):]
 
-    def tokenize_whole(self, segments: list) -> tuple:
+    def tokenize_whole(self, segments: list[Segment]) -> TokenizedConversation:
         """Tokenize the rendered conversation as one string (as inference encodes a prompt: no
         tokenizer-added prefix in front of each segment) and label tokens by character offsets."""
-        text = "".join(segment[0] for segment in segments)
+        text = "".join(segment.text for segment in segments)
         starts, position = [], 0
         for segment in segments:
             starts.append(position)
-            position += len(segment[0])
+            position += len(segment.text)
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         input_ids, labels = [], []
         pending_eos = None  # a segment needing an extra EOS, emitted before the first token past it
-        for token, (start, _) in zip(encoding["input_ids"], encoding["offset_mapping"]):
+        for token, (start, _) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True):
             index = bisect_right(starts, start) - 1
             if pending_eos is not None and pending_eos != index:
-                self.append_eos(input_ids, labels, segments[pending_eos][1])
+                self.append_eos(input_ids, labels, segments[pending_eos].trained)
                 pending_eos = None
             input_ids.append(token)
-            labels.append(token if segments[index][1] else -100)
-            if segments[index][2]:
+            labels.append(token if segments[index].trained else -100)
+            if segments[index].add_eos:
                 pending_eos = index
         if pending_eos is not None:
-            self.append_eos(input_ids, labels, segments[pending_eos][1])
-        return input_ids, labels
+            self.append_eos(input_ids, labels, segments[pending_eos].trained)
+        return TokenizedConversation(input_ids, labels)
 
-    def append_eos(self, input_ids: list, labels: list, trained: bool) -> None:
+    def append_eos(self, input_ids: list[int], labels: list[int], trained: bool) -> None:
         input_ids.append(self.tokenizer.eos_token_id)
         labels.append(self.tokenizer.eos_token_id if trained else -100)
 
-    def tokenize_by_segment(self, segments: list) -> tuple:
+    def tokenize_by_segment(self, segments: list[Segment]) -> TokenizedConversation:
         """Slow tokenizers have no offsets: tokenize segment by segment."""
         input_ids, labels = [], []
         for text, trained, add_eos in segments:
@@ -248,6 +288,6 @@ class ConversationTokenizer:
             ids += [self.tokenizer.eos_token_id] if add_eos else []
             input_ids += ids
             labels += ids if trained else [-100] * len(ids)
-        return input_ids, labels
+        return TokenizedConversation(input_ids, labels)
 
 

@@ -2,17 +2,43 @@
 split into train and held-out, rendered with the generation prompt and tokenized."""
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from lorakit.core.cli import InputError
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.splits import held_out_indices, phase_part
-from lorakit.records.readers import find_record_files, prompt_of, records_of
+from lorakit.records.chat_templates import ChatTemplate
+from lorakit.records.readers import Message, find_record_files, prompt_of, records_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 
-def read_prompts(files: list, data_split: Optional[str], data_phase: int, seed: int) -> list:
+class PromptDataArguments(Protocol):
+    """What build_prompt_sets reads of PPO's data arguments (rl.ppo.PPODataArguments, a layer above)."""
+
+    dataset_dir: str | None
+    data_path: list[str] | None
+    data_split: str | None
+    data_phase: int
+    validation_file: str | None
+    validation_split_percentage: float
+    max_train_samples: int | None
+    max_eval_samples: int | None
+    max_prompt_seq_len: int
+
+
+class PromptSets(NamedTuple):
+    """PPO's tokenized prompts: those trained on, and the held-out ones (None without a held-out share)."""
+
+    train: list[list[int]]
+    evaluation: list[list[int]] | None
+
+
+def read_prompts(files: list[str], data_split: str | None, data_phase: int,
+                 seed: int) -> list[tuple[str, list[Message]]]:
     """[(where, messages)] of every file (its --data_phase part with --data_split)."""
     prompts = []
     for path in files:
@@ -23,8 +49,8 @@ def read_prompts(files: list, data_split: Optional[str], data_phase: int, seed: 
     return prompts
 
 
-def tokenize_prompts(prompts: list, tokenizer, template: str, max_prompt_len: int, desc: str,
-                     template_kwargs: Optional[dict] = None) -> list:
+def tokenize_prompts(prompts: list[tuple[str, list[Message]]], tokenizer: "PreTrainedTokenizerBase", template: str,
+                     max_prompt_len: int, desc: str, template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """Token ids of each prompt rendered with the generation prompt; a prompt longer than
     max_prompt_len keeps its end (the question nearest the answer), as DeepSpeed-Chat does."""
     renderer = ConversationTokenizer(tokenizer, template, max_prompt_len, template_kwargs=template_kwargs)
@@ -40,9 +66,10 @@ def tokenize_prompts(prompts: list, tokenizer, template: str, max_prompt_len: in
     return rows
 
 
-def build_prompt_sets(data_args, tokenizer, chat_template, seed: int) -> tuple:
-    """(train prompt ids, held-out prompt ids or None) from run_ppo's PPODataArguments, rendered
-    with the run's chat_templates.ChatTemplate."""
+def build_prompt_sets(data_args: PromptDataArguments, tokenizer: "PreTrainedTokenizerBase", chat_template: ChatTemplate,
+                      seed: int) -> PromptSets:
+    """The train prompts' ids and the held-out ones' (or None) from rl.ppo's PPODataArguments, rendered
+    with the run's records.chat_templates.ChatTemplate."""
     files = find_record_files(data_args.dataset_dir, data_args.data_path)
     if not files:
         raise InputError("no prompts: give --dataset_dir or --data_path")
@@ -63,4 +90,4 @@ def build_prompt_sets(data_args, tokenizer, chat_template, seed: int) -> tuple:
         rows[name] = None if chosen is None else tokenize_prompts(
             chosen, tokenizer, chat_template.text, data_args.max_prompt_seq_len, f"{name} prompts",
             chat_template.kwargs)
-    return rows["train"], rows["eval"]
+    return PromptSets(rows["train"], rows["eval"])

@@ -5,7 +5,7 @@ layer so that the data layer never imports the trainers; a resumed run refuses a
 not trained on before reading or building it, so a refusal leaves the cache as it was."""
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any
 
 from lorakit.core.cli import InputError
 
@@ -18,17 +18,18 @@ class RunRecord:
     """This process's run: its identity, the data entries it has read so far, and, when it resumes, the
     checkpoint and the data entries that checkpoint was trained on."""
 
-    identity: dict = field(default_factory=dict)
-    data: list = field(default_factory=list)
-    checkpoint: Optional[str] = None
-    checkpoint_data: Optional[list] = None
+    identity: dict[str, Any] = field(default_factory=dict)
+    data: list[str] = field(default_factory=list)  # cache entry names
+    checkpoint: str | None = None
+    checkpoint_data: list[str] | None = None
 
 
 # One run per process (resolve_resume_checkpoint begins it); the data layer adds to it as it reads.
 current_run = RunRecord()
 
 
-def begin_run(identity: dict, checkpoint: Optional[str] = None, checkpoint_data: Optional[list] = None) -> None:
+def begin_run(identity: dict[str, Any], checkpoint: str | None = None,
+              checkpoint_data: list[str] | None = None) -> None:
     global current_run
     current_run = RunRecord(identity, [], checkpoint, checkpoint_data)
 

@@ -2,7 +2,8 @@
 PPO phases, and the held-out share for evaluation."""
 
 import logging
-from typing import Optional
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from datasets import Dataset
@@ -11,8 +12,10 @@ from lorakit.core.cli import InputError
 
 logger = logging.getLogger(__name__)
 
+Item = TypeVar("Item")
 
-def parse_data_split(data_split: str) -> list:
+
+def parse_data_split(data_split: str) -> list[float]:
     try:
         weights = [float(part) for part in data_split.split(",")]
     except ValueError:
@@ -33,15 +36,22 @@ def phase_indices(num_records: int, data_split: str, phase: int, seed: int) -> n
     return np.sort(order[bounds[phase - 1] : bounds[phase]])
 
 
-def phase_part(items: list, data_split: Optional[str], phase: int, seed: int) -> list:
+def phase_part(items: list[Item], data_split: str | None, phase: int, seed: int) -> list[Item]:
     """The items of one file that a stage takes: its --data_phase part under --data_split, else all."""
     if not data_split:
         return list(items)
     return [items[i] for i in phase_indices(len(items), data_split, phase, seed)]
 
 
-def held_out_indices(count: int, validation_split_percentage: float, seed: int, what: str) -> tuple:
-    """(train indices, held-out indices), each sorted, by a seeded shuffle of `count` items. A value
+class HeldOutIndices(NamedTuple):
+    """Indices of the items trained on and of those held out, each sorted."""
+
+    train: np.ndarray
+    held_out: np.ndarray
+
+
+def held_out_indices(count: int, validation_split_percentage: float, seed: int, what: str) -> HeldOutIndices:
+    """The train and held-out indices by a seeded shuffle of `count` items. A value
     >= 1 is a percentage, below 1 a fraction (the anchor's scripts pass 0.05 under this name); a
     tiny share of a small set still holds out one item."""
     share = validation_split_percentage
@@ -51,25 +61,33 @@ def held_out_indices(count: int, validation_split_percentage: float, seed: int, 
         raise InputError(f"--validation_split_percentage {share} of {count} {what} leaves no training or no "
                          f"validation {what.rstrip('s')}; add data or change the percentage")
     order = np.random.default_rng(seed).permutation(count)
-    return np.sort(order[num_eval:]), np.sort(order[:num_eval])
+    return HeldOutIndices(np.sort(order[num_eval:]), np.sort(order[:num_eval]))
 
 
-def split_validation(dataset: Dataset, validation_split_percentage: float, seed: int, what: str = "blocks") -> tuple:
-    """(train, eval) of a dataset; eval is None without a held-out share. The split's indices stay
+class ValidationSplit(NamedTuple):
+    """A dataset's training part and its held-out part (None without a held-out share)."""
+
+    train: Dataset
+    evaluation: Dataset | None
+
+
+def split_validation(dataset: Dataset, validation_split_percentage: float, seed: int,
+                     what: str = "blocks") -> ValidationSplit:
+    """The train and eval parts of a dataset; eval is None without a held-out share. The split's indices stay
     in memory (select): nothing is written next to a cache that other processes may be reading."""
     if validation_split_percentage <= 0:
-        return dataset, None
+        return ValidationSplit(dataset, None)
     train, held_out = held_out_indices(len(dataset), validation_split_percentage, seed, what)
-    return dataset.select(train), dataset.select(held_out)
+    return ValidationSplit(dataset.select(train), dataset.select(held_out))
 
 
-def held_out_check(validation_split_percentage: float, seed: int, what: str):
+def held_out_check(validation_split_percentage: float, seed: int, what: str) -> Callable[[Dataset], object]:
     """split_validation's refusal of a data set too small for the held-out share, as the cache's
-    check (data_cache.build_or_load_cached): refused before the data is cached, not after."""
+    check (data.cache.build_or_load_cached): refused before the data is cached, not after."""
     return lambda dataset: split_validation(dataset, validation_split_percentage, seed, what)
 
 
-def first_samples(dataset: Optional[Dataset], limit: Optional[int]) -> Optional[Dataset]:
+def first_samples(dataset: Dataset | None, limit: int | None) -> Dataset | None:
     """--max_train_samples / --max_eval_samples."""
     if dataset is None or limit is None:
         return dataset

@@ -1,5 +1,5 @@
 """Exact-match accuracy of a chat model on alpaca records: greedy answers to prompts rendered
-with the tokenizer's chat template, scored with sft_tasks.is_exact_match.
+with the tokenizer's chat template, scored with demo.sft_tasks.is_exact_match.
 
 The prompt is what the chat template renders for the conversation so far with
 add_generation_prompt=True, encoded without tokenizer-added special tokens: exactly the prompt
@@ -10,25 +10,30 @@ every row's answer starts right after its own last prompt token.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from tqdm.auto import tqdm
 
 from lorakit.demo.sft_tasks import is_exact_match
 from lorakit.records.readers import PROMPT, conversation_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-def render_prompts(tokenizer, records: list[dict]) -> list[str]:
+
+def render_prompts(tokenizer: PreTrainedTokenizerBase, records: list[dict[str, str]]) -> list[str]:
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat_template to render prompts with")
-    # The conversation up to the answer, read exactly as run_sft_with_peft.py reads the record.
+    # The conversation up to the answer, read exactly as SFT reads the record (records.readers.conversation_of).
     return [tokenizer.apply_chat_template(conversation_of(f"record {index}", record, PROMPT), tokenize=False,
                                           add_generation_prompt=True)
             for index, record in enumerate(records)]
 
 
 @torch.inference_mode()
-def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 12, batch_size: int = 16,
-                     desc: str = "Generating") -> list[str]:
+def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+                     max_new_tokens: int = 12, batch_size: int = 16, desc: str = "Generating") -> list[str]:
     """Greedy continuations of each prompt, stopped at EOS (or max_new_tokens), decoded without
     special tokens. Prompts are sorted by length so a batch holds little padding."""
     eos = tokenizer.eos_token_id
@@ -63,14 +68,14 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int =
     return answers
 
 
-def exact_match(model, tokenizer, records: list[dict], max_new_tokens: int = 12, batch_size: int = 16,
-                desc: str = "Exact match") -> dict:
+def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, records: list[dict[str, str]],
+                max_new_tokens: int = 12, batch_size: int = 16, desc: str = "Exact match") -> dict[str, Any]:
     """{"correct", "total", "accuracy", "answers": [{"instruction", "expected", "generated", "correct"}]}."""
     if not records:
         raise ValueError("no records to score")
     generated = generate_answers(model, tokenizer, render_prompts(tokenizer, records), max_new_tokens,
                                  batch_size, desc)
     answers = [{"instruction": record["instruction"], "expected": record["output"], "generated": text,
-                "correct": is_exact_match(text, record)} for record, text in zip(records, generated)]
+                "correct": is_exact_match(text, record)} for record, text in zip(records, generated, strict=True)]
     correct = sum(answer["correct"] for answer in answers)
     return {"correct": correct, "total": len(records), "accuracy": correct / len(records), "answers": answers}

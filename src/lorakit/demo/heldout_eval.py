@@ -9,13 +9,17 @@ reported, for comparing e.g. a base model with one whose vocabulary was extended
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-def token_stream(tokenizer, texts: list[str]) -> list[int]:
+
+def token_stream(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[int]:
     """EOS, then each text followed by EOS: the layout pretraining blocks have.
 
     The leading EOS is context only (never scored), so the first text's first token is
@@ -40,8 +44,8 @@ def windows(stream: list[int], block_size: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def heldout_nll(model, tokenizer, texts: list[str], block_size: int, batch_size: int = 4,
-                desc: str = "Held-out NLL") -> dict:
+def heldout_nll(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str], block_size: int,
+                batch_size: int = 4, desc: str = "Held-out NLL") -> dict[str, float]:
     """Mean negative log-likelihood and perplexity of ``texts``, per token and per character.
 
     Each text is scored together with the EOS that ends it, and counts one character for that

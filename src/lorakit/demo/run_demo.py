@@ -16,7 +16,7 @@ outputs/demo/report.md (with loss.png, every stage's training curves) and report
     make demo QUICK=1    # a few minutes: the same stages with tiny settings (the test suite runs it)
 
 Each stage is a function that takes the shared Demo state and returns a dict of figures;
-demo_report.py renders the report from those dicts. A rerun skips the pipeline stages that
+demo.report renders the report from those dicts. A rerun skips the pipeline stages that
 completed with the same config (their figures are measured again).
 """
 
@@ -35,16 +35,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lorakit.core.repository import ROOT
 from lorakit.demo.exact_match import exact_match, generate_answers, render_prompts
 from lorakit.demo.heldout_eval import heldout_nll
 from lorakit.demo.prepare_default import CORPUS_FILE, prepare_model, sentiment_reviews, write_pretraining_corpus
-from lorakit.demo.report import plot_losses, render_report
+from lorakit.demo.report import Figures, plot_losses, render_report
 from lorakit.demo.review_tasks import CLEAR_SENTIMENT, demonstrations, preference_pairs, prompt_split, review_pools
 from lorakit.demo.sft_tasks import arithmetic_records
 from lorakit.pipeline.config import StageConfig, load_config
-from lorakit.pipeline.stages import plan_stages
+from lorakit.pipeline.stages import PlannedStage, plan_stages
+
+if TYPE_CHECKING:  # the models load lazily, inside the stages that score them
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 REPO = Path(ROOT)  # the demo runs the repository's own scripts and configs
 PIPELINE = REPO / "scripts" / "run_pipeline.py"
@@ -52,7 +56,7 @@ DEMO_CONFIG = REPO / "configs" / "pipeline" / "demo.yaml"
 
 logger = logging.getLogger("demo")
 
-# The same split prepare_default.py's own command line makes, in the same directory name, so
+# The same split demo.prepare_default's own command line makes, in the same directory name, so
 # a corpus prepared by either is reused by the other.
 HELDOUT_FRACTION = 0.05
 SPLIT_SEED = 0
@@ -97,8 +101,8 @@ class Plan:
     rm_eval_pairs: int
     ppo_heldout_prompts: int  # of the 20 held-out review prompts
     sft_train_records: int = 4_000  # more than the steps consume: each sample is seen at most once
-    overrides: tuple = ()  # of demo.yaml's recipe
-    dpo_overrides: dict = field(default_factory=dict)  # of DPO_RECIPE
+    overrides: tuple[str, ...] = ()  # of demo.yaml's recipe
+    dpo_overrides: dict[str, Any] = field(default_factory=dict)  # of DPO_RECIPE
 
 
 FULL = Plan(heldout_chars=16_000, sft_heldout_records=50, sft_validation_records=64, rm_eval_pairs=100,
@@ -116,6 +120,14 @@ QUICK = Plan(heldout_chars=800, sft_heldout_records=8, sft_validation_records=8,
              dpo_overrides={"max_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 2})
 
 
+class RewardScorer(NamedTuple):
+    """The reward model that scores every policy's held-out answers, loaded once."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    turn_end: list[int]  # the ids the template puts after an answer's EOS (PPO scores answers with them)
+
+
 @dataclass
 class Demo:
     """What the stages hand on to later stages. Stage outputs lie where the pipeline puts them:
@@ -128,12 +140,13 @@ class Demo:
     model_dir: str = ""
     train_dir: str = ""
     heldout_texts: list[str] = field(default_factory=list)
-    sft_heldout: list[dict] = field(default_factory=list)
+    sft_heldout: list[dict[str, str]] = field(default_factory=list)
     ppo_heldout_prompts: list[str] = field(default_factory=list)
-    flags: dict = field(default_factory=dict)  # stage name -> its flags in demo.yaml, overrides applied
-    reward_data: dict = field(default_factory=dict)
-    sft_data_figures: dict = field(default_factory=dict)
-    scorer: tuple = ()  # (reward model, its tokenizer, the ids after a turn end): loaded once, scores every policy
+    # stage name -> its flags in demo.yaml, overrides applied
+    flags: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reward_data: dict[str, Any] = field(default_factory=dict)
+    sft_data_figures: Figures = field(default_factory=dict)
+    scorer: RewardScorer | None = None  # loaded at the first held-out scoring
 
     def path(self, *parts: str) -> Path:
         return self.output_dir.joinpath(*parts)
@@ -158,7 +171,7 @@ class StageError(Exception):
 # ----------------------------------------------------------------------------- stages
 
 
-def prepare(demo: Demo) -> dict:
+def prepare(demo: Demo) -> Figures:
     """The model, the pretraining corpus and every later stage's data, all written before the
     pipeline starts: it checks every stage's files before it runs any."""
     demo.model_dir = prepare_model(demo.cache_dir)
@@ -188,19 +201,19 @@ def write_reward_and_prompt_data(demo: Demo) -> None:
     write_jsonl(demo.path("rm_data", "train", "pairs.jsonl"), train)
     write_jsonl(demo.path("rm_data", "heldout.jsonl"), heldout)
     write_jsonl(demo.path("ppo_data", "train", "prompts.jsonl"),
-                [{"instruction": prompt, "output": ""} for prompt in prompt_split()[0]])
-    demo.ppo_heldout_prompts = prompt_split()[1][:demo.plan.ppo_heldout_prompts]
+                [{"instruction": prompt, "output": ""} for prompt in prompt_split().train])
+    demo.ppo_heldout_prompts = prompt_split().heldout[:demo.plan.ppo_heldout_prompts]
     demo.reward_data = {"train_pairs": len(train), "sample_pair": heldout[0], "clear_sentiment": CLEAR_SENTIMENT}
 
 
-def pipeline(demo: Demo) -> dict:
+def pipeline(demo: Demo) -> Figures:
     """Every training stage, in one run of the launcher: the stages' times are its markers'."""
     run_pipeline(demo)
     return {name: read_stage_result(demo.path(".pipeline", f"{name}.json")).get("seconds")
             for name in demo.flags}
 
 
-def vocabulary_extension(demo: Demo) -> dict:
+def vocabulary_extension(demo: Demo) -> Figures:
     """Chinese pieces learned on the training text, merged into SmolLM2's byte-level BPE; the
     tokens-per-character figure is measured on the held-out documents."""
     out = demo.path("vocabulary")
@@ -211,11 +224,11 @@ def vocabulary_extension(demo: Demo) -> dict:
     return {"tokenizer_dir": out, "extra_vocab_size": demo.flags["vocabulary"]["vocab_size"], **figures}
 
 
-def heldout_before(demo: Demo) -> dict:
+def heldout_before(demo: Demo) -> Figures:
     return heldout_perplexity(demo, demo.model_dir)
 
 
-def continued_pretraining(demo: Demo) -> dict:
+def continued_pretraining(demo: Demo) -> Figures:
     """LoRA + the new embedding rows on the Chinese text, then merged into the base (pt_merged):
     the model every later stage starts from."""
     flags, out = demo.flags["pretraining"], demo.path("pretraining")
@@ -225,15 +238,15 @@ def continued_pretraining(demo: Demo) -> dict:
             **read_stage_result(out / "eval_results.json")}
 
 
-def heldout_after(demo: Demo) -> dict:
+def heldout_after(demo: Demo) -> Figures:
     return heldout_perplexity(demo, demo.path("pt_merged"))
 
 
-def sft_data(demo: Demo) -> dict:
+def sft_data(demo: Demo) -> Figures:
     return demo.sft_data_figures
 
 
-def write_sft_data(demo: Demo) -> dict:
+def write_sft_data(demo: Demo) -> Figures:
     """Train (.jsonl in a directory, as --dataset_dir wants), validation and held-out sets."""
     plan, data_dir = demo.plan, demo.path("sft_data")
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -264,11 +277,11 @@ def write_sft_data(demo: Demo) -> dict:
             "heldout_overlap": overlap}
 
 
-def exact_match_before(demo: Demo) -> dict:
+def exact_match_before(demo: Demo) -> Figures:
     return heldout_exact_match(demo, adapter=None)
 
 
-def supervised_fine_tuning(demo: Demo) -> dict:
+def supervised_fine_tuning(demo: Demo) -> Figures:
     flags, out = demo.flags["sft"], demo.path("sft")
     train = read_stage_result(out / "train_results.json")
     return {"steps": flags["max_steps"], "batch_size": flags["per_device_train_batch_size"],
@@ -278,11 +291,11 @@ def supervised_fine_tuning(demo: Demo) -> dict:
             **loss_summary(out), **read_stage_result(out / "eval_results.json")}
 
 
-def exact_match_after(demo: Demo) -> dict:
+def exact_match_after(demo: Demo) -> Figures:
     return heldout_exact_match(demo, adapter=demo.path("sft", "sft_lora_model"))
 
 
-def reward_model(demo: Demo) -> dict:
+def reward_model(demo: Demo) -> Figures:
     """Pairwise reward model (LoRA + score head) on pt_merged, the SFT adapter's base: asked for a
     review, a positive one is preferred. Held-out accuracy on pairs whose reviews were never trained on."""
     flags, out = demo.flags["reward"], demo.path("reward")
@@ -291,11 +304,11 @@ def reward_model(demo: Demo) -> dict:
             **demo.reward_data, **loss_summary(out), **read_stage_result(out / "eval_results.json")}
 
 
-def reward_before_ppo(demo: Demo) -> dict:
+def reward_before_ppo(demo: Demo) -> Figures:
     return heldout_reward(demo, demo.path("sft", "sft_lora_model"))
 
 
-def ppo(demo: Demo) -> dict:
+def ppo(demo: Demo) -> Figures:
     """PPO: the SFT policy is trained against the reward model, all roles on ONE base model
     (pt_merged: actor, critic and reward as LoRA adapters, the reference = the SFT adapter)."""
     flags, out = demo.flags["ppo"], demo.path("ppo")
@@ -309,11 +322,11 @@ def ppo(demo: Demo) -> dict:
                if key in ("train_runtime", "train_loss")}}
 
 
-def reward_after_ppo(demo: Demo) -> dict:
+def reward_after_ppo(demo: Demo) -> Figures:
     return heldout_reward(demo, demo.path("ppo", "ppo_lora_model"))
 
 
-def ppo_second_seed(demo: Demo) -> dict:
+def ppo_second_seed(demo: Demo) -> Figures:
     """The PPO stage's own command again with another seed, into ppo_seed<N>/: how far two seeds'
     held-out rewards lie apart is the yardstick PPO's gain has to beat."""
     planned = next(stage for stage in plan_stages(load_config(str(DEMO_CONFIG), demo.overrides()), sys.executable)
@@ -338,7 +351,7 @@ def flag_value(command: list[str], name: str) -> str:
     return command[command.index(f"--{name}") + 1]
 
 
-def dpo(demo: Demo) -> dict:
+def dpo(demo: Demo) -> Figures:
     """The DPO path: the SFT policy (pt_merged + the SFT adapter, folded in) learns from the reward
     model's training pairs with a new LoRA, its reference the same model with that LoRA off. Held-out:
     the implicit-reward accuracy (TRL's rewards/accuracies) on the reward model's held-out pairs;
@@ -360,7 +373,7 @@ def dpo(demo: Demo) -> dict:
             "accuracy_after": results["eval_rewards/accuracies"], **loss_summary(out), **results}
 
 
-def dpo_stage(demo: Demo):
+def dpo_stage(demo: Demo) -> PlannedStage:
     """The pipeline's plan of a dpo stage right after demo.yaml's sft (which demo.yaml cannot hold: DPO
     leaves two adapters, the SFT one and its own, and PPO takes one), into dpo/: the reward stage's
     flags with DPO_RECIPE's."""
@@ -372,12 +385,12 @@ def dpo_stage(demo: Demo):
     return plan_stages(config, sys.executable)[-1]
 
 
-def reward_after_dpo(demo: Demo) -> dict:
+def reward_after_dpo(demo: Demo) -> Figures:
     """The DPO policy's answers to PPO's held-out prompts, scored as the SFT and PPO policies' are."""
     return heldout_reward(demo, demo.path("sft", "sft_lora_model"), demo.path("dpo", "dpo_lora_model"))
 
 
-def merge(demo: Demo) -> dict:
+def merge(demo: Demo) -> Figures:
     """The PPO adapter (which continues the SFT adapter) folded into pt_merged: a standalone model
     with the extended vocabulary, checked against peft (--verify)."""
     out = demo.path("final")
@@ -388,14 +401,14 @@ def merge(demo: Demo) -> dict:
             "size_mb": sum(path.stat().st_size for path in out.iterdir()) / 1e6}
 
 
-def chat(demo: Demo) -> dict:
+def chat(demo: Demo) -> Figures:
     """The pipeline's scripted chat check on the merged model: greedy, the turns of demo.yaml."""
     transcript = demo.path("chat", "transcript.txt").read_text(encoding="utf-8").strip()
     print(transcript)
     return {"turns": list(demo.flags.get("chat", {}).get("turns", [])), "transcript": transcript}
 
 
-STAGES: list[tuple[str, Callable[[Demo], dict]]] = [
+STAGES: list[tuple[str, Callable[[Demo], Figures]]] = [
     ("prepare", prepare),
     ("pipeline", pipeline),
     ("vocabulary extension", vocabulary_extension),
@@ -438,8 +451,15 @@ def first_texts(path: Path, min_chars: int) -> list[str]:
     return texts
 
 
-def load_frozen_model(base: str | Path, adapters: tuple[Path, ...] = (), task: str = "causal_lm"):
-    """(model, tokenizer) through the toolkit's own loader: base, or base + adapters folded in, in
+class FrozenModel(NamedTuple):
+    """A model loaded for scoring only (float32, eval mode), and the tokenizer it was trained with."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+
+def load_frozen_model(base: str | Path, adapters: tuple[Path, ...] = (), task: str = "causal_lm") -> FrozenModel:
+    """The model and tokenizer through the toolkit's own loader: base, or base + adapters folded in, in
     order (DPO's policy: the SFT adapter, then DPO's, as the merge tool applies them), with the last
     adapter's saved tokenizer (its vocabulary and chat template; the embeddings grown to it first),
     in float32, in eval mode."""
@@ -455,10 +475,10 @@ def load_frozen_model(base: str | Path, adapters: tuple[Path, ...] = (), task: s
     model = load_model(model_args, None, tokenizer, task=task, trainable=False)
     for adapter in adapters[1:]:
         model = load_peft_adapter(model, str(adapter), is_trainable=False, flag="--lora_model").merge_and_unload()
-    return model.eval(), tokenizer
+    return FrozenModel(model.eval(), tokenizer)
 
 
-def heldout_perplexity(demo: Demo, model_dir: str | Path) -> dict:
+def heldout_perplexity(demo: Demo, model_dir: str | Path) -> Figures:
     model, tokenizer = load_frozen_model(model_dir)
     figures = heldout_nll(model, tokenizer, demo.heldout_texts, BLOCK_SIZE,
                           desc=f"Held-out NLL ({Path(model_dir).name})")
@@ -469,12 +489,19 @@ def heldout_perplexity(demo: Demo, model_dir: str | Path) -> dict:
     return {"vocabulary": len(tokenizer), **figures}
 
 
-def unseen_records(count: int, seed: int, seen: set[str]) -> tuple[list[dict], int]:
-    """The first count records of seed whose question is not in seen nor repeated: (records, skipped).
+class UnseenRecords(NamedTuple):
+    """Arithmetic records none of whose questions was seen before, and how many drawn ones were skipped as seen."""
+
+    records: list[dict[str, str]]
+    skipped: int
+
+
+def unseen_records(count: int, seed: int, seen: set[str]) -> UnseenRecords:
+    """The first count records of seed whose question is not in seen nor repeated, and the number skipped.
     arithmetic_records(n, seed) is a prefix of arithmetic_records(2 * n, seed), so drawing more
     only extends the same sequence."""
     if count <= 0:
-        return [], 0
+        return UnseenRecords([], 0)
     drawn = count
     while True:
         drawn *= 2
@@ -486,17 +513,17 @@ def unseen_records(count: int, seed: int, seen: set[str]) -> tuple[list[dict], i
             records.append(record)
             questions.add(record["instruction"])
             if len(records) == count:
-                return records, skipped
+                return UnseenRecords(records, skipped)
 
 
-def write_jsonl(path: Path, records: list[dict]) -> None:
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def heldout_exact_match(demo: Demo, adapter: Path | None) -> dict:
+def heldout_exact_match(demo: Demo, adapter: Path | None) -> Figures:
     """Greedy answers to the held-out questions by pt_merged (the model SFT starts from), with or
     without the SFT adapter. With it, the prompts are rendered by the tokenizer saved with it, i.e.
     by the chat template the adapter was trained with."""
@@ -517,7 +544,7 @@ def heldout_exact_match(demo: Demo, adapter: Path | None) -> dict:
             "prompt_example": render_prompts(tokenizer, demo.sft_heldout[:1])[0], **figures}
 
 
-def heldout_reward(demo: Demo, *policy: Path) -> dict:
+def heldout_reward(demo: Demo, *policy: Path) -> Figures:
     """Mean reward-model score of the policy's greedy answers to the held-out review prompts; the
     policy is pt_merged + its adapters, folded in in order. Each answer is scored as PPO scores it:
     prompt + answer + EOS + the template's turn end, read at the last token."""
@@ -537,7 +564,7 @@ def heldout_reward(demo: Demo, *policy: Path) -> dict:
     scorer, rm_tokenizer, turn_end = reward_scorer(demo)
     scores = []
     with torch.inference_mode():
-        for prompt, answer in zip(demo.ppo_heldout_prompts, answers):
+        for prompt, answer in zip(demo.ppo_heldout_prompts, answers, strict=True):
             text = rm_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                     add_generation_prompt=True) + answer + rm_tokenizer.eos_token
             ids = torch.tensor([rm_tokenizer(text, add_special_tokens=False)["input_ids"] + turn_end])
@@ -547,19 +574,19 @@ def heldout_reward(demo: Demo, *policy: Path) -> dict:
                 len(scores))
     return {"policy": ",".join(map(str, policy)), "prompts": len(scores), "reward_mean": mean,
             "answers": [{"prompt": p, "answer": a, "reward": s}
-                        for p, a, s in zip(demo.ppo_heldout_prompts, answers, scores)]}
+                        for p, a, s in zip(demo.ppo_heldout_prompts, answers, scores, strict=True)]}
 
 
-def reward_scorer(demo: Demo) -> tuple:
+def reward_scorer(demo: Demo) -> RewardScorer:
     """demo.scorer, loaded at the first held-out scoring: the same reward model scores every policy."""
-    if not demo.scorer:
+    if demo.scorer is None:
         from lorakit.data.conversation_tokenizer import ConversationTokenizer
 
         scorer, tokenizer = load_frozen_model(demo.path("pt_merged"), (demo.path("reward", "rm_lora_model"),),
                                               task="reward")
         answer_length = demo.flags["ppo"]["max_answer_seq_len"]
-        demo.scorer = (scorer, tokenizer,
-                       ConversationTokenizer(tokenizer, tokenizer.chat_template, answer_length).after_turn_end_ids())
+        turn_end = ConversationTokenizer(tokenizer, tokenizer.chat_template, answer_length).after_turn_end_ids()
+        demo.scorer = RewardScorer(scorer, tokenizer, turn_end)
     return demo.scorer
 
 
@@ -573,13 +600,13 @@ def run_pipeline(demo: Demo) -> None:
         raise StageError(f"run_pipeline.py exited with status {result.returncode}")
 
 
-def read_stage_result(path: Path) -> dict:
+def read_stage_result(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise StageError(f"{path} is missing: the script did not finish its run")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def flat_numbers(report: dict, prefix: str = "") -> dict:
+def flat_numbers(report: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """The numbers of a nested report, keyed by their path ("heldout.tokens_per_char")."""
     flat = {}
     for key, value in report.items():
@@ -591,15 +618,15 @@ def flat_numbers(report: dict, prefix: str = "") -> dict:
     return flat
 
 
-def log_history(output_dir: Path) -> list[dict]:
+def log_history(output_dir: Path) -> list[dict[str, Any]]:
     return read_stage_result(output_dir / "trainer_state.json")["log_history"]
 
 
-def last_logged(logged: list[dict], key: str):
+def last_logged(logged: list[dict[str, Any]], key: str) -> Any:
     return next((entry[key] for entry in reversed(logged) if key in entry), None)
 
 
-def loss_summary(output_dir: Path) -> dict:
+def loss_summary(output_dir: Path) -> dict[str, float]:
     """First and last logged training loss, each a mean over logging_steps steps."""
     logged = [entry for entry in log_history(output_dir) if "loss" in entry]
     if not logged:
@@ -621,7 +648,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_stages(demo: Demo) -> tuple[list[dict], str | None]:
+class StageResults(NamedTuple):
+    """What the demo's run of STAGES gave."""
+
+    results: list[dict[str, Any]]  # {"stage", "seconds", "figures"} of each stage that completed, in order
+    failed: str | None  # the stage that failed (the run stops there), or None
+
+
+def run_stages(demo: Demo) -> StageResults:
     """Run STAGES in order; stop at the first that fails and return its name."""
     results = []
     for index, (name, stage) in enumerate(STAGES, 1):
@@ -631,14 +665,14 @@ def run_stages(demo: Demo) -> tuple[list[dict], str | None]:
             figures = stage(demo)
         except StageError as err:
             logger.error("stage '%s' failed: %s", name, err)
-            return results, name
+            return StageResults(results, name)
         except Exception:
             logger.exception("stage '%s' failed", name)
-            return results, name
+            return StageResults(results, name)
         seconds = time.perf_counter() - start
         logger.info("=== %s done in %.1f s", name, seconds)
         results.append({"stage": name, "seconds": seconds, "figures": figures})
-    return results, None
+    return StageResults(results, None)
 
 
 def main(argv: list[str] | None = None) -> int:

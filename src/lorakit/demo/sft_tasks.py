@@ -8,7 +8,7 @@ import random
 ANSWER_FORMAT = "The answer is {}."
 
 
-def arithmetic_records(count: int, seed: int, max_operand: int = 999) -> list:
+def arithmetic_records(count: int, seed: int, max_operand: int = 999) -> list[dict[str, str]]:
     """Alpaca records: {"instruction": "What is 347 + 589?", "output": "The answer is 936."},
     operands from 10 to max_operand."""
     rng = random.Random(seed)
@@ -24,7 +24,7 @@ def arithmetic_records(count: int, seed: int, max_operand: int = 999) -> list:
     return records
 
 
-def is_exact_match(generated: str, record: dict) -> bool:
+def is_exact_match(generated: str, record: dict[str, str]) -> bool:
     """The first line of the answer, stripped, equals the expected answer exactly."""
     lines = generated.strip().splitlines()
     return bool(lines) and lines[0].strip() == record["output"]

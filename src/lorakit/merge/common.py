@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterable
 
 from lorakit.core.cli import InputError, read_json, run_cli  # noqa: F401  (re-exported to the merge tools)
 from lorakit.core.model_files import tokenizer_files  # noqa: F401  (re-exported to the merge tools)
@@ -22,7 +23,7 @@ def setup_tool_logging() -> None:
                         level=logging.INFO, stream=sys.stdout, force=True)
 
 
-def check_output_dir(output_dir: str, inputs: dict) -> None:
+def check_output_dir(output_dir: str, inputs: dict[str, str | None]) -> None:
     """Refuse an output directory that would overwrite a result or an input.
 
     inputs maps a flag name (for the message) to the directory it names. An existing empty
@@ -40,7 +41,7 @@ def check_output_dir(output_dir: str, inputs: dict) -> None:
                              "choose a new directory or remove it first")
 
 
-def code_files(directory: str) -> list:
+def code_files(directory: str) -> list[str]:
     """The Python files of a model or tokenizer that ships its own code (config.json's or
     tokenizer_config.json's auto_map, loaded with --trust_remote_code): a merged copy needs them
     beside its config to load at all. The merge copies them and never runs them."""
@@ -48,6 +49,6 @@ def code_files(directory: str) -> list:
                   if name.endswith(".py") and os.path.isfile(os.path.join(directory, name)))
 
 
-def copy_files(source_dir: str, names, target_dir: str) -> None:
+def copy_files(source_dir: str, names: Iterable[str], target_dir: str) -> None:
     for name in names:
         shutil.copyfile(os.path.join(source_dir, name), os.path.join(target_dir, name))

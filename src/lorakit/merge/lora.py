@@ -46,7 +46,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -62,6 +62,9 @@ from lorakit.merge.common import (
     setup_tool_logging,
     tokenizer_files,
 )
+
+if TYPE_CHECKING:  # numpy comes with torch; named here only for a return type
+    import numpy as np
 
 logger = logging.getLogger("merge_llama_with_lora")
 
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.output_type != "huggingface":
         raise InputError(f"--output_type {args.output_type}: the merge writes the huggingface layout only "
@@ -134,7 +137,7 @@ def parse_args(argv=None):
 # {name: {dtype, shape, data_offsets}}, then the raw little-endian tensor bytes.
 
 
-def _byte_view(tensor: torch.Tensor):
+def _byte_view(tensor: torch.Tensor) -> "np.ndarray":
     """A writable numpy byte view of a contiguous tensor (any dtype, bfloat16 included)."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
@@ -145,10 +148,10 @@ class FileTensor:
 
     path: str
     dtype: torch.dtype
-    shape: tuple
+    shape: tuple[int, ...]
     offset: int  # absolute position of its first byte
 
-    def read(self, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows start:stop (the whole tensor by default) in a new tensor."""
         if len(self.shape) == 0:
             out = torch.empty((), dtype=self.dtype)
@@ -179,14 +182,14 @@ class MemoryTensor:
     tensor: torch.Tensor
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         return self.tensor.dtype
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
 
-    def read(self, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if self.tensor.dim() == 0:
             return self.tensor.clone()
         return self.tensor[start:stop].clone()
@@ -195,7 +198,11 @@ class MemoryTensor:
         return out.copy_(self.tensor if self.tensor.dim() == 0 else self.tensor[start:start + len(out)])
 
 
-def read_safetensors_header(path: str) -> dict:
+# A saved tensor, read on demand: from a safetensors file, or already in memory.
+SavedTensor = FileTensor | MemoryTensor
+
+
+def read_safetensors_header(path: str) -> dict[str, FileTensor]:
     """{name: FileTensor} for every tensor in a safetensors file, in the file's data order."""
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
@@ -226,7 +233,7 @@ class SafetensorsWriter:
     """Writes a safetensors file whose tensors (names, dtypes, shapes) are known in advance:
     the header first, then each tensor's bytes as they are computed, chunk by chunk."""
 
-    def __init__(self, path: str, layout: list):
+    def __init__(self, path: str, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         self.path = path
         header, position = {"__metadata__": {"format": "pt"}}, 0
         for name, dtype, shape in layout:
@@ -257,10 +264,10 @@ class SafetensorsWriter:
 @dataclass
 class BaseModel:
     path: str
-    config: dict
-    tensors: dict  # name -> FileTensor, in file and data order
-    files: list  # weight files, in order
-    tensor_file: dict  # name -> weight file name
+    config: dict[str, Any]
+    tensors: dict[str, FileTensor]  # in file and data order
+    files: list[str]  # weight files, in order
+    tensor_file: dict[str, str]  # tensor name -> weight file name
 
 
 def read_base_model(path: str) -> BaseModel:
@@ -302,23 +309,30 @@ def read_base_model(path: str) -> BaseModel:
 # ----------------------------------------------------------------------------- adapters
 
 
+class LoraWeights(NamedTuple):
+    """One module's A and B matrices, read in float32."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+
 @dataclass
 class LoraModule:
     """scaling * B @ A for one target weight; embedding/fan_in_fan_out deltas are transposed."""
 
     adapter: str
     module: str
-    lora_a: object
-    lora_b: object
+    lora_a: SavedTensor
+    lora_b: SavedTensor
     scaling: float
     transposed: bool
     embedding: bool = False
 
-    def delta_shape(self) -> tuple:
+    def delta_shape(self) -> tuple[int, ...]:
         out_features, in_features = self.lora_b.shape[0], self.lora_a.shape[1]
         return (in_features, out_features) if self.transposed else (out_features, in_features)
 
-    def add_to(self, rows: torch.Tensor, start: int, stop: int, loaded: tuple) -> None:
+    def add_to(self, rows: torch.Tensor, start: int, stop: int, loaded: LoraWeights) -> None:
         """rows (float32, rows start:stop of the weight) += the same rows of the delta."""
         weight_a, weight_b = loaded
         if self.transposed:  # delta = (B @ A).T: its rows are A's columns
@@ -326,20 +340,20 @@ class LoraModule:
         else:
             rows.addmm_(weight_b[start:stop], weight_a, alpha=self.scaling)
 
-    def load(self) -> tuple:
-        return self.lora_a.read().float(), self.lora_b.read().float()
+    def load(self) -> LoraWeights:
+        return LoraWeights(self.lora_a.read().float(), self.lora_b.read().float())
 
 
 @dataclass
 class Adapter:
     path: str
-    config: dict
-    lora: dict  # target weight name -> LoraModule
-    replacements: dict  # target tensor name -> FileTensor/MemoryTensor (saved whole)
+    config: dict[str, Any]
+    lora: dict[str, LoraModule]  # target weight name -> its LoRA update
+    replacements: dict[str, SavedTensor]  # target tensor name -> the tensor saved whole
     weights_file: str
 
 
-def pattern_value(patterns: dict, module: str, default):
+def pattern_value(patterns: dict[str, float] | None, module: str, default: float) -> float:
     """peft's get_pattern_key: the first pattern key matching the end of the module name."""
     for key, value in (patterns or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
@@ -347,17 +361,24 @@ def pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def read_adapter_tensors(path: str) -> tuple:
+class AdapterTensors(NamedTuple):
+    """The adapter's weights file and the tensors saved in it, by name."""
+
+    weights_file: str
+    tensors: dict[str, SavedTensor]
+
+
+def read_adapter_tensors(path: str) -> AdapterTensors:
     safetensors_path = os.path.join(path, "adapter_model.safetensors")
     if os.path.isfile(safetensors_path):
-        return safetensors_path, read_safetensors_header(safetensors_path)
+        return AdapterTensors(safetensors_path, read_safetensors_header(safetensors_path))
     bin_path = os.path.join(path, "adapter_model.bin")
     if os.path.isfile(bin_path):
         try:  # never unpickle arbitrary objects from a file a user handed us
             state = torch.load(bin_path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any failure here means the file is unusable
             raise InputError(f"{bin_path}: cannot read it as a tensor state dict ({type(err).__name__})") from None
-        return bin_path, {name: MemoryTensor(tensor) for name, tensor in state.items()}
+        return AdapterTensors(bin_path, {name: MemoryTensor(tensor) for name, tensor in state.items()})
     raise InputError(f"{path}: the adapter has no adapter_model.safetensors (or adapter_model.bin)")
 
 
@@ -375,7 +396,7 @@ def read_adapter(path: str) -> Adapter:
     return Adapter(path, config, lora, replacements, weights_file)
 
 
-def check_adapter_config(config_path: str, config: dict) -> None:
+def check_adapter_config(config_path: str, config: dict[str, Any]) -> None:
     """Refuse an adapter whose merge is not W += scaling * B @ A on the unchanged base."""
     if config.get("peft_type", "LORA") != "LORA":
         raise InputError(f"{config_path}: peft_type is {config.get('peft_type')}; only LoRA adapters can be merged")
@@ -392,7 +413,14 @@ def check_adapter_config(config_path: str, config: dict) -> None:
         raise InputError(f"{config_path}: field 'r' or 'lora_alpha' is missing")
 
 
-def sort_adapter_tensors(weights_file: str, tensors: dict) -> tuple:
+class AdapterParts(NamedTuple):
+    """An adapter's tensors sorted: LoRA matrices by module, and tensors saved whole by model tensor name."""
+
+    pairs: dict[str, dict[str, SavedTensor]]  # module name -> {"A"/"B" ("eA"/"eB" for embeddings): matrix}
+    replacements: dict[str, SavedTensor]
+
+
+def sort_adapter_tensors(weights_file: str, tensors: dict[str, SavedTensor]) -> AdapterParts:
     """(pairs, replacements) from the adapter's saved tensors: pairs maps a module name to its
     LoRA matrices by kind (A, B, or eA, eB for an embedding); replacements maps a model tensor
     name to a tensor the adapter saved whole (modules_to_save)."""
@@ -419,10 +447,11 @@ def sort_adapter_tensors(weights_file: str, tensors: dict) -> tuple:
                 aliases[name.replace(".modules_to_save.", ".").replace(".base_layer.", ".")] = entry
             else:
                 replacements[name] = entry  # modules_to_save: peft writes the trained copy under the plain name
-    return pairs, {**aliases, **replacements}
+    return AdapterParts(pairs, {**aliases, **replacements})
 
 
-def lora_modules(path: str, config: dict, pairs: dict, weights_file: str) -> dict:
+def lora_modules(path: str, config: dict[str, Any], pairs: dict[str, dict[str, SavedTensor]],
+                 weights_file: str) -> dict[str, LoraModule]:
     """Target weight name -> LoraModule, with each module's rank and alpha from the patterns."""
     lora = {}
     fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
@@ -453,12 +482,12 @@ class TensorPlan:
     """One output tensor: where its values start from, then the LoRA deltas added in order."""
 
     name: str
-    source: object  # FileTensor / MemoryTensor
+    source: SavedTensor
     dtype: torch.dtype  # written dtype: the base tensor's
-    deltas: list = field(default_factory=list)
+    deltas: list[LoraModule] = field(default_factory=list)
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple[int, ...]:
         return tuple(self.source.shape)
 
     @property
@@ -468,12 +497,12 @@ class TensorPlan:
 
 @dataclass
 class MergePlan:
-    tensors: dict  # output name -> TensorPlan, in output order
-    config: dict  # the output config.json
-    home: dict  # output name -> base weight file it came from (None: new tensor)
-    notes: list
-    vocab_rows: Optional[int]
-    embedding_rows_after: list  # input embedding rows after each adapter (for --verify)
+    tensors: dict[str, TensorPlan]  # output name -> its plan, in output order
+    config: dict[str, Any]  # the output config.json
+    home: dict[str, str | None]  # output name -> base weight file it came from (None: new tensor)
+    notes: list[str]
+    vocab_rows: int | None
+    embedding_rows_after: list[int | None]  # input embedding rows after each adapter (for --verify)
     sequence_classification: bool
 
 
@@ -481,10 +510,10 @@ class Workspace:
     """Buffers reused from chunk to chunk: a fresh allocation per chunk would page-fault on every
     use and fragment the heap, and the peak would drift above the chunk size."""
 
-    def __init__(self):
-        self.buffers = {}
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, slot: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = self.buffers.get(slot)
         if buffer is None or buffer.numel() < nbytes:
@@ -493,7 +522,7 @@ class Workspace:
         return buffer[:nbytes].view(dtype).view(shape)
 
 
-def same_values(first, second, workspace: Workspace, chunk_bytes: int = 16 * 2**20) -> bool:
+def same_values(first: SavedTensor, second: SavedTensor, workspace: Workspace, chunk_bytes: int = 16 * 2**20) -> bool:
     """Whether two saved tensors hold the same values, compared a block of rows at a time."""
     if first.dtype != second.dtype or tuple(first.shape) != tuple(second.shape):
         return False
@@ -509,14 +538,14 @@ def same_values(first, second, workspace: Workspace, chunk_bytes: int = 16 * 2**
     return True
 
 
-def input_embedding_name(tensors: dict) -> Optional[str]:
+def input_embedding_name(tensors: dict[str, Any]) -> str | None:
     for name in tensors:
         if name.endswith(INPUT_EMBEDDING_SUFFIXES):
             return name
     return None
 
 
-def plan_merge(base: BaseModel, adapters: list, workspace: Optional[Workspace] = None) -> MergePlan:
+def plan_merge(base: BaseModel, adapters: list[Adapter], workspace: Workspace | None = None) -> MergePlan:
     """Apply the adapters to the base's shapes and check everything; read no weights except to
     compare a tied model's two saved embeddings."""
     plan, embed, tied = base_plan(base)
@@ -535,7 +564,15 @@ def plan_merge(base: BaseModel, adapters: list, workspace: Optional[Workspace] =
     return plan
 
 
-def base_plan(base: BaseModel) -> tuple:
+class BasePlan(NamedTuple):
+    """The base model as a plan, its input embedding's name, and whether its output embedding is tied to it."""
+
+    plan: MergePlan
+    embed: str | None
+    tied: bool
+
+
+def base_plan(base: BaseModel) -> BasePlan:
     """(plan, input embedding name, tied): the base model unchanged, as a plan to apply adapters to."""
     config = dict(base.config)
     notes = []
@@ -551,11 +588,11 @@ def base_plan(base: BaseModel) -> tuple:
         notes.append("the base is tied and also stores lm_head.weight: it is dropped, as transformers ignores it")
     plan = MergePlan(tensors, config, dict(base.tensor_file), notes, vocab_rows=None, embedding_rows_after=[],
                      sequence_classification=False)
-    return plan, embed, tied
+    return BasePlan(plan, embed, tied)
 
 
-def plan_tied_embeddings(plan: MergePlan, embed: str, adapter: Adapter, replacements: dict,
-                         workspace: Optional[Workspace]) -> bool:
+def plan_tied_embeddings(plan: MergePlan, embed: str, adapter: Adapter, replacements: dict[str, SavedTensor],
+                         workspace: Workspace | None) -> bool:
     """An adapter that touches a tied model's embeddings: whether the model stays tied. Trained
     as one matrix (both saved, equal), the saved lm_head is dropped from replacements; trained
     apart, the plan gets its own lm_head and an untied config."""
@@ -583,8 +620,8 @@ def plan_tied_embeddings(plan: MergePlan, embed: str, adapter: Adapter, replacem
     return False
 
 
-def plan_replacements(plan: MergePlan, base: BaseModel, embed: Optional[str], adapter: Adapter,
-                      replacements: dict) -> None:
+def plan_replacements(plan: MergePlan, base: BaseModel, embed: str | None, adapter: Adapter,
+                      replacements: dict[str, SavedTensor]) -> None:
     """Tensors the adapter saved whole take the place of the base's (embeddings may grow rows);
     a sequence classifier's score head is new."""
     tensors = plan.tensors
@@ -627,7 +664,7 @@ def plan_lora_updates(plan: MergePlan, base: BaseModel, adapter: Adapter) -> Non
         current.deltas.append(module)
 
 
-def plan_vocabulary(plan: MergePlan, embed: Optional[str]) -> None:
+def plan_vocabulary(plan: MergePlan, embed: str | None) -> None:
     """The vocabulary size after every adapter: both embeddings agree, config.json follows."""
     plan.vocab_rows = vocab_rows = plan.tensors[embed].shape[0] if embed else None
     head = plan.tensors.get(OUTPUT_EMBEDDING)
@@ -657,7 +694,7 @@ def plan_sequence_classifier(plan: MergePlan) -> None:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def tokenizer_size(directory: str) -> Optional[int]:
+def tokenizer_size(directory: str) -> int | None:
     """Number of ids the tokenizer in directory can produce (from tokenizer.json), or None."""
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
@@ -674,7 +711,7 @@ def tokenizer_size(directory: str) -> Optional[int]:
     return max(ids) + 1 if ids else None
 
 
-def tokenizer_pad_id(directory: str) -> Optional[int]:
+def tokenizer_pad_id(directory: str) -> int | None:
     """The id of the pad token that directory's tokenizer_config.json (or special_tokens_map.json) names,
     looked up in its tokenizer.json; None where any of them is missing."""
     pad_token = None
@@ -711,14 +748,21 @@ def plan_classifier_pad_token(plan: MergePlan, tokenizer_dir: str) -> None:
     plan.config["pad_token_id"] = pad_id
 
 
-def choose_tokenizer(base_path: str, adapter_paths: list) -> tuple:
+class TokenizerSource(NamedTuple):
+    """The directory whose tokenizer the merged model gets, and its tokenizer files."""
+
+    directory: str
+    files: list[str]
+
+
+def choose_tokenizer(base_path: str, adapter_paths: list[str]) -> TokenizerSource:
     """(directory, files): the last adapter's tokenizer (it may carry an extended vocabulary and
     the chat template training used), else the base's."""
     for path in reversed(adapter_paths):
         files = tokenizer_files(path)
         if files:
-            return path, files
-    return base_path, tokenizer_files(base_path)
+            return TokenizerSource(path, files)
+    return TokenizerSource(base_path, tokenizer_files(base_path))
 
 
 # ----------------------------------------------------------------------------- output layout
@@ -732,10 +776,17 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[unit])
 
 
-def shard_layout(plan: MergePlan, base: BaseModel, max_shard_size: Optional[int]) -> list:
-    """[(file name, [TensorPlan, ...]), ...]."""
+class OutputFile(NamedTuple):
+    """One safetensors file of the merged model and the tensors it holds, in order."""
+
+    name: str
+    tensors: list[TensorPlan]
+
+
+def shard_layout(plan: MergePlan, base: BaseModel, max_shard_size: int | None) -> list[OutputFile]:
+    """The output files and their tensors."""
     if max_shard_size is None:  # mirror the base: one output file per base file
-        groups = {name: [] for name in base.files}
+        groups: dict[str, list[TensorPlan]] = {name: [] for name in base.files}
         last = base.files[-1]
         for tensor in plan.tensors.values():
             groups[plan.home.get(tensor.name) or last].append(tensor)
@@ -751,8 +802,9 @@ def shard_layout(plan: MergePlan, base: BaseModel, max_shard_size: Optional[int]
         if current:
             shards.append(current)
     if len(shards) == 1:
-        return [("model.safetensors", shards[0])]
-    return [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", tensors) for i, tensors in enumerate(shards)]
+        return [OutputFile("model.safetensors", shards[0])]
+    return [OutputFile(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", tensors)
+            for i, tensors in enumerate(shards)]
 
 
 def write_tensor(writer: SafetensorsWriter, tensor: TensorPlan, chunk_bytes: int, workspace: Workspace) -> None:
@@ -772,14 +824,15 @@ def write_tensor(writer: SafetensorsWriter, tensor: TensorPlan, chunk_bytes: int
         if tensor.deltas:
             if values.dtype != torch.float32:
                 values = workspace.get("accumulator", block, torch.float32).copy_(values)
-            for delta, weights in zip(tensor.deltas, loaded):
+            for delta, weights in zip(tensor.deltas, loaded, strict=True):
                 delta.add_to(values, start, stop, weights)
         if values.dtype != tensor.dtype:
             values = workspace.get("output", block, tensor.dtype).copy_(values)
         writer.write(values)
 
 
-def write_model(plan: MergePlan, layout: list, out_dir: str, chunk_bytes: int, workspace: Workspace) -> None:
+def write_model(plan: MergePlan, layout: list[OutputFile], out_dir: str, chunk_bytes: int,
+                workspace: Workspace) -> None:
     total = sum(tensor.nbytes for _, tensors in layout for tensor in tensors)
     try:
         from tqdm import tqdm
@@ -809,8 +862,16 @@ def write_model(plan: MergePlan, layout: list, out_dir: str, chunk_bytes: int, w
 # ----------------------------------------------------------------------------- verify
 
 
-def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePlan,
-           trust_remote_code: bool = False) -> tuple:
+class LogitDifferences(NamedTuple):
+    """--verify's largest |logit difference| of the merged model against peft's merge, and against the
+    unmerged model as trained."""
+
+    difference: float
+    as_trained: float
+
+
+def verify(base_path: str, adapter_paths: list[str], merged_path: str, plan: MergePlan,
+           trust_remote_code: bool = False) -> LogitDifferences:
     """(difference, as_trained): max |logit difference| of the merged model against peft's own
     merge of base+adapters, and against base+adapters unmerged (the model as trained).
 
@@ -847,7 +908,7 @@ def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePla
     with torch.no_grad():
         outputs = [merged(input_ids=ids).logits for ids in batches]
         as_trained = max((reference(input_ids=ids).logits - out).abs().max().item()
-                         for ids, out in zip(batches, outputs))
+                         for ids, out in zip(batches, outputs, strict=True))
         reference = reference.merge_and_unload()
         written = {name: tensor.dtype for name, tensor in plan.tensors.items()}
         embed = input_embedding_name(plan.tensors)
@@ -856,14 +917,14 @@ def verify(base_path: str, adapter_paths: list, merged_path: str, plan: MergePla
             if dtype in (torch.float16, torch.bfloat16):
                 parameter.copy_(parameter.to(dtype).float())
         difference = max((reference(input_ids=ids).logits - out).abs().max().item()
-                         for ids, out in zip(batches, outputs))
-    return difference, as_trained
+                         for ids, out in zip(batches, outputs, strict=True))
+    return LogitDifferences(difference, as_trained)
 
 
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start_time = time.perf_counter()
     adapter_paths, max_shard_size = check_arguments(args)
@@ -898,7 +959,14 @@ def main(argv=None) -> None:
           flush=True)
 
 
-def check_arguments(args) -> tuple:
+class CheckedArguments(NamedTuple):
+    """The adapter directories, in order, and the largest output file in bytes (None: mirror the base's files)."""
+
+    adapter_paths: list[str]
+    max_shard_size: int | None
+
+
+def check_arguments(args: argparse.Namespace) -> CheckedArguments:
     """(adapter directories, largest output file in bytes or None), or an InputError."""
     adapter_paths = [path.strip() for path in args.lora_model.split(",") if path.strip()]
     if not adapter_paths:
@@ -908,10 +976,10 @@ def check_arguments(args) -> tuple:
     max_shard_size = parse_size(args.max_shard_size) if args.max_shard_size else None
     if args.chunk_mb <= 0:
         raise InputError(f"--chunk_mb must be positive, got {args.chunk_mb}")
-    return adapter_paths, max_shard_size
+    return CheckedArguments(adapter_paths, max_shard_size)
 
 
-def check_tokenizer_fits(tokenizer_dir: str, tokens: Optional[int], plan: MergePlan, base: BaseModel) -> None:
+def check_tokenizer_fits(tokenizer_dir: str, tokens: int | None, plan: MergePlan, base: BaseModel) -> None:
     """Every id the copied tokenizer produces must have an embedding row."""
     if tokens is None or plan.vocab_rows is None:
         return
@@ -936,7 +1004,7 @@ def check_free_space(output_dir: str, total: int) -> None:
                          f"{free / 1e9:.2f} GB are free there")
 
 
-def leftover_temp_dirs(output_dir: str) -> list:
+def leftover_temp_dirs(output_dir: str) -> list[str]:
     """Temporary directories of earlier merges into output_dir that never completed (killed while
     writing), by the name core.atomic.atomic_output_dir gives them: .<output name>.tmp-<random>."""
     parent, name = os.path.split(os.path.abspath(output_dir))
@@ -965,7 +1033,7 @@ def directory_bytes(path: str) -> int:
     return total
 
 
-def log_plan(plan: MergePlan, base: BaseModel, adapter_count: int, layout: list, total: int) -> None:
+def log_plan(plan: MergePlan, base: BaseModel, adapter_count: int, layout: list[OutputFile], total: int) -> None:
     for note in plan.notes:
         logger.info("%s", note)
     base_sources = {id(entry) for entry in base.tensors.values()}
@@ -976,7 +1044,7 @@ def log_plan(plan: MergePlan, base: BaseModel, adapter_count: int, layout: list,
                 len(layout), total / 1e6)
 
 
-def write_model_files(plan: MergePlan, base_dir: str, tokenizer_dir: str, tokenizer_names: list,
+def write_model_files(plan: MergePlan, base_dir: str, tokenizer_dir: str, tokenizer_names: list[str],
                       out_dir: str) -> None:
     """Everything beside the weights: config.json, the base's generation config and code, the tokenizer."""
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as handle:
@@ -990,7 +1058,7 @@ def write_model_files(plan: MergePlan, base_dir: str, tokenizer_dir: str, tokeni
         logger.info("tokenizer files from %s: %s", tokenizer_dir, ", ".join(tokenizer_names))
 
 
-def verify_or_exit(args, adapter_paths: list, merged_dir: str, plan: MergePlan) -> None:
+def verify_or_exit(args: argparse.Namespace, adapter_paths: list[str], merged_dir: str, plan: MergePlan) -> None:
     """--verify: print the logit differences; exit 1 (the output is never renamed into place)
     when the merged model is further from peft's merge than --verify_tolerance."""
     difference, as_trained = verify(args.base_model, adapter_paths, merged_dir, plan, args.trust_remote_code)

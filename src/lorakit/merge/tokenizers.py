@@ -49,8 +49,9 @@ import os
 import sys
 import tempfile
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lorakit.core.atomic import atomic_output_dir
 from lorakit.merge.common import (
@@ -63,6 +64,12 @@ from lorakit.merge.common import (
     setup_tool_logging,
     tokenizer_files,
 )
+
+if TYPE_CHECKING:  # imported where used: the merge loads sentencepiece, tokenizers and transformers late
+    from sentencepiece.sentencepiece_model_pb2 import ModelProto
+    from tokenizers.normalizers import Normalizer
+    from tokenizers.pre_tokenizers import PreTokenizer
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("merge_tokenizers")
 
@@ -110,14 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- corpus
 
 
-def corpus_files(value: str, flag: str) -> list:
+def corpus_files(value: str, flag: str) -> list[str]:
     files = [path.strip() for path in value.split(",") if path.strip()]
     if not files:
         raise InputError(f"{flag} names no file")
@@ -127,7 +134,15 @@ def corpus_files(value: str, flag: str) -> list:
     return files
 
 
-def read_lines(files: list):
+class CorpusLine(NamedTuple):
+    """One non-empty line of a corpus file, without its line ending."""
+
+    path: str
+    number: int  # from 1
+    text: str
+
+
+def read_lines(files: list[str]) -> Iterator[CorpusLine]:
     """(file, line number, text) of every non-empty line; a line that is not UTF-8 is refused."""
     for path in files:
         with open(path, "rb") as handle:
@@ -137,10 +152,10 @@ def read_lines(files: list):
                 except UnicodeDecodeError:
                     raise InputError(f"{path}:{number}: not valid UTF-8") from None
                 if text.strip():
-                    yield path, number, text
+                    yield CorpusLine(path, number, text)
 
 
-def split_corpus(args, train_path: Optional[str]) -> list:
+def split_corpus(args: argparse.Namespace, train_path: str | None) -> list[str]:
     """Write the training lines to train_path (if training); return the eval lines."""
     eval_lines = []
     if args.eval_corpus:
@@ -171,11 +186,11 @@ def split_corpus(args, train_path: Optional[str]) -> list:
 class BaseTokenizer:
     path: str
     kind: str  # "sentencepiece", "byte_level" or "metaspace"
-    proto: object = None  # sentencepiece ModelProto (sentencepiece kind)
-    data: dict = field(default_factory=dict)  # parsed tokenizer.json (BPE kinds)
+    proto: "ModelProto | None" = None  # sentencepiece kind
+    data: dict[str, Any] = field(default_factory=dict)  # parsed tokenizer.json (BPE kinds)
 
 
-def json_types(node) -> list:
+def json_types(node: Any) -> list[str]:
     """Every component 'type' inside a tokenizer.json normalizer / pre_tokenizer tree."""
     if isinstance(node, dict):
         found = [node.get("type")] if "type" in node else []
@@ -187,7 +202,7 @@ def json_types(node) -> list:
     return []
 
 
-def find_component(node, type_name: str) -> Optional[dict]:
+def find_component(node: Any, type_name: str) -> dict[str, Any] | None:
     if isinstance(node, dict):
         if node.get("type") == type_name:
             return node
@@ -200,7 +215,7 @@ def find_component(node, type_name: str) -> Optional[dict]:
     return None
 
 
-def load_proto(path: str):
+def load_proto(path: str) -> "ModelProto":
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
@@ -241,7 +256,7 @@ def inspect_base(path: str) -> BaseTokenizer:
                      "(no ByteLevel pre-tokenizer, no byte fallback): its unknown characters could not round-trip")
 
 
-def read_tokenizer_dir(path: str, trust_remote_code: bool = False):
+def read_tokenizer_dir(path: str, trust_remote_code: bool = False) -> "PreTrainedTokenizerBase":
     """The transformers tokenizer saved in directory path (LLaMA's class for a bare tokenizer.model)."""
     from transformers import AutoTokenizer, LlamaTokenizer
 
@@ -259,7 +274,7 @@ def read_tokenizer_dir(path: str, trust_remote_code: bool = False):
 # ----------------------------------------------------------------------------- extra pieces
 
 
-def training_options(base: BaseTokenizer) -> dict:
+def training_options(base: BaseTokenizer) -> dict[str, str | bool]:
     """SentencePiece settings that make the extra pieces match how the base sees text."""
     if base.kind == "sentencepiece":
         spec = base.proto.normalizer_spec
@@ -275,7 +290,7 @@ def training_options(base: BaseTokenizer) -> dict:
             "remove_extra_whitespaces": False, "split_digits": True}
 
 
-def train_extra_model(args, base: BaseTokenizer, train_path: str, work_dir: str):
+def train_extra_model(args: argparse.Namespace, base: BaseTokenizer, train_path: str, work_dir: str) -> "ModelProto":
     import sentencepiece as spm
 
     spec = base.proto.trainer_spec if base.kind == "sentencepiece" else None
@@ -296,13 +311,20 @@ def train_extra_model(args, base: BaseTokenizer, train_path: str, work_dir: str)
     return load_proto(os.path.join(work_dir, "extra.model"))
 
 
-def extra_pieces(extra) -> list:
+class ExtraPiece(NamedTuple):
+    """An ordinary piece of the extra SentencePiece model and its score."""
+
+    text: str
+    score: float
+
+
+def extra_pieces(extra: "ModelProto") -> list[ExtraPiece]:
     """(piece, score) of the extra model's ordinary pieces (no control, unknown or byte pieces)."""
     normal = extra.SentencePiece.NORMAL
-    return [(piece.piece, piece.score) for piece in extra.pieces if piece.type == normal]
+    return [ExtraPiece(piece.piece, piece.score) for piece in extra.pieces if piece.type == normal]
 
 
-def check_compatible(base: BaseTokenizer, extra, extra_name: str) -> None:
+def check_compatible(base: BaseTokenizer, extra: "ModelProto", extra_name: str) -> None:
     spec = extra.trainer_spec
     if base.kind == "sentencepiece":
         if spec.model_type != base.proto.trainer_spec.model_type:
@@ -318,7 +340,14 @@ def check_compatible(base: BaseTokenizer, extra, extra_name: str) -> None:
 # ----------------------------------------------------------------------------- SentencePiece base
 
 
-def merge_sentencepiece(base: BaseTokenizer, extra) -> tuple:
+class SentencePieceMerge(NamedTuple):
+    """The merged SentencePiece model and the report's vocabulary counts."""
+
+    proto: "ModelProto"
+    stats: dict[str, int]
+
+
+def merge_sentencepiece(base: BaseTokenizer, extra: "ModelProto") -> SentencePieceMerge:
     """Append the extra pieces the base lacks to a copy of the base proto; (proto, stats)."""
     merged = type(base.proto)()
     merged.CopyFrom(base.proto)
@@ -338,11 +367,12 @@ def merge_sentencepiece(base: BaseTokenizer, extra) -> tuple:
         present.add(text)
         added += 1
     merged.trainer_spec.vocab_size = len(merged.pieces)
-    return merged, {"new_tokens": added, "intermediate_tokens": 0, "already_present": already,
-                    "across_pre_tokenizer_boundary": 0}
+    return SentencePieceMerge(merged, {"new_tokens": added, "intermediate_tokens": 0, "already_present": already,
+                                       "across_pre_tokenizer_boundary": 0})
 
 
-def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto, out_dir: str, base_tokenizer,
+def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto: "ModelProto", out_dir: str,
+                                  base_tokenizer: "PreTrainedTokenizerBase",
                                   trust_remote_code: bool = False) -> None:
     """The merged tokenizer.model plus the HF files transformers makes from it."""
     extra_ids = [token for token, index in base_tokenizer.get_vocab().items() if index >= len(base.proto.pieces)]
@@ -364,7 +394,7 @@ def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto, out_dir: st
 # ----------------------------------------------------------------------------- BPE tokenizer.json base
 
 
-def bpe_segment(symbols: list, ranks: dict) -> list:
+def bpe_segment(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     """What a BPE model makes of one pre-tokenized word: apply the lowest-ranked merge first."""
     symbols = list(symbols)
     while len(symbols) > 1:
@@ -380,7 +410,8 @@ def bpe_segment(symbols: list, ranks: dict) -> list:
     return symbols
 
 
-def piece_to_token(base: BaseTokenizer, piece: str, normalizer, pre_tokenizer) -> Optional[str]:
+def piece_to_token(base: BaseTokenizer, piece: str, normalizer: "Normalizer | None",
+                   pre_tokenizer: "PreTokenizer") -> str | None:
     """The string a piece is in the base's BPE alphabet, or None if the base's pre-tokenizer
     would split it (a merge never crosses a pre-token boundary, so it could never be used)."""
     if base.kind == "metaspace":
@@ -400,20 +431,21 @@ class BpeGrowth:
     """A BPE model's vocab and merge list as extra pieces are added: each new token takes the
     next free id, and is reached by merge rules appended after the base's (lowest priority)."""
 
-    def __init__(self, model: dict):
-        self.vocab = model["vocab"]  # grown in place
-        self.pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    def __init__(self, model: dict[str, Any]) -> None:
+        self.vocab: dict[str, int] = model["vocab"]  # grown in place
+        self.pairs: list[tuple[str, str]] = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+                                             for m in model["merges"]]
         self.ranks = {pair: rank for rank, pair in enumerate(self.pairs)}
         self.next_id = max(self.vocab.values()) + 1
         self.stats = {"new_tokens": 0, "intermediate_tokens": 0, "already_present": 0,
                       "across_pre_tokenizer_boundary": 0, "unreachable": 0}
-        self.new_tokens = []
+        self.new_tokens: list[str] = []
 
     def add_entry(self, token: str) -> None:
         self.vocab[token] = self.next_id
         self.next_id += 1
 
-    def add_piece(self, token: Optional[str], metaspace: bool) -> None:
+    def add_piece(self, token: str | None, metaspace: bool) -> None:
         """Add one extra piece, as the base's BPE alphabet spells it (None: the base's
         pre-tokenizer would split it)."""
         if token is None:
@@ -455,7 +487,15 @@ class BpeGrowth:
             current = joined
 
 
-def merge_bpe_json(base: BaseTokenizer, extra) -> tuple:
+class BpeMerge(NamedTuple):
+    """The merged tokenizer.json, the report's vocabulary counts, and the new tokens (checked: each is reached)."""
+
+    data: dict[str, Any]
+    stats: dict[str, int]
+    new_tokens: list[str]
+
+
+def merge_bpe_json(base: BaseTokenizer, extra: "ModelProto") -> BpeMerge:
     """Append vocab entries and merge rules for the extra pieces; (tokenizer.json dict, stats, new tokens)."""
     from tokenizers import Tokenizer
 
@@ -477,17 +517,17 @@ def merge_bpe_json(base: BaseTokenizer, extra) -> tuple:
         growth.add_piece(piece_to_token(base, piece, backend.normalizer, backend.pre_tokenizer),
                          metaspace=base.kind == "metaspace")
     model["merges"] = [" ".join(pair) if string_merges else list(pair) for pair in growth.pairs]
-    return data, growth.stats, growth.new_tokens
+    return BpeMerge(data, growth.stats, growth.new_tokens)
 
 
-def write_bpe_tokenizer(base: BaseTokenizer, data: dict, out_dir: str) -> None:
+def write_bpe_tokenizer(base: BaseTokenizer, data: dict[str, Any], out_dir: str) -> None:
     from tokenizers import Tokenizer
 
     Tokenizer.from_str(json.dumps(data)).save(os.path.join(out_dir, "tokenizer.json"))
     copy_files(base.path, [name for name in tokenizer_files(base.path) if name != "tokenizer.json"], out_dir)
 
 
-def unreachable_tokens(out_dir: str, new_tokens: list) -> list:
+def unreachable_tokens(out_dir: str, new_tokens: list[str]) -> list[str]:
     """New tokens the merged BPE model does not produce from their own text (should be none)."""
     from tokenizers import Tokenizer
 
@@ -498,16 +538,16 @@ def unreachable_tokens(out_dir: str, new_tokens: list) -> list:
 # ----------------------------------------------------------------------------- report and guarantees
 
 
-def encode_all(tokenizer, lines: list) -> list:
+def encode_all(tokenizer: "PreTrainedTokenizerBase", lines: list[str]) -> list[list[int]]:
     return tokenizer(lines, add_special_tokens=False)["input_ids"] if lines else []
 
 
-def round_trips(tokenizer, lines: list, encoded: list) -> list:
+def round_trips(tokenizer: "PreTrainedTokenizerBase", lines: list[str], encoded: list[list[int]]) -> list[bool]:
     decoded = tokenizer.batch_decode(encoded, clean_up_tokenization_spaces=False) if lines else []
-    return [text == back for text, back in zip(lines, decoded)]
+    return [text == back for text, back in zip(lines, decoded, strict=True)]
 
 
-def readable_tokens(tokenizer, ids: list) -> list:
+def readable_tokens(tokenizer: "PreTrainedTokenizerBase", ids: list[int]) -> list[str]:
     """Each token as text; a token holding part of a character's bytes as its raw form."""
     shown = []
     for i in ids:
@@ -516,7 +556,8 @@ def readable_tokens(tokenizer, ids: list) -> list:
     return shown
 
 
-def check_guarantees(base_tokenizer, merged, lines: list, base_ok: list, merged_ok: list) -> None:
+def check_guarantees(base_tokenizer: "PreTrainedTokenizerBase", merged: "PreTrainedTokenizerBase", lines: list[str],
+                     base_ok: list[bool], merged_ok: list[bool]) -> None:
     base_vocab, merged_vocab = base_tokenizer.get_vocab(), merged.get_vocab()
     moved = [token for token, index in base_vocab.items() if merged_vocab.get(token) != index]
     if moved:
@@ -529,29 +570,30 @@ def check_guarantees(base_tokenizer, merged, lines: list, base_ok: list, merged_
     for token in base_tokenizer.all_special_tokens:
         if merged.convert_tokens_to_ids(token) != base_tokenizer.convert_tokens_to_ids(token):
             raise GuaranteeError(f"special token {token!r} changed id")
-    broken = [text for text, before, after in zip(lines, base_ok, merged_ok) if before and not after]
+    broken = [text for text, before, after in zip(lines, base_ok, merged_ok, strict=True) if before and not after]
     if broken:
         raise GuaranteeError(f"{len(broken)} line(s) the base round-trips no longer do, e.g. {broken[0][:80]!r}")
 
 
-def cjk_share(lines: list) -> float:
+def cjk_share(lines: list[str]) -> float:
     chars = sum(len(line) for line in lines)
     cjk = sum(1 for line in lines for char in line if unicodedata.name(char, "").startswith("CJK UNIFIED"))
     return cjk / max(chars, 1)
 
 
-def sentencepiece_agreement(model_path: str, lines: list, encoded: list) -> float:
+def sentencepiece_agreement(model_path: str, lines: list[str], encoded: list[list[int]]) -> float:
     """Share of lines the merged tokenizer.json encodes exactly as sentencepiece does with the
     merged tokenizer.model (tools such as llama.cpp read the .model)."""
     import sentencepiece as spm
 
     processor = spm.SentencePieceProcessor(model_file=model_path)
-    same = sum(processor.encode(line) == ids for line, ids in zip(lines, encoded))
+    same = sum(processor.encode(line) == ids for line, ids in zip(lines, encoded, strict=True))
     return same / max(len(lines), 1)
 
 
-def build_report(args, base: BaseTokenizer, base_tokenizer, merged, stats: dict, eval_lines: list,
-                 new_tokens_unreachable: list, merged_model: Optional[str] = None) -> dict:
+def build_report(args: argparse.Namespace, base: BaseTokenizer, base_tokenizer: "PreTrainedTokenizerBase",
+                 merged: "PreTrainedTokenizerBase", stats: dict[str, int], eval_lines: list[str],
+                 new_tokens_unreachable: list[str], merged_model: str | None = None) -> dict[str, Any]:
     probe_lines = list(PROBES)
     texts = eval_lines + probe_lines
     before_ids, after_ids = encode_all(base_tokenizer, texts), encode_all(merged, texts)
@@ -598,7 +640,7 @@ def build_report(args, base: BaseTokenizer, base_tokenizer, merged, stats: dict,
     }
 
 
-def print_report(report: dict) -> None:
+def print_report(report: dict[str, Any]) -> None:
     v, e = report["vocab_size"], report["eval"]
     print(f"vocabulary: {v['before']} -> {v['after']} (+{v['new_tokens']} new pieces, "
           f"+{v['intermediate_tokens']} intermediate tokens; {v['already_present']} pieces already present, "
@@ -626,7 +668,7 @@ def print_report(report: dict) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if bool(args.train_corpus) == bool(args.extra_sp_model):
         raise InputError("give exactly one of --train_corpus (train the new pieces) or --extra_sp_model")

@@ -3,12 +3,17 @@ continued, folded into the base in memory, or kept on a frozen model; a saved ad
 in one line."""
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from lorakit.core.cli import InputError
 from lorakit.models.arguments import ALL_LINEAR, ModelArguments, comma_list
+
+if TYPE_CHECKING:  # peft is imported where an adapter is made or loaded; transformers' models where they are built
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +24,8 @@ def check_foldable(path: str, flag: str) -> None:
                          "partitioned weights; merge it first (scripts/merge) and pass the merged model")
 
 
-def frozen(model, model_args: ModelArguments, quantized: bool, adapter_flag: str):
+def frozen(model: "PreTrainedModel", model_args: ModelArguments, quantized: bool,
+           adapter_flag: str) -> "PreTrainedModel":
     """A model that is only run: the --peft_path adapter folded into the weights (one plain forward
     per pass), or on a quantized base left as LoRA layers inside the model (folding would round
     it into the quantized weights); no parameter trains, eval mode."""
@@ -30,15 +36,15 @@ def frozen(model, model_args: ModelArguments, quantized: bool, adapter_flag: str
     return model.eval()
 
 
-def fold_in_adapter(model, path: str, flag: str):
+def fold_in_adapter(model: "PreTrainedModel", path: str, flag: str) -> "PreTrainedModel":
     """The adapter at path merged into the loaded base's weights (in memory, nothing written)."""
     check_foldable(path, flag)
     logger.info("folding the adapter %s into the base in memory: a new LoRA trains on base + adapter", path)
     return load_peft_adapter(model, path, is_trainable=False, flag=flag).merge_and_unload()
 
 
-def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adapter_flag: str = "--peft_path",
-                empty: bool = False):
+def attach_lora(model: "PreTrainedModel", model_args: ModelArguments, task: str = "causal_lm",
+                adapter_flag: str = "--peft_path", empty: bool = False) -> "PeftModel":
     """The --peft_path adapter continued, or a new LoRA adapter; empty: model is check_load_plan's empty skeleton,
     and the adapter's weights stay on the meta device too (nothing is logged: the real load logs it)."""
     from peft import LoraConfig, TaskType, get_peft_model
@@ -74,7 +80,7 @@ def attach_lora(model, model_args: ModelArguments, task: str = "causal_lm", adap
         raise InputError(f"--trainable {model_args.trainable}: {err}") from None
 
 
-def lora_target_modules(model, trainable: str, modules_to_save: list) -> list:
+def lora_target_modules(model: "PreTrainedModel", trainable: str, modules_to_save: list[str]) -> list[str]:
     """--trainable as peft target names: the comma list as given, or for all-linear the names found
     in this model (attach_lora logs them). Resolved here rather than by peft so adapter_config.json
     lists the layers by name, and a reader of the log sees what is trained."""
@@ -83,7 +89,7 @@ def lora_target_modules(model, trainable: str, modules_to_save: list) -> list:
     return [name for name in linear_layer_names(model) if name not in modules_to_save]
 
 
-def linear_layer_names(model) -> list:
+def linear_layer_names(model: "PreTrainedModel") -> list[str]:
     """Target names (peft matches them as name suffixes) of every linear layer of the decoder body, in
     model order: torch.nn.Linear, which bitsandbytes' Linear4bit and Linear8bitLt subclass, and
     transformers' Conv1D (GPT-2's c_attn/c_proj/c_fc). Only the body (model.base_model) is searched,
@@ -109,7 +115,8 @@ def layer_suffix(path: str) -> str:
     return ".".join(parts[start:])
 
 
-def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_path", low_cpu_mem_usage=False):
+def load_peft_adapter(model: "PreTrainedModel", path: str, is_trainable: bool, flag: str = "--peft_path",
+                      low_cpu_mem_usage: bool = False) -> "PeftModel":
     """A saved LoRA adapter on model; an adapter made for another base is refused in one line.
     low_cpu_mem_usage: peft's, the adapter's weights put on the device of the layers they adapt (an
     empty skeleton's meta device)."""
@@ -124,7 +131,7 @@ def load_peft_adapter(model, path: str, is_trainable: bool, flag: str = "--peft_
         raise
 
 
-def log_trainable(model) -> None:
+def log_trainable(model: torch.nn.Module) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100.0 * trainable / max(total, 1))

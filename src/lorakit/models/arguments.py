@@ -1,8 +1,9 @@
 """The model flags every stage shares (ModelArguments), and how the names that Chinese-LLaMA-Alpaca-2's and
 DeepSpeed-Chat's scripts pass map onto them."""
 
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,8 +20,8 @@ ALL_LINEAR = "all-linear"
 DEFAULT_LORA_TARGETS = ALL_LINEAR
 
 
-def trust_remote_code_field():
-    """--trust_remote_code, the same in every stage's arguments."""
+def trust_remote_code_field() -> bool:
+    """--trust_remote_code, the same in every stage's arguments (typed as its value, as dataclasses.field is)."""
     return field(
         default=False,
         metadata={"help": "Run the Python code a model directory ships (config.json auto_map) to build its config, "
@@ -34,7 +35,7 @@ class ModelArguments:
     DeepSpeed-Chat's LoRA flags are mapped onto them)."""
 
     model_name_or_path: str = field(metadata={"help": "Base model directory (HF format, safetensors)."})
-    tokenizer_name_or_path: Optional[str] = field(
+    tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer directory, if not the model's (e.g. an extended vocabulary)."}
     )
     torch_dtype: str = field(
@@ -47,7 +48,7 @@ class ModelArguments:
     )
     quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["nf4", "fp4"]})
     double_quant: bool = field(default=True, metadata={"help": "Quantize the 4-bit quantization constants too."})
-    attn_implementation: Optional[str] = field(
+    attn_implementation: str | None = field(
         default=None, metadata={"help": "eager, sdpa, flash_attention_2, ...; default: transformers' choice."}
     )
     trust_remote_code: bool = trust_remote_code_field()
@@ -59,7 +60,7 @@ class ModelArguments:
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r."})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
-    modules_to_save: Optional[str] = field(
+    modules_to_save: str | None = field(
         default=None,
         metadata={"help": "Modules trained in full and saved with the adapter, "
                           "comma list (e.g. embed_tokens,lm_head)."},
@@ -71,18 +72,18 @@ class ModelArguments:
                   "token (starts each new token close to what the model already knows of its text).",
                   "choices": ["mean", "subword_mean"]},
     )
-    peft_path: Optional[str] = field(default=None, metadata={"help": "An existing adapter to continue training."})
+    peft_path: str | None = field(default=None, metadata={"help": "An existing adapter to continue training."})
     full_finetuning: bool = field(default=False, metadata={"help": "Train every weight; no LoRA."})
-    lora_dim: Optional[int] = field(
+    lora_dim: int | None = field(
         default=None, metadata={"help": "DeepSpeed-Chat's LoRA rank: mapped to --lora_rank (0: --full_finetuning)."}
     )
-    lora_module_name: Optional[str] = field(
+    lora_module_name: str | None = field(
         default=None,
         metadata={"help": "DeepSpeed-Chat's LoRA scope (a module path part, e.g. 'layers.'): the decoder layers' "
                           "scope is mapped to --trainable all-linear."},
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Logging is not configured yet; the scripts report these notes with the Trainer's own.
         self.mapped_flags = []
         map_flags(self, DEEPSPEED_CHAT_MODEL_FLAGS, self.mapped_flags)
@@ -98,23 +99,37 @@ def lora_scope_targets(scope: str) -> str:
                      "targets here; name the layers with --trainable (e.g. q_proj,v_proj, or all-linear)")
 
 
-def lora_dim_flag(dim: int) -> tuple:
+class MappedFlag(NamedTuple):
+    """What another project's flag means here: our flag, its value, and why (None where the mapping says it all).
+    A flag table's entry may also return a plain (flag, value[, why]) tuple."""
+
+    flag: str
+    value: Any
+    why: str | None = None
+
+
+# A flag table: another project's flag name -> its value translated to a MappedFlag (or a plain tuple of the same).
+FlagTable = dict[str, Callable[[Any], tuple[Any, ...]]]
+
+
+def lora_dim_flag(dim: int) -> MappedFlag:
     """DeepSpeed-Chat's --lora_dim: the LoRA rank, or 0 for training every weight without LoRA."""
     if dim < 0:
         raise InputError(f"--lora_dim must be 0 (no LoRA) or a positive LoRA rank, got {dim}")
     if dim == 0:
-        return "full_finetuning", True, "DeepSpeed-Chat's --lora_dim 0 trains every weight without LoRA"
-    return "lora_rank", dim
+        return MappedFlag("full_finetuning", True, "DeepSpeed-Chat's --lora_dim 0 trains every weight without LoRA")
+    return MappedFlag("lora_rank", dim)
 
 
 # DeepSpeed-Chat's model flags (steps 1-3) -> (our flag, value[, why]); map_flags applies them.
-DEEPSPEED_CHAT_MODEL_FLAGS = {
+DEEPSPEED_CHAT_MODEL_FLAGS: FlagTable = {
     "lora_dim": lora_dim_flag,
-    "lora_module_name": lambda scope: ("trainable", lora_scope_targets(scope), "every linear layer of the decoder"),
+    "lora_module_name": lambda scope: MappedFlag("trainable", lora_scope_targets(scope),
+                                                 "every linear layer of the decoder"),
 }
 
 
-def field_default(args, name: str):
+def field_default(args: object, name: str) -> Any:
     """The default of a dataclass field of args (None when it has none)."""
     for item in fields(args):
         if item.name == name:
@@ -124,12 +139,12 @@ def field_default(args, name: str):
     raise KeyError(name)
 
 
-def flag_text(name: str, value) -> str:
+def flag_text(name: str, value: Any) -> str:
     """A flag as a user types it: a bare --flag for a switched-on boolean, '' for an empty value."""
     return f"--{name}" if value is True else f"--{name} {value if value != '' else repr(value)}"
 
 
-def map_flags(args, table: dict, notes: list) -> None:
+def map_flags(args: object, table: FlagTable, notes: list[str]) -> None:
     """The one way every script accepts another project's flag name (Chinese-LLaMA-Alpaca-2's,
     DeepSpeed-Chat's, transformers 4's): each flag of table that was given (its value is not its
     default) sets the flag and value table[flag](value) returns, with an optional reason, noted as
@@ -141,19 +156,20 @@ def map_flags(args, table: dict, notes: list) -> None:
         given = getattr(args, old)
         if given == field_default(args, old):
             continue
-        new, value, *why = translate(given)
+        new, value, *rest = translate(given)
+        why = f" ({rest[0]})" if rest and rest[0] is not None else ""
         current = getattr(args, new)
         if current != value and (new in set_by or current != field_default(args, new)):
             other = set_by.get(new, flag_text(new, current))
             raise InputError(f"{flag_text(old, given)} and {other} both given: {flag_text(old, given)} means "
-                             f"{flag_text(new, value)}; give only one" + (f" ({why[0]})" if why else ""))
+                             f"{flag_text(new, value)}; give only one" + why)
         setattr(args, new, value)
         setattr(args, old, field_default(args, old))
         set_by[new] = flag_text(old, given)
-        notes.append(f"{flag_text(old, given)} -> {flag_text(new, value)}" + (f" ({why[0]})" if why else ""))
+        notes.append(f"{flag_text(old, given)} -> {flag_text(new, value)}" + why)
 
 
-def note_accepted_flags(args, table: dict, notes: list) -> None:
+def note_accepted_flags(args: object, table: dict[str, str], notes: list[str]) -> None:
     """Flags other projects' scripts pass that need nothing here: each one given (not its default)
     is noted with table's reason why nothing changes."""
     for name, reason in table.items():
@@ -162,5 +178,5 @@ def note_accepted_flags(args, table: dict, notes: list) -> None:
             notes.append(f"{flag_text(name, value)} accepted: {reason}")
 
 
-def comma_list(value: Optional[str]) -> list:
+def comma_list(value: str | None) -> list[str]:
     return [item.strip() for item in (value or "").split(",") if item.strip()]

@@ -12,19 +12,26 @@ trained copies and tied weights get their gradients as in the model's own forwar
 Torch only: the trainers pass the head module and its hidden states."""
 
 import inspect
-from typing import Callable, Optional
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+if TYPE_CHECKING:  # torch only at run time: a forward's output is read by its fields
+    from transformers.utils import ModelOutput
+
 # Logits computed at once: chunks hold LOGITS_PER_CHUNK // vocabulary positions (110 at a 152k vocabulary,
 # 512 at 32k: each chunk's matmul still fills a GPU; its float32 logits and their softmax take 128 MB).
 LOGITS_PER_CHUNK = 1 << 24
 IGNORE_INDEX = -100
+# torch checkpoint's context_fn: the (forward, recompute) context managers of a checkpointed chunk.
+RecomputeContext = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
 
-def head_width(head) -> int:
+def head_width(head: torch.nn.Module) -> int:
     """The head's output width, the vocabulary: its weight's rows (under ZeRO-3 the partitioned weight's ds_shape),
     or out_features where the weight is a quantized pack. Not out_features first: peft's ModulesToSaveWrapper of a
     tied lm_head (--modules_to_save embed_tokens,lm_head with ensure_weight_tying) reports the hidden size there,
@@ -42,38 +49,39 @@ def positions_per_chunk(width: int) -> int:
     return max(1, LOGITS_PER_CHUNK // max(1, width))
 
 
-def chunk_positions(head) -> int:
+def chunk_positions(head: torch.nn.Module) -> int:
     """Positions per chunk for a head of its output width."""
     return positions_per_chunk(head_width(head))
 
 
 def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature) at each label, in float32: [..., V] and [...] -> [...]. The same
-    reduction as ppo_utils.logprobs_from_logits: the label's logit minus the logsumexp."""
+    reduction as rl.ppo_math.logprobs_from_logits: the label's logit minus the logsumexp."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
     return label_logprobs(head(hidden), labels, temperature)
 
 
-def partitioned_across_ranks(head) -> bool:
+def partitioned_across_ranks(head: torch.nn.Module) -> bool:
     """Whether calling the head is a collective: under DeepSpeed ZeRO-3 with several ranks each call gathers
     its partitioned parameters from every rank, so every rank must call it as often as the others."""
     return (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1 and any(hasattr(p, "ds_id") for p in head.parameters()))
 
 
-def max_across_ranks(value: int, device) -> int:
+def max_across_ranks(value: int, device: torch.device) -> int:
     count = torch.tensor([value], device=device)
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
     return int(count.item())
 
 
-def agreed_across_ranks(flag: bool, head, device) -> bool:
+def agreed_across_ranks(flag: bool, head: torch.nn.Module, device: torch.device) -> bool:
     """flag where every rank found it (a partitioned head: ranks taking different paths would wait forever on
     each other's gathers), else this rank's own flag."""
     if not partitioned_across_ranks(head):
@@ -81,8 +89,8 @@ def agreed_across_ranks(flag: bool, head, device) -> bool:
     return max_across_ranks(int(not flag), device) == 0
 
 
-def token_logprobs(hidden: torch.Tensor, head, labels: torch.Tensor, temperature: float = 1.0,
-                   recompute_context: Optional[Callable] = None) -> torch.Tensor:
+def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, temperature: float = 1.0,
+                   recompute_context: RecomputeContext | None = None) -> torch.Tensor:
     """log softmax(head(hidden) / temperature) at each label: hidden [..., H], labels [...] (valid ids)
     -> [...] float32, chunk_positions(head) positions at a time.
 
@@ -108,7 +116,7 @@ def token_logprobs(hidden: torch.Tensor, head, labels: torch.Tensor, temperature
     options = {"use_reentrant": False, "determinism_check": "none",
                **({"context_fn": recompute_context} if recompute_context else {})}
 
-    def run(chunk_hidden, chunk_labels):
+    def run(chunk_hidden: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
         # Checkpointed, a chunk keeps only its inputs for the backward pass, not its [chunk, V] logits.
         if torch.is_grad_enabled():
             return checkpoint(_chunk_logprobs, head, chunk_hidden, chunk_labels, temperature, **options)
@@ -121,8 +129,9 @@ def token_logprobs(hidden: torch.Tensor, head, labels: torch.Tensor, temperature
     return result.reshape(labels.shape)
 
 
-def causal_lm_loss(hidden: torch.Tensor, head, labels: Optional[torch.Tensor] = None,
-                   num_items_in_batch=None, shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+def causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor | None = None,
+                   num_items_in_batch: torch.Tensor | int | None = None,
+                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' causal-LM loss (ForCausalLMLoss) from the last hidden states [B, T, H]: position t
     predicts labels[t + 1] (or shift_labels[t], already shifted, as a collator may give them), -100
     ignored; the sum over predicted tokens divided by num_items_in_batch (the Trainer's count over the
@@ -142,7 +151,7 @@ def causal_lm_loss(hidden: torch.Tensor, head, labels: Optional[torch.Tensor] = 
     return -logprobs.sum() * weight / denominator
 
 
-def head_gives_logits(head, outputs) -> bool:
+def head_gives_logits(head: torch.nn.Module, outputs: "ModelOutput") -> bool:
     """Whether the head applied to a forward's last hidden states gives the logits that forward returned, at the
     last position (a forward run with output_hidden_states, with or without logits_to_keep=1): False where the
     model soft-caps or scales its logits after the head (Gemma-2's final_logit_softcapping, say)."""
@@ -154,7 +163,7 @@ def head_gives_logits(head, outputs) -> bool:
 
 
 @torch.no_grad()
-def head_reproduces_logits(model, model_inputs: dict) -> bool:
+def head_reproduces_logits(model: torch.nn.Module, model_inputs: dict[str, torch.Tensor]) -> bool:
     """Whether the chunked loss equals the model's own: its forward takes logits_to_keep (so that it can
     skip the full logits), and its output embeddings applied to hidden_states[-1] give the logits its
     forward returns (head_gives_logits). model: the unwrapped (peft) causal LM; checked on model_inputs

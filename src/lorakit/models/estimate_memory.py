@@ -8,7 +8,7 @@ DeepSpeed's own estimators, for the user's model and GPU count; reads only confi
     python scripts/training/estimate_memory.py --fit_table     # the README's table
 
 The model is built on the meta device (no weights, no memory) and the LoRA attached by the
-training scripts' own attach_lora, so the trainable count is exactly the one training logs.
+training scripts' own attach_lora (models.adapters), so the trainable count is exactly the one training logs.
 
 DeepSpeed's estimators assume every parameter trains with Adam in 16-bit mixed precision: 2
 bytes of 16-bit weight, 2 of 16-bit gradient, 4 of fp32 gradient, 4 of fp32 master weight and 8
@@ -31,15 +31,20 @@ Activations come on top of these model states; see activation_bytes for the rule
 import glob
 import io
 import os
+from collections.abc import Sequence
 from contextlib import redirect_stderr
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from lorakit.core.cli import InputError, parse_args, read_json, run_cli
 from lorakit.core.repository import DS_CONFIGS
 from lorakit.models.chunked_loss import positions_per_chunk
+
+if TYPE_CHECKING:  # transformers, peft and bitsandbytes load only inside the functions that build the model
+    from peft import PeftModel
+    from transformers import PreTrainedConfig
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -99,16 +104,16 @@ LOGIT_BYTES = 2 + FP32_BYTES + FP32_BYTES
 class EstimateArguments:
     """The model and run to estimate; LoRA flags mean what they mean to the training scripts."""
 
-    model_name_or_path: Optional[str] = field(
+    model_name_or_path: str | None = field(
         default=None, metadata={"help": "A model directory or its config.json (only the config is read)."})
-    model_shape: Optional[str] = field(
+    model_shape: str | None = field(
         default=None, metadata={"help": "A published shape instead of a config.", "choices": list(PUBLIC_SHAPES)})
     num_gpus: int = field(default=8, metadata={"help": "GPUs per node."})
     num_nodes: int = field(default=1, metadata={"help": "Nodes."})
     lora_rank: int = field(
         default=64, metadata={"help": "LoRA rank r (Chinese-LLaMA-Alpaca-2's 64; training's default is 8)."})
     trainable: str = field(default="all-linear", metadata={"help": "LoRA target modules, as in training."})
-    modules_to_save: Optional[str] = field(
+    modules_to_save: str | None = field(
         default=None, metadata={"help": "Modules trained in full, comma list (e.g. embed_tokens,lm_head)."})
     load_in_kbits: int = field(default=16, metadata={"help": "4 or 8: QLoRA; 16: no.", "choices": [4, 8, 16]})
     double_quant: bool = field(default=True, metadata={"help": "4-bit: quantize the quantization constants."})
@@ -167,7 +172,7 @@ class MemoryEstimate:
         return self.trained_cpu + self.frozen_cpu
 
 
-def shipped_zero_configs(directory: str = DS_CONFIGS) -> list:
+def shipped_zero_configs(directory: str = DS_CONFIGS) -> list[ZeroConfig]:
     """The ZeRO stage and offloads of every config in ds_configs/, fastest first (no offload, lower stage)."""
     configs = []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
@@ -181,7 +186,7 @@ def shipped_zero_configs(directory: str = DS_CONFIGS) -> list:
     return sorted(configs, key=lambda c: (c.offload_optimizer or c.offload_param, c.stage, c.name))
 
 
-def read_model_config(path: Optional[str], shape: Optional[str]):
+def read_model_config(path: str | None, shape: str | None) -> "PreTrainedConfig":
     """The transformers config of --model_name_or_path (a directory or its config.json) or --model_shape."""
     from transformers import AutoConfig, LlamaConfig
 
@@ -199,7 +204,7 @@ def read_model_config(path: Optional[str], shape: Optional[str]):
         raise InputError(f"{config_file}: cannot read the model config ({err})") from None
 
 
-def build_meta_model(config, args: EstimateArguments):
+def build_meta_model(config: "PreTrainedConfig", args: EstimateArguments) -> "PeftModel":
     """The model as training builds it: quantized layers where --load_in_kbits asks (bitsandbytes'
     modules, chosen by transformers' own rule), and the LoRA attached by the training scripts'
     attach_lora; all on the meta device."""
@@ -223,7 +228,7 @@ def build_meta_model(config, args: EstimateArguments):
         return attach_lora(model, model_args)
 
 
-def check_modules_to_save(model, names: list) -> None:
+def check_modules_to_save(model: torch.nn.Module, names: list[str]) -> None:
     """peft trains nothing for a --modules_to_save name that matches no module, silently; an estimate
     that left it out would mislead, so it is refused."""
     paths = [path for path, _ in model.named_modules()]
@@ -232,7 +237,7 @@ def check_modules_to_save(model, names: list) -> None:
             raise InputError(f"--modules_to_save {name}: this model has no module of that name")
 
 
-def quantize_layers(model, args: EstimateArguments) -> None:
+def quantize_layers(model: torch.nn.Module, args: EstimateArguments) -> None:
     """Swap in bitsandbytes' layers where from_pretrained would (every linear layer but the LM head)."""
     from transformers import BitsAndBytesConfig
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
@@ -246,7 +251,7 @@ def quantize_layers(model, args: EstimateArguments) -> None:
     replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=quant)
 
 
-def quantized_weight_bytes(module, weight) -> Optional[int]:
+def quantized_weight_bytes(module: torch.nn.Module, weight: torch.nn.Parameter) -> int | None:
     """Bytes bitsandbytes stores for a quantized layer's weight, None for a weight kept as it is."""
     import bitsandbytes as bnb
 
@@ -262,7 +267,7 @@ def quantized_weight_bytes(module, weight) -> Optional[int]:
     return packed + blocks + FP32_BYTES * -(-blocks // BNB_NESTED_BLOCK) + BNB_NESTED_FIXED_BYTES
 
 
-def count_parameters(model) -> ParameterCounts:
+def count_parameters(model: torch.nn.Module) -> ParameterCounts:
     """Trainable and frozen parameters, counted per module so that shared ones count once and the
     largest layer (what ZeRO-3 gathers at a time) is known."""
     trainable = frozen = frozen_bytes = 0
@@ -288,7 +293,7 @@ def count_parameters(model) -> ParameterCounts:
 
 
 def model_state_bytes(counts: ParameterCounts, zero: ZeroConfig, gpus_per_node: int, num_nodes: int,
-                      quantized: bool) -> Optional[MemoryEstimate]:
+                      quantized: bool) -> MemoryEstimate | None:
     """Per-GPU and per-node CPU bytes of model states under one ZeRO config (module docstring);
     None where the toolkit refuses the combination (a quantized base under ZeRO-3)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -318,7 +323,7 @@ def model_state_bytes(counts: ParameterCounts, zero: ZeroConfig, gpus_per_node: 
     return MemoryEstimate(int(trained_gpu), int(trained_cpu), int(frozen_gpu), int(frozen_cpu))
 
 
-def layer_activation_bytes(config, lora_rank: int) -> int:
+def layer_activation_bytes(config: "PreTrainedConfig", lora_rank: int) -> int:
     """Bytes per token one Llama-family decoder layer with all-linear LoRA keeps for backward in
     16-bit (LAYER_BYTES_PER)."""
     hidden = config.hidden_size
@@ -338,7 +343,8 @@ def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
     return positions * LOGIT_BYTES * vocab_size
 
 
-def activation_bytes(config, lora_rank: int, tokens: int, checkpointing: bool, chunked_loss: bool = True) -> int:
+def activation_bytes(config: "PreTrainedConfig", lora_rank: int, tokens: int, checkpointing: bool,
+                     chunked_loss: bool = True) -> int:
     """Per-GPU activation bytes for `tokens` tokens (batch x sequence length) of a Llama-family model.
 
     With activation checkpointing: each decoder layer's 16-bit input (2 x layers x tokens x hidden
@@ -369,10 +375,10 @@ def check_numbers(args: EstimateArguments) -> None:
             raise InputError(f"--{flag} must be a positive whole number, not {getattr(args, flag)}")
 
 
-def describe_model(config, args: EstimateArguments, counts: ParameterCounts) -> list:
+def describe_model(config: "PreTrainedConfig", args: EstimateArguments, counts: ParameterCounts) -> list[str]:
     source = args.model_shape or args.model_name_or_path
     saved = f", modules_to_save {args.modules_to_save}" if args.modules_to_save else ""
-    base = "QLoRA %d-bit" % args.load_in_kbits if args.load_in_kbits < 16 else f"LoRA, {args.torch_dtype} base"
+    base = f"QLoRA {args.load_in_kbits}-bit" if args.load_in_kbits < 16 else f"LoRA, {args.torch_dtype} base"
     return [
         f"model: {source} ({config.model_type}, {counts.frozen / 1e9:.2f} B parameters in the base)",
         f"{base}: rank {args.lora_rank} on {args.trainable}{saved}",
@@ -382,7 +388,7 @@ def describe_model(config, args: EstimateArguments, counts: ParameterCounts) -> 
     ]
 
 
-def report_lines(config, args: EstimateArguments, counts: ParameterCounts) -> list:
+def report_lines(config: "PreTrainedConfig", args: EstimateArguments, counts: ParameterCounts) -> list[str]:
     """The per-config table for this model and GPU count."""
     tokens = args.per_device_train_batch_size * args.max_seq_length
     with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
@@ -418,8 +424,18 @@ def config_label(zero: ZeroConfig) -> str:
     return f"ZeRO-{zero.stage}{offload}"
 
 
-def smallest_fit(counts: ParameterCounts, config, args: EstimateArguments, card_gib: int, offload: bool):
-    """(GPUs, config, model states + activations per GPU, model states' CPU per node) with the fewest
+class Fit(NamedTuple):
+    """Where a run fits a card: how many GPUs, under which shipped config, and the bytes it then takes."""
+
+    gpus: int
+    zero: ZeroConfig
+    gpu_bytes: int  # model states + activations per GPU
+    cpu_bytes: int  # model states' CPU memory per node
+
+
+def smallest_fit(counts: ParameterCounts, config: "PreTrainedConfig", args: EstimateArguments, card_gib: int,
+                 offload: bool) -> Fit | None:
+    """Fit (GPUs, config, model states + activations per GPU, model states' CPU per node) with the fewest
     GPUs, then the fastest config, that fits the card; offloading configs only when offload, the
     others otherwise; None if nothing fits up to the largest of GPU_COUNTS."""
     tokens = args.per_device_train_batch_size * args.max_seq_length
@@ -430,22 +446,22 @@ def smallest_fit(counts: ParameterCounts, config, args: EstimateArguments, card_
         for zero in configs:
             estimate = model_state_bytes(counts, zero, per_node, nodes, args.load_in_kbits < 16)
             if estimate is not None and fits(estimate.gpu + act, card_gib):
-                return total, zero, estimate.gpu + act, estimate.cpu
+                return Fit(total, zero, estimate.gpu + act, estimate.cpu)
     return None
 
 
-def fit_cell(counts: ParameterCounts, config, args: EstimateArguments, card_gib: int) -> str:
+def fit_cell(counts: ParameterCounts, config: "PreTrainedConfig", args: EstimateArguments, card_gib: int) -> str:
     """The fewest GPUs without offload; also the offload config where it needs fewer GPUs."""
     plain = smallest_fit(counts, config, args, card_gib, offload=False)
     offloaded = smallest_fit(counts, config, args, card_gib, offload=True)
-    cell = f"{config_label(plain[1])} x{plain[0]} ({gib(plain[2])})" if plain else "no fit"
-    if offloaded and (plain is None or offloaded[0] < plain[0]):
-        gpus, zero, per_gpu, cpu = offloaded
-        cell += f"; {config_label(zero)} x{gpus} ({gib(per_gpu)}, CPU {gib(cpu)} per node)"
+    cell = f"{config_label(plain.zero)} x{plain.gpus} ({gib(plain.gpu_bytes)})" if plain else "no fit"
+    if offloaded and (plain is None or offloaded.gpus < plain.gpus):
+        cell += (f"; {config_label(offloaded.zero)} x{offloaded.gpus} ({gib(offloaded.gpu_bytes)}, "
+                 f"CPU {gib(offloaded.cpu_bytes)} per node)")
     return cell
 
 
-def fit_table_lines(args: EstimateArguments) -> list:
+def fit_table_lines(args: EstimateArguments) -> list[str]:
     """The README's markdown table: every public shape, LoRA on a 16-bit base and QLoRA 4-bit."""
     cards = " | ".join(f"{card} GB cards" for card in CARDS_GIB)
     lines = [f"| Model | Method | Trainable | Frozen base | {cards} |", "|---|---|---|---|" + "---|" * len(CARDS_GIB)]
@@ -467,7 +483,7 @@ def fit_table_lines(args: EstimateArguments) -> list:
     ]
 
 
-def parse_estimate_args(argv=None) -> EstimateArguments:
+def parse_estimate_args(argv: Sequence[str] | None = None) -> EstimateArguments:
     """The arguments; a value argparse rejects (--num_gpus eight) becomes one InputError line, not usage text."""
     captured = io.StringIO()
     try:

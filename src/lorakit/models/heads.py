@@ -5,7 +5,7 @@ tokens' log-probabilities, its LM head run on answer positions only."""
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers import (
@@ -20,6 +20,9 @@ from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_REJECTED
 from lorakit.models.chunked_loss import agreed_across_ranks, head_gives_logits, label_logprobs, token_logprobs
 from lorakit.models.positions import last_position, positions_from_mask
 
+if TYPE_CHECKING:  # the classes are built from the checkpoint's own; modeling_utils loads with them
+    from transformers import PreTrainedConfig, PreTrainedModel
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,7 +30,7 @@ logger = logging.getLogger(__name__)
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
-def pair_attention_mask(pair_segments, attn_implementation: str, dtype):
+def pair_attention_mask(pair_segments: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
     """The 4D mask of shared-prefix pair rows: causal, except that the rejected answer does not
     see the chosen one, so it sees exactly the prefix and itself, as in a row of its own. Padding
     is at the end, where causality already hides it from real tokens. sdpa takes it as bool
@@ -41,8 +44,10 @@ def pair_attention_mask(pair_segments, attn_implementation: str, dtype):
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                        labels=None, pair_segments=None, **kwargs):
+def mask_pooled_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None = None,
+                        attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                        inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                        pair_segments: torch.Tensor | None = None, **kwargs: Any) -> SequenceClassifierOutputWithPast:
     """One score per row, read at the row's last attended token: right for left and right padding
     and mixed lengths. transformers' own pooling takes the last id that is not the pad id, which
     is wrong when the pad token is EOS, as it often is. Positions come from the mask, so left
@@ -69,7 +74,7 @@ def mask_pooled_forward(self, input_ids=None, attention_mask=None, position_ids=
     return SequenceClassifierOutputWithPast(logits=self.score(pooled))
 
 
-def reward_model_class(config):
+def reward_model_class(config: "PreTrainedConfig") -> "type[PreTrainedModel]":
     """The checkpoint's own sequence-classification class with mask_pooled_forward."""
     mapping = AutoModelForSequenceClassification._model_mapping
     if type(config) not in mapping:
@@ -83,25 +88,32 @@ def reward_model_class(config):
     return type(base.__name__, (base,), {"forward": mask_pooled_forward, "__doc__": mask_pooled_forward.__doc__})
 
 
-def score_sequences(model, input_ids, attention_mask):
+def score_sequences(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scores of a batch from a model loaded with task="reward" (one float per row)."""
     return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
 
 
-def score_pairs(model, batch: dict) -> tuple:
+class PairScores(NamedTuple):
+    """The reward model's scores of each pair's chosen and rejected answers, float32 [pairs] each."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+
+
+def score_pairs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> PairScores:
     """(chosen, rejected) scores of a DataCollatorForPreferencePairs batch, either layout."""
     inputs = {name: value for name, value in batch.items() if name != "margin"}
-    return model(**inputs).logits.squeeze(-1).float().chunk(2)
+    return PairScores(*model(**inputs).logits.squeeze(-1).float().chunk(2))
 
 
 @dataclass
 class AnswerLogps(ModelOutput):
     """answer_logps_forward's output: the log-probability of each answer token, float32 [len(answer_index)]."""
 
-    token_logps: Optional[torch.FloatTensor] = None
+    token_logps: torch.FloatTensor | None = None
 
 
-def head_alone_gives_logits(model, input_ids) -> bool:
+def head_alone_gives_logits(model: "PreTrainedModel", input_ids: torch.Tensor) -> bool:
     """Whether the output embeddings applied to the last hidden states give the model's own logits (no
     soft-capping or scaling after the head), checked on one row in eval mode (dropout, of a LoRA on the head
     say, would make the two differ). The model's own forward is called as a function, not through the module,
@@ -119,12 +131,14 @@ def head_alone_gives_logits(model, input_ids) -> bool:
         model.train(was_training)
 
 
-def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids=None, pair_segments=None,
-                         answer_index=None, answer_targets=None, **kwargs):
+def answer_logps_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None = None,
+                         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                         pair_segments: torch.Tensor | None = None, answer_index: torch.Tensor | None = None,
+                         answer_targets: torch.Tensor | None = None, **kwargs: Any) -> ModelOutput:
     """With answer_index (flat indices into the batch's [rows * width] positions) and answer_targets (the
     token each of those positions predicts): AnswerLogps, each answer token's log-probability. The LM head
     runs on those positions only, in chunks of positions recomputed in backward (self.chunked_loss,
-    chunked_loss.token_logprobs): no vocabulary-wide work on prompt or padding positions, no float32
+    models.chunked_loss.token_logprobs): no vocabulary-wide work on prompt or padding positions, no float32
     [answer tokens, vocabulary] tensor kept. A model that changes its logits after the head (Gemma-2's
     soft-capping; found on the first call) gets its own full forward instead. pair_segments: shared-prefix
     pair rows with their position ids, masked as the reward model masks them. Without answer_index, the
@@ -152,7 +166,7 @@ def answer_logps_forward(self, input_ids=None, attention_mask=None, position_ids
     return AnswerLogps(label_logprobs(head(hidden), answer_targets))
 
 
-def answer_logps_model_class(config):
+def answer_logps_model_class(config: "PreTrainedConfig") -> "type[PreTrainedModel]":
     """The checkpoint's own causal-LM class with answer_logps_forward, named as its base so a saved config
     names a class transformers has. chunked_loss: set from --chunked_loss by the stage; answer_head_exact:
     decided on the first call with answers."""

@@ -11,8 +11,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers import (
@@ -20,6 +21,8 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BitsAndBytesConfig,
+    PreTrainedConfig,
+    PreTrainedTokenizerBase,
 )
 from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -39,10 +42,16 @@ from lorakit.models.heads import answer_logps_model_class, reward_model_class
 from lorakit.models.zero3 import gathered
 from lorakit.records.chat_templates import special_token_texts
 
+if TYPE_CHECKING:  # peft, transformers' model classes and the Trainer's arguments load where they are used
+    from peft import PeftModel
+    from transformers import PreTrainedModel, TrainingArguments
+
+    from lorakit.records.chat_templates import ChatTemplate
+
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_remote_code(path: str) -> None:
     """One warning per directory (cached): a run loads the same directory's config and tokenizer several times."""
     logger.warning("--trust_remote_code: running the model's own code from %s", path)
@@ -57,7 +66,7 @@ def load_error(path: str, err: Exception, failure: str) -> InputError:
     return InputError(f"{path}: {failure} ({err})")
 
 
-def load_tokenizer(model_args: ModelArguments):
+def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     path = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if not os.path.isdir(path):
         raise InputError(f"{path}: tokenizer directory does not exist")
@@ -69,7 +78,7 @@ def load_tokenizer(model_args: ModelArguments):
         raise load_error(path, err, "cannot load a tokenizer from this directory") from None
 
 
-def load_model_config(model_args: ModelArguments):
+def load_model_config(model_args: ModelArguments) -> PreTrainedConfig:
     path = model_args.model_name_or_path
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise InputError(f"{path}: --model_name_or_path is not a model directory (no config.json)")
@@ -81,7 +90,7 @@ def load_model_config(model_args: ModelArguments):
         raise load_error(f"{path}/config.json", err, "cannot read the model config") from None
 
 
-def read_adapter_config(peft_path: str) -> dict:
+def read_adapter_config(peft_path: str) -> dict[str, Any]:
     config_path = os.path.join(peft_path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise InputError(f"{peft_path}: --peft_path is not a LoRA adapter (no adapter_config.json)")
@@ -92,7 +101,8 @@ def read_adapter_config(peft_path: str) -> dict:
         raise InputError(f"{config_path}: not valid JSON ({err})") from None
 
 
-def check_model_inputs(model_args: ModelArguments, config, tokenizer, adapter_flag: str = "--peft_path") -> None:
+def check_model_inputs(model_args: ModelArguments, config: PreTrainedConfig, tokenizer: PreTrainedTokenizerBase,
+                       adapter_flag: str = "--peft_path") -> None:
     """Refuse, before any weight is loaded, combinations that would train silently wrong."""
     if model_args.full_finetuning and model_args.load_in_kbits in (4, 8):
         raise InputError("--full_finetuning cannot train a --load_in_kbits quantized model; use LoRA (QLoRA)")
@@ -117,7 +127,7 @@ def check_model_inputs(model_args: ModelArguments, config, tokenizer, adapter_fl
             )
 
 
-def choose_pad_token(tokenizer, chat_template=None) -> int:
+def choose_pad_token(tokenizer: PreTrainedTokenizerBase, chat_template: "ChatTemplate | None" = None) -> int:
     """The one pad-token rule of every stage that pads (SFT, reward, PPO); returns the pad id. Our
     masks never compare ids with it, but saved models carry it, and transformers' own sequence
     classifiers score the last id that is not the pad id: padding with the token a row ends with
@@ -126,7 +136,7 @@ def choose_pad_token(tokenizer, chat_template=None) -> int:
     template's turn end, BOS); otherwise unk, a special token named for padding, or another special
     token, in that order."""
     row_end_ids = []
-    if chat_template is not None:  # a chat_templates.ChatTemplate
+    if chat_template is not None:
         rows = ConversationTokenizer(tokenizer, chat_template.text, 1 << 30, template_kwargs=chat_template.kwargs)
         row_end_ids = [rows.answer_end_id()] + rows.after_turn_end_ids()
     avoid = {*row_end_ids, tokenizer.eos_token_id, tokenizer.bos_token_id}
@@ -141,7 +151,7 @@ def choose_pad_token(tokenizer, chat_template=None) -> int:
     return tokenizer.pad_token_id
 
 
-def init_deepspeed_distributed(training_args) -> None:
+def init_deepspeed_distributed(training_args: "TrainingArguments | None") -> None:
     """Initialise DeepSpeed's own communication layer before the model is built.
 
     With ZeRO-3, from_pretrained builds the model under deepspeed.zero.Init, which reads the
@@ -156,13 +166,14 @@ def init_deepspeed_distributed(training_args) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
 
 
-def embedding_rows(model) -> int:
+def embedding_rows(model: "PreTrainedModel") -> int:
     """Rows of the input embedding; a ZeRO-3 partitioned weight reports shape 0, ds_shape is real."""
     weight = model.get_input_embeddings().weight
     return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
 
 
-def resize_embeddings_with_mean(model, new_size: int, sources: Optional[dict] = None) -> None:
+def resize_embeddings_with_mean(model: "PreTrainedModel", new_size: int,
+                                sources: dict[int, list[int]] | None = None) -> None:
     """Grow the vocabulary; new rows start at the mean of the old ones, so new tokens begin as
     an 'average' token instead of random noise that would swamp the first steps. With sources
     ({new id: [old ids]}), a new row starts at the mean of those old rows instead (its pieces)."""
@@ -182,7 +193,8 @@ def resize_embeddings_with_mean(model, new_size: int, sources: Optional[dict] = 
     logger.info("resized embeddings %d -> %d rows, %s = mean of the old ones", old_size, new_size, how)
 
 
-def subword_sources(model_args: ModelArguments, tokenizer, old_size: int) -> dict:
+def subword_sources(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase,
+                    old_size: int) -> dict[int, list[int]]:
     """{new id: old ids}: each new token's text as the base model's own tokenizer segments it.
     The token's stored string goes through the base tokenizer's model (BPE/unigram) directly, so
     byte-level and SentencePiece-style tokens are split in their own alphabet, with no decoding."""
@@ -198,7 +210,7 @@ def subword_sources(model_args: ModelArguments, tokenizer, old_size: int) -> dic
     return sources
 
 
-def grow_embeddings(model, model_args: ModelArguments, tokenizer) -> None:
+def grow_embeddings(model: "PreTrainedModel", model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> None:
     """Rows for the tokens the base lacks, as --new_embeddings_init says; the one rule of every
     load (an adapter that saved its embed_tokens/lm_head then overwrites them with its own)."""
     if len(tokenizer) <= embedding_rows(model):
@@ -209,7 +221,7 @@ def grow_embeddings(model, model_args: ModelArguments, tokenizer) -> None:
     resize_embeddings_with_mean(model, len(tokenizer), sources)
 
 
-def quantization_config(model_args: ModelArguments, compute_dtype):
+def quantization_config(model_args: ModelArguments, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:
     if model_args.load_in_kbits == 4:
         return BitsAndBytesConfig(
             load_in_4bit=True,
@@ -222,11 +234,11 @@ def quantization_config(model_args: ModelArguments, compute_dtype):
     return None
 
 
-def uses_gpu(training_args) -> bool:
+def uses_gpu(training_args: "TrainingArguments | None") -> bool:
     return torch.cuda.is_available() and (training_args is None or not training_args.use_cpu)
 
 
-def compute_dtype(model_args: ModelArguments, training_args=None):
+def compute_dtype(model_args: ModelArguments, training_args: "TrainingArguments | None" = None) -> torch.dtype:
     """The dtype a quantized model computes in, one rule for every load: --torch_dtype when it
     names one; else the precision the run computes in: the Trainer's --bf16 / --fp16 when
     training, bfloat16 on a GPU when generating (training_args None); float32 otherwise."""
@@ -240,8 +252,10 @@ def compute_dtype(model_args: ModelArguments, training_args=None):
     return torch.float16 if training_args.fp16 else torch.float32
 
 
-def load_model(model_args: ModelArguments, training_args, tokenizer, task: str = "causal_lm", config=None,
-               trainable: bool = True, adapter_flag: str = "--peft_path", fold_adapter: bool = False):
+def load_model(model_args: ModelArguments, training_args: "TrainingArguments | None",
+               tokenizer: PreTrainedTokenizerBase | None, task: str = "causal_lm",
+               config: PreTrainedConfig | None = None, trainable: bool = True, adapter_flag: str = "--peft_path",
+               fold_adapter: bool = False) -> "PreTrainedModel | PeftModel":
     """THE model loader of every stage, PPO role, the merged reward save, inference and the demo:
     the base (task "causal_lm", or "reward": the checkpoint's sequence classifier with one output
     pooled at each row's last attended token), in --torch_dtype, quantized with --load_in_kbits,
@@ -252,7 +266,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
     training run computes in its precision (frozen_precision); a trainable one keeps what it
     trains in float32 (keep_trainable_float32).
 
-    config: the model config the run read and checked (start_run, run_ppo.check_models); read and
+    config: the model config the run read and checked (trainers.common.start_run, rl.ppo.check_models); read and
     checked here when None. training_args: the Trainer's (precision, device, DeepSpeed, activation
     checkpointing); None when generating. fold_adapter: the --peft_path adapter is folded into the
     base in memory and a new LoRA trained on top (DPO: the reference is base + that adapter)."""
@@ -284,7 +298,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, task: str =
     return model
 
 
-def keep_4bit_layers_differentiable(model) -> None:
+def keep_4bit_layers_differentiable(model: torch.nn.Module) -> None:
     """bitsandbytes (0.50) repacks a 4-bit layer's weights for its AVX512-BF16 CPU kernel at the first forward in
     eval mode without grad (PPO's generation, an evaluation) and keeps them so: the layer's matmul then has no
     backward, and every LoRA below it silently stops learning (a QLoRA PPO actor trained nothing). A model that
@@ -294,10 +308,11 @@ def keep_4bit_layers_differentiable(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def check_load_plan(model_args: ModelArguments, training_args, config, tokenizer, task: str = "causal_lm",
-                    trainable: bool = True, adapter_flag: str = "--peft_path", fold_adapter: bool = False) -> None:
+def check_load_plan(model_args: ModelArguments, training_args: "TrainingArguments | None", config: PreTrainedConfig,
+                    tokenizer: PreTrainedTokenizerBase | None, task: str = "causal_lm", trainable: bool = True,
+                    adapter_flag: str = "--peft_path", fold_adapter: bool = False) -> None:
     """Refuse now what load_model would refuse later with the same arguments, so that a run refuses
-    before its data is tokenized and cached (start_run and run_ppo call it first): a quantized base
+    before its data is tokenized and cached (trainers.common.start_run and rl.ppo call it first): a quantized base
     under ZeRO-3, an adapter to fold into ZeRO-3 partitions, and whatever peft refuses (an adapter
     of other shapes, in any file format; a --trainable that names no module, or one LoRA cannot
     adapt), found by doing what load_model does on the model's empty skeleton (empty_model: no
@@ -319,7 +334,8 @@ def check_quantization(model_args: ModelArguments) -> None:
         raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
 
 
-def empty_model(model_args: ModelArguments, config, task: str, tokenizer):
+def empty_model(model_args: ModelArguments, config: PreTrainedConfig, task: str,
+                tokenizer: PreTrainedTokenizerBase | None) -> "PreTrainedModel":
     """The model load_base builds, as an empty skeleton (accelerate's init_empty_weights): every
     module, each parameter on the meta device, the embeddings grown to the tokenizer."""
     from accelerate import init_empty_weights
@@ -336,7 +352,7 @@ def empty_model(model_args: ModelArguments, config, task: str, tokenizer):
     return model
 
 
-def task_model_class(task: str, config):
+def task_model_class(task: str, config: PreTrainedConfig) -> "type[PreTrainedModel] | type[AutoModelForCausalLM]":
     """The class a task loads: the causal LM; for "reward" the checkpoint's sequence classifier
     with one output (config.num_labels set to 1); for "answer_logps" the causal LM that returns its
     answer tokens' log-probabilities, its head run on answer positions only."""
@@ -348,7 +364,7 @@ def task_model_class(task: str, config):
     return AutoModelForCausalLM
 
 
-def checkpointing(training_args) -> bool:
+def checkpointing(training_args: "TrainingArguments | None") -> bool:
     return training_args is not None and bool(training_args.activation_checkpointing)
 
 
@@ -372,7 +388,7 @@ def checkpoint_dtype(model_dir: str) -> torch.dtype:
     return named if isinstance(named, torch.dtype) else torch.float32
 
 
-def frozen_precision(model_args: ModelArguments, training_args) -> ModelArguments:
+def frozen_precision(model_args: ModelArguments, training_args: "TrainingArguments | None") -> ModelArguments:
     """A frozen model of a training run (PPO's reference and reward models) loads in the run's
     --bf16 / --fp16 precision whatever its checkpoint's dtype: it never trains, so a float32 copy
     buys nothing, while a float32 reward model (a merged one saved so) would take twice the memory
@@ -385,7 +401,7 @@ def frozen_precision(model_args: ModelArguments, training_args) -> ModelArgument
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def keep_trainable_float32(model, training_args=None) -> None:
+def keep_trainable_float32(model: torch.nn.Module, training_args: "TrainingArguments | None" = None) -> None:
     """The trainable parameters of a half-precision model in float32, as peft keeps LoRA weights
     (its autocast_adapter_dtype covers the LoRA layers only, not the --modules_to_save copies nor
     PPO's value head): in bfloat16 an update below 1/256 of a weight rounds away, and float16
@@ -410,26 +426,35 @@ def keep_trainable_float32(model, training_args=None) -> None:
         logger.info("trainable parameters of %d half-precision module(s) kept in float32", len(half_modules))
 
 
-def cast_float(value, dtype):
+def cast_float(value: Any, dtype: torch.dtype) -> Any:
     """value cast to dtype if it is a floating-point tensor; anything else as it is."""
     return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
-def inputs_in_float32(module, args, kwargs) -> tuple:
+def inputs_in_float32(module: torch.nn.Module, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Forward pre-hook of a module keep_trainable_float32 upcast: its inputs in float32 too."""
     return (tuple(cast_float(item, torch.float32) for item in args),
             {key: cast_float(item, torch.float32) for key, item in kwargs.items()})
 
 
-def output_in_dtype(dtype, module, args, output):
+def output_in_dtype(dtype: torch.dtype, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     """Forward hook of a module keep_trainable_float32 upcast: its output in the model's dtype."""
     if isinstance(output, tuple):
         return tuple(cast_float(item, dtype) for item in output)
     return cast_float(output, dtype)
 
 
-def load_base(model_args: ModelArguments, training_args, tokenizer, task: str, config) -> tuple:
-    """(the base model, whether it is quantized), its pad id the tokenizer's and its embeddings
+class LoadedBase(NamedTuple):
+    """load_base's model, and whether its weights are bitsandbytes-quantized (--load_in_kbits 4/8)."""
+
+    model: "PreTrainedModel"
+    quantized: bool
+
+
+def load_base(model_args: ModelArguments, training_args: "TrainingArguments | None",
+              tokenizer: PreTrainedTokenizerBase | None, task: str, config: PreTrainedConfig) -> LoadedBase:
+    """LoadedBase (the base model, whether it is quantized), its pad id the tokenizer's and its embeddings
     grown to the tokenizer."""
     check_quantization(model_args)
     init_deepspeed_distributed(training_args)
@@ -450,11 +475,11 @@ def load_base(model_args: ModelArguments, training_args, tokenizer, task: str, c
         model.config.pad_token_id = tokenizer.pad_token_id
     if tokenizer is not None:
         grow_embeddings(model, model_args, tokenizer)
-    return model, quant is not None
+    return LoadedBase(model, quant is not None)
 
 
 @contextmanager
-def outside_zero3_init():
+def outside_zero3_init() -> Iterator[None]:
     """Build a model whole on every rank, outside DeepSpeed's zero.Init: a model that never enters
     the engine (a frozen PPO role, the merged reward save) would find nothing to gather its
     partitioned weights; a PPO critic is merged first and partitioned by the engine afterwards."""

@@ -3,22 +3,28 @@ parameter (its shape reads 0); code that reads or writes a whole weight gathers 
 ZeRO-3 (no parameter carries a DeepSpeed id) this is a no-op, so callers never branch on it."""
 
 import os
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:  # deepspeed is imported only where ZeRO-3 is in use
+    from deepspeed import DeepSpeedEngine
 
-def is_zero3_partitioned(params) -> bool:
+
+def is_zero3_partitioned(params: Iterable[torch.nn.Parameter]) -> bool:
     return any(hasattr(p, "ds_id") for p in params)
 
 
 @contextmanager
-def gathered(params, modifier_rank=None):
+def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
     """Full copies of ZeRO-3 partitioned parameters inside the block. modifier_rank=None: read
     only, on every rank; modifier_rank=0: rank 0's in-place changes are scattered back on exit.
     Collective: every rank must enter with the same parameters."""
     params = list(params)
+    context: AbstractContextManager
     if is_zero3_partitioned(params):
         import deepspeed
 
@@ -29,12 +35,12 @@ def gathered(params, modifier_rank=None):
         yield
 
 
-def full_size_bytes(params) -> int:
+def full_size_bytes(params: Iterable[torch.nn.Parameter]) -> int:
     """Bytes of the parameters at their whole shape (a ZeRO-3 partitioned one by its ds_numel), in their dtype."""
     return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
 
 
-def free_memory_bytes(device) -> int:
+def free_memory_bytes(device: torch.device) -> int:
     """What one process may still fill on device: the GPU's free memory, or on the CPU the available
     RAM shared among this node's processes (torchrun's LOCAL_WORLD_SIZE)."""
     if device.type == "cuda":
@@ -44,7 +50,7 @@ def free_memory_bytes(device) -> int:
     return psutil.virtual_memory().available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def on_every_rank(flag: bool, device) -> bool:
+def on_every_rank(flag: bool, device: torch.device) -> bool:
     """flag where every rank holds it: a choice of which collectives run must be the same on all ranks."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
@@ -54,7 +60,7 @@ def on_every_rank(flag: bool, device) -> bool:
 
 
 @contextmanager
-def gathered_for_generation(engine, module):
+def gathered_for_generation(engine: "DeepSpeedEngine", module: torch.nn.Module) -> Iterator[None]:
     """module's ZeRO-3 parameters gathered once for the whole block, with the engine's per-module hooks off
     meanwhile: left on, they re-partition each layer after its forward and gather it again for the next
     token. On exit the hooks are registered again (DeepSpeed invalidates its recorded fetch order then)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any
 
 from lorakit.core.cli import InputError, read_yaml
 
@@ -46,28 +46,28 @@ class Deployment:
     node_rank: int
     master_addr: str
     master_port: int
-    deepspeed: Optional[str]
+    deepspeed: str | None
 
 
 @dataclass
 class StageConfig:
     kind: str
     name: str
-    flags: dict  # the user's flags of the stage's script, training_flags folded in
-    turns: list = field(default_factory=list)  # chat only
+    flags: dict[str, Any]  # the user's flags of the stage's script, training_flags folded in
+    turns: list[str] = field(default_factory=list)  # chat only
 
 
 @dataclass
 class PipelineConfig:
     path: str
     base_model: str
-    tokenizer: Optional[str]
+    tokenizer: str | None
     output_dir: str
     deployment: Deployment
-    stages: list
+    stages: list[StageConfig]
 
 
-def load_config(path: str, overrides: list) -> PipelineConfig:
+def load_config(path: str, overrides: list[str]) -> PipelineConfig:
     raw = read_yaml(path, "pipeline config")
     for override in overrides:
         apply_override(raw, override, path)
@@ -85,13 +85,13 @@ def load_config(path: str, overrides: list) -> PipelineConfig:
                           stages=stages_of(raw["stages"], training_flags, path))
 
 
-def mapping_of(value, path: str, key: str) -> dict:
+def mapping_of(value: Any, path: str, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InputError(f"{path}: '{key}' must be a mapping of names to values")
     return value
 
 
-def deployment_of(raw: dict, path: str) -> Deployment:
+def deployment_of(raw: dict[str, Any], path: str) -> Deployment:
     unknown = sorted(set(raw) - set(DEPLOYMENT_DEFAULTS))
     if unknown:
         raise InputError(f"{path}: deployment: unknown key '{unknown[0]}' "
@@ -127,7 +127,7 @@ def visible_gpus() -> int:
         return 1
 
 
-def stages_of(raw, training_flags: dict, path: str) -> list:
+def stages_of(raw: Any, training_flags: dict[str, Any], path: str) -> list[StageConfig]:
     if not isinstance(raw, list):
         raise InputError(f"{path}: 'stages' must be a list of stages")
     stages, names = [], set()
@@ -152,7 +152,7 @@ def stages_of(raw, training_flags: dict, path: str) -> list:
     return stages
 
 
-def apply_override(raw: dict, text: str, path: str) -> None:
+def apply_override(raw: dict[str, Any], text: str, path: str) -> None:
     """`a.b=value` sets raw's key a.b; the first part may name a stage. The value is read as YAML."""
     import yaml
 

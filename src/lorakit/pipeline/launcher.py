@@ -10,20 +10,22 @@ script (under torchrun for the training stages), chained on the previous stage's
     python scripts/run_pipeline.py my.yaml --stages sft,reward
 
 A rerun skips completed stages, resumes an interrupted one from its checkpoint and reruns a
-stage whose config changed with every stage after it. The config format: pipeline/pipeline_config.py.
+stage whose config changed with every stage after it. The config format: lorakit.pipeline.config.
 """
 
 import argparse
 import shlex
 import sys
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from lorakit.core.cli import InputError, run_cli
 from lorakit.pipeline.config import load_config
 from lorakit.pipeline.runner import StageFailed, check_selection_inputs, decide, inputs_of, run_stage
-from lorakit.pipeline.stages import plan_stages
+from lorakit.pipeline.stages import PlannedStage, plan_stages
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="The pipeline's YAML file.")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. sft.learning_rate=1e-4 (the value as YAML).")
@@ -34,8 +36,15 @@ def parse_args(argv=None):
     return parser.parse_intermixed_args(argv)  # overrides may come after the options
 
 
-def select(planned: list, args) -> tuple:
-    """(the stages to consider, the first stage forced to rerun or None)."""
+class Selection(NamedTuple):
+    """The stages a command line asks for."""
+
+    stages: list[PlannedStage]  # those to consider, in order
+    forced: str | None  # the first stage forced to rerun (--from_stage), or None
+
+
+def select(planned: list[PlannedStage], args: argparse.Namespace) -> Selection:
+    """The stages to consider, and the first stage forced to rerun or None."""
     names = [stage.config.name for stage in planned]
     if args.stages and args.from_stage:
         raise InputError("give --stages or --from_stage, not both")
@@ -46,11 +55,11 @@ def select(planned: list, args) -> tuple:
         if name not in names:
             raise InputError(f"{args.config}: no stage named '{name}' (the stages are: {', '.join(names)})")
     if args.from_stage:
-        return planned[names.index(args.from_stage):], args.from_stage
-    return ([stage for stage in planned if stage.config.name in wanted] if wanted else planned), None
+        return Selection(planned[names.index(args.from_stage):], args.from_stage)
+    return Selection([stage for stage in planned if stage.config.name in wanted] if wanted else planned, None)
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
     planned = plan_stages(config, args.python)

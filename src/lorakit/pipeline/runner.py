@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, BinaryIO, NamedTuple
 
 from lorakit.core.atomic import write_json_atomically
 from lorakit.core.cli import InputError
@@ -36,7 +36,7 @@ WAIT_SECONDS = 10
 
 
 class StageFailed(Exception):
-    def __init__(self, name: str, status: int, log: str, resumable: bool = False):
+    def __init__(self, name: str, status: int, log: str, resumable: bool = False) -> None:
         then = "; a rerun resumes it from its last checkpoint" if resumable else ""
         super().__init__(f"stage '{name}' exited with status {status}; its log: {log}{then}")
         self.status = status
@@ -52,7 +52,7 @@ def marker_path(output_dir: str, name: str) -> str:
     return os.path.join(output_dir, MARKER_DIR, f"{name}.json")
 
 
-def read_marker(output_dir: str, name: str) -> Optional[dict]:
+def read_marker(output_dir: str, name: str) -> dict[str, Any] | None:
     try:
         with open(marker_path(output_dir, name), encoding="utf-8") as handle:
             return json.load(handle)
@@ -60,17 +60,17 @@ def read_marker(output_dir: str, name: str) -> Optional[dict]:
         return None  # no marker, or one cut short: the stage did not complete
 
 
-def write_stage_marker(output_dir: str, name: str, record: dict) -> None:
+def write_stage_marker(output_dir: str, name: str, record: dict[str, Any]) -> None:
     write_json_atomically(marker_path(output_dir, name), record)  # a marker is whole or absent
 
 
-def inputs_of(planned: list, stage: PlannedStage, output_dir: str) -> dict:
+def inputs_of(planned: list[PlannedStage], stage: PlannedStage, output_dir: str) -> dict[str, str | None]:
     """{earlier stage: the run id of its completed run}: what this stage starts from."""
     earlier = planned[:planned.index(stage)]
     return {other.config.name: (read_marker(output_dir, other.config.name) or {}).get("run_id") for other in earlier}
 
 
-def decide(stage: PlannedStage, output_dir: str, inputs: dict, rerun_reason: Optional[str]) -> Decision:
+def decide(stage: PlannedStage, output_dir: str, inputs: dict[str, str | None], rerun_reason: str | None) -> Decision:
     """rerun_reason: why this stage must run afresh whatever its marker says, or None."""
     marker = read_marker(output_dir, stage.config.name)
     if rerun_reason:
@@ -88,7 +88,8 @@ def decide(stage: PlannedStage, output_dir: str, inputs: dict, rerun_reason: Opt
     return Decision("run", "interrupted before its first checkpoint")
 
 
-def run_stage(stage: PlannedStage, output_dir: str, decision: Decision, inputs: dict, node_rank: int) -> float:
+def run_stage(stage: PlannedStage, output_dir: str, decision: Decision, inputs: dict[str, str | None],
+              node_rank: int) -> float:
     """Run one stage (its output streamed to the console and OUTPUT/logs/<stage>.log); seconds taken."""
     name = stage.config.name
     if node_rank > 0 and not stage.distributed:
@@ -116,9 +117,15 @@ def run_stage(stage: PlannedStage, output_dir: str, decision: Decision, inputs: 
     return time.time() - started
 
 
-def stream(command: list, stdin: Optional[str], log) -> tuple:
-    """Run command, copying its output as it comes (progress bars included) to stdout and log;
-    (exit status, the output)."""
+class StageOutput(NamedTuple):
+    """How a stage's process ended, and everything it wrote to stdout and stderr."""
+
+    status: int
+    output: str
+
+
+def stream(command: list[str], stdin: str | None, log: BinaryIO) -> StageOutput:
+    """Run command, copying its output as it comes (progress bars included) to stdout and log."""
     process = subprocess.Popen(command, stdin=subprocess.PIPE if stdin is not None else None,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -134,7 +141,7 @@ def stream(command: list, stdin: Optional[str], log) -> tuple:
         log.write(chunk)
         sys.stdout.buffer.write(chunk)
         sys.stdout.flush()
-    return process.wait(), output.decode(errors="replace")
+    return StageOutput(process.wait(), output.decode(errors="replace"))
 
 
 def write_transcript(stage: PlannedStage, output: str) -> None:
@@ -144,11 +151,12 @@ def write_transcript(stage: PlannedStage, output: str) -> None:
     turns = stage.config.turns
     if len(replies) < len(turns) or not all(reply.startswith("Assistant:") for reply in replies[:len(turns)]):
         raise StageFailed(stage.config.name, 1, "the chat did not answer every turn:\n" + output[-2000:])
-    for turn, reply in zip(turns, replies):
+    # strict=False: a reply beyond the turns is chat's last prompt at the end of its input, not an answer.
+    for turn, reply in zip(turns, replies, strict=False):
         if reply == "Assistant:":
             print(f"pipeline: the chat check's model gave an empty answer to {turn!r}", flush=True)
     os.makedirs(stage.out_dir, exist_ok=True)
-    transcript = "\n".join(f"User: {turn}\n{reply}" for turn, reply in zip(turns, replies))
+    transcript = "\n".join(f"User: {turn}\n{reply}" for turn, reply in zip(turns, replies, strict=False))
     with open(os.path.join(stage.out_dir, "transcript.txt"), "w", encoding="utf-8") as handle:
         handle.write(transcript + "\n")
 
@@ -163,7 +171,7 @@ def wait_for_node_zero(stage: PlannedStage, output_dir: str) -> float:
         time.sleep(WAIT_SECONDS)
 
 
-def check_selection_inputs(planned: list, selected: list, output_dir: str) -> None:
+def check_selection_inputs(planned: list[PlannedStage], selected: list[PlannedStage], output_dir: str) -> None:
     """A selected stage starts from what the stages before it wrote: those left out must be complete."""
     last = max(planned.index(stage) for stage in selected)
     for stage in planned[:last]:

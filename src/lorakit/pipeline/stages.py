@@ -15,7 +15,8 @@ import importlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from types import ModuleType
+from typing import Any, NamedTuple
 
 from lorakit.commands import COMMANDS
 from lorakit.core.cli import InputError
@@ -58,6 +59,15 @@ PATH_FLAGS = ("dataset_dir", "validation_file", "train_corpus", "extra_sp_model"
               "actor_lora_model", "reward_model_name_or_path", "reward_lora_model", "critic_model_name_or_path",
               "sft_only_data_path", "data_path", "data_file", "base_model", "lora_model")
 CHAT_DEFAULTS = {"temperature": 0, "max_new_tokens": 48}
+# {"model" | "adapter" | "tokenizer" | "reward": the name of the stage that produced the chain's current one, or None}
+Producers = dict[str, str | None]
+
+
+class RewardModel(NamedTuple):
+    """The reward model a reward stage left for PPO to score with."""
+
+    model: str  # its base model (the reward stage's output itself when trained in full)
+    adapter: str | None  # the reward adapter on it, None when trained in full
 
 
 @dataclass
@@ -65,9 +75,9 @@ class Chain:
     """What the stages so far produced, for the next stage to start from."""
 
     model: str
-    tokenizer: Optional[str]  # a tokenizer other than the model's own (the config's, or a vocabulary stage's)
-    adapter: Optional[str] = None  # trained on `model`, not merged yet; after DPO "sft adapter,dpo adapter"
-    reward: Optional[tuple] = None  # (reward base model, reward adapter or None)
+    tokenizer: str | None  # a tokenizer other than the model's own (the config's, or a vocabulary stage's)
+    adapter: str | None = None  # trained on `model`, not merged yet; after DPO "sft adapter,dpo adapter"
+    reward: RewardModel | None = None
     extended: bool = False  # the tokenizer came from a vocabulary stage and has reached no model yet
 
 
@@ -75,18 +85,18 @@ class Chain:
 class PlannedStage:
     config: StageConfig
     out_dir: str
-    command: list
+    command: list[str]
     config_hash: str  # this stage's flags and every earlier stage's hash
     distributed: bool
-    stdin: Optional[str] = None  # the chat stage's scripted turns
+    stdin: str | None = None  # the chat stage's scripted turns
 
 
-def plan_stages(config: PipelineConfig, python: str) -> list:
+def plan_stages(config: PipelineConfig, python: str) -> list[PlannedStage]:
     """Every stage's command, in order; refuses (InputError) any stage that cannot run."""
     check_paths(config.path, "", {"base_model": config.base_model, "tokenizer": config.tokenizer,
                                   "deepspeed": config.deployment.deepspeed})
     chain = Chain(model=config.base_model, tokenizer=config.tokenizer)
-    producers = {"model": None, "adapter": None, "tokenizer": None, "reward": None}
+    producers: Producers = {"model": None, "adapter": None, "tokenizer": None, "reward": None}
     upstream_hash = digest({"base_model": config.base_model, "tokenizer": config.tokenizer})
     planned = []
     for stage in config.stages:
@@ -110,11 +120,11 @@ def plan_stages(config: PipelineConfig, python: str) -> list:
     return planned
 
 
-def digest(value) -> str:
+def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def launcher_arguments(deployment: Deployment) -> list:
+def launcher_arguments(deployment: Deployment) -> list[str]:
     """torchrun's options for the deployment, through our launch.py (torchrun keeping exit 2)."""
     arguments = [LAUNCHER, "--nproc_per_node", str(deployment.nproc_per_node)]
     if deployment.mode == "multi_node":
@@ -123,7 +133,7 @@ def launcher_arguments(deployment: Deployment) -> list:
     return arguments + ["--standalone"]
 
 
-def argv_of(flags: dict, hf: bool) -> list:
+def argv_of(flags: dict[str, Any], hf: bool) -> list[str]:
     """Flags as the script's command line. False is spelled out for HfArgumentParser's booleans and
     left out for argparse's store_true switches, whose default it is."""
     argv = []
@@ -144,7 +154,7 @@ def argv_of(flags: dict, hf: bool) -> list:
 # ----------------------------------------------------------------------------- flag and file checks
 
 
-def script_module(kind: str):
+def script_module(kind: str) -> ModuleType:
     """The package module behind the stage's script: its argument classes or parser (never the script itself)."""
     return importlib.import_module(COMMANDS[SCRIPTS[kind].command].module)
 
@@ -154,7 +164,7 @@ def hf_parser(kind: str) -> bool:
 
 
 @functools.cache  # two merge stages ask once
-def known_flags(kind: str) -> set:
+def known_flags(kind: str) -> set[str]:
     """The option names the stage's script accepts, from its own argument parser."""
     module = script_module(kind)
     if hasattr(module, "build_parser"):
@@ -176,7 +186,7 @@ def check_flags(stage: StageConfig, script: Script, where: str) -> None:
         raise InputError(f"{where}: '{unknown[0]}' is not a flag of {script.path} (see its --help)")
 
 
-def check_paths(config_path: str, where: str, flags: dict) -> None:
+def check_paths(config_path: str, where: str, flags: dict[str, Any]) -> None:
     for flag, value in flags.items():
         if flag not in PATH_FLAGS + ("tokenizer",) or value in (None, "", []):
             continue
@@ -189,13 +199,13 @@ def check_paths(config_path: str, where: str, flags: dict) -> None:
 # ----------------------------------------------------------------------------- chaining
 
 
-def needs_merged_model(chain: Chain, where: str, producers: dict) -> None:
+def needs_merged_model(chain: Chain, where: str, producers: Producers) -> None:
     if chain.adapter:
         raise InputError(f"{where}: starts from a model, but stage '{producers['adapter']}' left an adapter "
                          "unmerged: put a merge stage before it")
 
 
-def needs_one_adapter(chain: Chain, where: str, producers: dict) -> None:
+def needs_one_adapter(chain: Chain, where: str, producers: Producers) -> None:
     """A stage that takes the current adapter as one directory: after DPO there are two (the SFT adapter it
     started from, then its own), which only a merge applies."""
     if chain.adapter and "," in chain.adapter:
@@ -203,21 +213,22 @@ def needs_one_adapter(chain: Chain, where: str, producers: dict) -> None:
                          f"({chain.adapter}): put a merge stage before it")
 
 
-def training_flags(chain: Chain) -> dict:
+def training_flags(chain: Chain) -> dict[str, Any]:
     flags = {"model_name_or_path": chain.model, "do_train": True}
     if chain.tokenizer:
         flags["tokenizer_name_or_path"] = chain.tokenizer
     return flags
 
 
-def wire_vocabulary(chain, stage, out_dir, where, producers) -> dict:
+def wire_vocabulary(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     flags = {"base_tokenizer": chain.tokenizer or chain.model}
     chain.tokenizer, chain.extended = out_dir, True
     producers["tokenizer"] = stage.name
     return flags
 
 
-def wire_adapter_training(chain, stage, out_dir, where, producers) -> dict:
+def wire_adapter_training(chain: Chain, stage: StageConfig, out_dir: str, where: str,
+                          producers: Producers) -> dict[str, Any]:
     """Pretraining and SFT: a new adapter on the current (merged) model."""
     needs_merged_model(chain, where, producers)
     if chain.extended and not (stage.flags.get("modules_to_save") or stage.flags.get("full_finetuning")):
@@ -234,25 +245,25 @@ def wire_adapter_training(chain, stage, out_dir, where, producers) -> dict:
     return flags
 
 
-def wire_reward(chain, stage, out_dir, where, producers) -> dict:
+def wire_reward(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     """The reward model starts from the current model (the SFT adapter's base, so PPO can put every
     role on one base) unless the stage names its own model_name_or_path."""
     flags = training_flags(chain)
     base = stage.flags.get("model_name_or_path", chain.model)
     adapter = None if stage.flags.get("full_finetuning") else os.path.join(out_dir, ADAPTER_DIRS["reward"])
-    chain.reward = (out_dir, None) if adapter is None else (base, adapter)
+    chain.reward = RewardModel(out_dir, None) if adapter is None else RewardModel(base, adapter)
     producers["reward"] = stage.name
     return flags
 
 
-def wire_ppo(chain, stage, out_dir, where, producers) -> dict:
+def wire_ppo(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     if chain.reward is None and "reward_model_name_or_path" not in stage.flags:
         raise InputError(f"{where}: PPO needs a reward model: put a reward stage before it, "
                          "or give reward_model_name_or_path")
     needs_one_adapter(chain, where, producers)
     flags = {"actor_model_name_or_path": chain.model, "actor_lora_model": chain.adapter}
     if chain.reward is not None:
-        flags.update(reward_model_name_or_path=chain.reward[0], reward_lora_model=chain.reward[1])
+        flags.update(reward_model_name_or_path=chain.reward.model, reward_lora_model=chain.reward.adapter)
     if chain.tokenizer:
         flags["tokenizer_name_or_path"] = chain.tokenizer
     chain.adapter = os.path.join(out_dir, ADAPTER_DIRS["ppo"])  # it continues the actor's adapter
@@ -260,7 +271,7 @@ def wire_ppo(chain, stage, out_dir, where, producers) -> dict:
     return flags
 
 
-def wire_dpo(chain, stage, out_dir, where, producers) -> dict:
+def wire_dpo(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     """The policy and its reference are the current model with the current adapter (SFT's) folded in; a new
     LoRA trains on top, so the chain's adapter becomes both, in order, as the merge tool applies them."""
     needs_one_adapter(chain, where, producers)
@@ -276,7 +287,7 @@ def wire_dpo(chain, stage, out_dir, where, producers) -> dict:
     return flags
 
 
-def wire_merge(chain, stage, out_dir, where, producers) -> dict:
+def wire_merge(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     if not chain.adapter:
         raise InputError(f"{where}: nothing to merge: no earlier stage left an adapter "
                          "(pretraining, sft, ppo or dpo)")
@@ -288,7 +299,7 @@ def wire_merge(chain, stage, out_dir, where, producers) -> dict:
     return flags
 
 
-def wire_chat(chain, stage, out_dir, where, producers) -> dict:
+def wire_chat(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     if not stage.turns:
         raise InputError(f"{where}: a chat stage needs 'turns', what the scripted chat says")
     needs_one_adapter(chain, where, producers)

@@ -9,10 +9,13 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lorakit.core.cli import InputError, read_json
 from lorakit.core.model_files import TEMPLATE_KWARGS_FILE
+
+if TYPE_CHECKING:  # for annotations only: the record readers stay free of transformers (and torch)
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -66,21 +69,29 @@ TEMPLATES = {
 }
 
 
-def named_template(name: str, tokenizer) -> str:
+def named_template(name: str, tokenizer: "PreTrainedTokenizerBase") -> str:
     if name not in TEMPLATES:
         raise InputError(f"--template {name} is unknown; choose one of: {', '.join(sorted(TEMPLATES))}")
     adds_bos = bool(tokenizer("", add_special_tokens=True)["input_ids"]) and tokenizer.bos_token is not None
     return TEMPLATES[name].replace("{bos}", "{{ bos_token }}" if adds_bos else "")
 
 
-def resolve_template(requested: Optional[str], tokenizer, log) -> tuple:
-    """(name, jinja) of the template to train with: --template, else the tokenizer's own, else llama2."""
+class ResolvedTemplate(NamedTuple):
+    """A chat template and where it came from: a --template name, or "tokenizer" for the tokenizer's own."""
+
+    name: str
+    text: str  # the Jinja source
+
+
+def resolve_template(requested: str | None, tokenizer: "PreTrainedTokenizerBase",
+                     log: logging.Logger) -> ResolvedTemplate:
+    """The template to train with: --template, else the tokenizer's own, else llama2."""
     if requested:
-        return requested, named_template(requested, tokenizer)
+        return ResolvedTemplate(requested, named_template(requested, tokenizer))
     if tokenizer.chat_template:
-        return "tokenizer", tokenizer.chat_template
+        return ResolvedTemplate("tokenizer", tokenizer.chat_template)
     log.info("the tokenizer has no chat_template: using the llama2 template")
-    return "llama2", named_template("llama2", tokenizer)
+    return ResolvedTemplate("llama2", named_template("llama2", tokenizer))
 
 
 @dataclass(frozen=True)
@@ -88,10 +99,11 @@ class ChatTemplate:
     """The chat template a run renders with, and the keyword arguments it renders with."""
 
     text: str
-    kwargs: dict
+    kwargs: dict[str, Any]
 
 
-def use_template(requested: Optional[str], tokenizer, template_kwargs: Optional[dict] = None) -> ChatTemplate:
+def use_template(requested: str | None, tokenizer: "PreTrainedTokenizerBase",
+                 template_kwargs: dict[str, Any] | None = None) -> ChatTemplate:
     """Resolve the template; every consumer takes it from what this returns. The tokenizer gets a
     copy only to save it: save_pretrained writes its chat_template and save_template_kwargs the
     keyword arguments, with every adapter, so inference renders prompts exactly as training did."""
@@ -103,14 +115,14 @@ def use_template(requested: Optional[str], tokenizer, template_kwargs: Optional[
     return chat_template
 
 
-def save_template_kwargs(tokenizer, directory: str) -> None:
+def save_template_kwargs(tokenizer: "PreTrainedTokenizerBase", directory: str) -> None:
     kwargs = getattr(tokenizer, "chat_template_kwargs", None)
     if kwargs:
         with open(os.path.join(directory, TEMPLATE_KWARGS_FILE), "w", encoding="utf-8") as handle:
             json.dump(kwargs, handle, indent=2)
 
 
-def saved_template_kwargs(directory: Optional[str]) -> dict:
+def saved_template_kwargs(directory: str | None) -> dict[str, Any]:
     """The template keyword arguments training saved next to a tokenizer ({} if none)."""
     path = os.path.join(directory, TEMPLATE_KWARGS_FILE) if directory else ""
     if not os.path.isfile(path):
@@ -118,7 +130,7 @@ def saved_template_kwargs(directory: Optional[str]) -> dict:
     return read_json(path, TEMPLATE_KWARGS_FILE)
 
 
-def special_token_texts(tokenizer) -> list:
+def special_token_texts(tokenizer: "PreTrainedTokenizerBase") -> list[str]:
     """Every special token's text (the tokenizer's named ones and added tokens marked special),
     longest first so a search finds `<|im_end|>` before a shorter token inside it."""
     texts = set(tokenizer.all_special_tokens)
@@ -126,14 +138,22 @@ def special_token_texts(tokenizer) -> list:
     return sorted((text for text in texts if text), key=len, reverse=True)
 
 
-def first_special_token(text: str, specials: list) -> Optional[str]:
+def first_special_token(text: str, specials: list[str]) -> str | None:
     """The special token that occurs first in text (None if none does)."""
     found = [(text.find(token), -len(token), token) for token in specials if token in text]
     return min(found)[2] if found else None
 
 
-def turn_end_text(tokenizer, template: str, template_kwargs: Optional[dict] = None) -> tuple:
-    """(text, special) with which the template closes an assistant turn: the text after an
+class TurnEnd(NamedTuple):
+    """What a template writes to close an assistant turn, and whether it ends on a special token."""
+
+    text: str
+    special: bool
+
+
+def turn_end_text(tokenizer: "PreTrainedTokenizerBase", template: str,
+                  template_kwargs: dict[str, Any] | None = None) -> TurnEnd:
+    """The text and special flag with which the template closes an assistant turn: the text after an
     answer up to and including the first special token (EOS for most; `<|im_end|>` for ChatML
     with another EOS, `<|eot_id|>` for Llama-3, `<end_of_turn>` for Gemma, `<|end|>` for Phi-3),
     special=True. A template that writes no special token there (a plain-text format) gives what
@@ -147,11 +167,11 @@ def turn_end_text(tokenizer, template: str, template_kwargs: Optional[dict] = No
     after = rendered.split(sentinel, 1)[-1]
     special = first_special_token(after, special_token_texts(tokenizer))
     if special is None:
-        return after.rstrip(), False
-    return after[: after.index(special) + len(special)], True
+        return TurnEnd(after.rstrip(), False)
+    return TurnEnd(after[: after.index(special) + len(special)], True)
 
 
-def parse_template_kwargs(template_kwargs: Optional[str], enable_thinking: Optional[bool]) -> dict:
+def parse_template_kwargs(template_kwargs: str | None, enable_thinking: bool | None) -> dict[str, Any]:
     """--template_kwargs (a JSON object) and --enable_thinking as the keyword arguments the chat
     template is rendered with, in training and in serving alike."""
     kwargs = {}

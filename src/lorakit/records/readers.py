@@ -14,12 +14,16 @@ A conversation has an explicit end:
 
 import json
 import os
+from collections.abc import Iterator
 from glob import glob
-from typing import Iterator, Optional
+from typing import Any, NamedTuple, NoReturn
 
 from lorakit.core.cli import InputError
 
 ANSWER, PROMPT = "answer", "prompt"
+
+# One chat turn as chat templates take it: {"role", "content"} and the optional keys message_extras keeps.
+Message = dict[str, Any]
 
 
 RECORD_SUFFIXES = (".json", ".jsonl")
@@ -33,7 +37,7 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "func
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
 
-def find_record_files(dataset_dir: Optional[str], data_paths: Optional[list]) -> list:
+def find_record_files(dataset_dir: str | None, data_paths: list[str] | None) -> list[str]:
     """Every *.json / *.jsonl in dataset_dir, then each --data_path file, each its own dataset."""
     files = []
     if dataset_dir:
@@ -57,11 +61,11 @@ class NonFiniteNumber(ValueError):
     (a pair's margin, say) turns every loss after it into NaN."""
 
 
-def refuse_non_finite(constant: str):
+def refuse_non_finite(constant: str) -> NoReturn:
     raise NonFiniteNumber(f"{constant} is not a number JSON allows")
 
 
-def read_records(path: str) -> Iterator[tuple]:
+def read_records(path: str) -> Iterator[tuple[int, Any]]:
     """(line number, record) for each record of a .jsonl file or of a .json list. Lines end at
     "\n" only: str.splitlines() would also split at U+2028, U+2029 and U+0085, which
     json.dumps(ensure_ascii=False) leaves raw inside strings."""
@@ -86,7 +90,7 @@ def read_records(path: str) -> Iterator[tuple]:
     yield from read_json_list(path, text)
 
 
-def read_json_list(path: str, text: str) -> Iterator[tuple]:
+def read_json_list(path: str, text: str) -> Iterator[tuple[int, Any]]:
     """Decode a JSON list element by element, so each record's error names its own line."""
     decoder = json.JSONDecoder(parse_constant=refuse_non_finite)
     position = len(text) - len(text.lstrip())
@@ -110,7 +114,7 @@ def read_json_list(path: str, text: str) -> Iterator[tuple]:
         yield line_number, record
 
 
-def string_field(where: str, record: dict, name: str, required: bool = True) -> str:
+def string_field(where: str, record: dict[str, Any], name: str, required: bool = True) -> str:
     if name not in record or record[name] is None:
         if required:
             raise InputError(f"{where}: field '{name}' is missing")
@@ -121,7 +125,8 @@ def string_field(where: str, record: dict, name: str, required: bool = True) -> 
     return value
 
 
-def alpaca_messages(where: str, record: dict, ends_with: str = ANSWER, instruction_field: str = "instruction") -> list:
+def alpaca_messages(where: str, record: dict[str, Any], ends_with: str = ANSWER,
+                    instruction_field: str = "instruction") -> list[Message]:
     """An alpaca record's conversation: system, history pairs, then the instruction (with its
     input) and, for ANSWER, the output."""
     instruction = string_field(where, record, instruction_field)
@@ -144,7 +149,8 @@ def alpaca_messages(where: str, record: dict, ends_with: str = ANSWER, instructi
     return messages
 
 
-def turn_list(where: str, record: dict, name: str, role_key: str, content_key: str, roles) -> list:
+def turn_list(where: str, record: dict[str, Any], name: str, role_key: str, content_key: str,
+              roles: dict[str, str] | tuple[str, ...]) -> list[Message]:
     turns = record[name]
     if not isinstance(turns, list) or not turns:
         raise InputError(f"{where}: field '{name}' must be a non-empty list of turns")
@@ -174,7 +180,7 @@ def turn_list(where: str, record: dict, name: str, role_key: str, content_key: s
     return messages
 
 
-def parse_json_field(where: str, field_name: str, value):
+def parse_json_field(where: str, field_name: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     try:
@@ -183,7 +189,7 @@ def parse_json_field(where: str, field_name: str, value):
         raise InputError(f"{where}: field '{field_name}': not valid JSON ({err.msg})") from None
 
 
-def tool_call(where: str, field_name: str, call) -> dict:
+def tool_call(where: str, field_name: str, call: Any) -> dict[str, Any]:
     """One tool call as chat templates expect it: {"type": "function", "function": {"name",
     "arguments"}} (also accepted flat: {"name", "arguments"}); "id" kept where given."""
     if not isinstance(call, dict):
@@ -198,7 +204,7 @@ def tool_call(where: str, field_name: str, call) -> dict:
     return normal
 
 
-def message_extras(where: str, field_name: str, turn: dict, role: str) -> dict:
+def message_extras(where: str, field_name: str, turn: dict[str, Any], role: str) -> dict[str, Any]:
     """The optional keys of a message that templates render: an assistant's reasoning_content and
     tool_calls, a tool result's tool_call_id and name."""
     extras = {}
@@ -218,7 +224,7 @@ def message_extras(where: str, field_name: str, turn: dict, role: str) -> dict:
     return extras
 
 
-def tools_of(where: str, record) -> Optional[list]:
+def tools_of(where: str, record: Any) -> list[dict[str, Any]] | None:
     """A record's "tools" (function schemas the template lists for the model), as a list."""
     tools = parse_json_field(where, "tools", record.get("tools")) if isinstance(record, dict) else None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -226,22 +232,29 @@ def tools_of(where: str, record) -> Optional[list]:
     return tools or None
 
 
-def record_object(where: str, record) -> dict:
+def record_object(where: str, record: Any) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise InputError(f"{where}: a record must be a JSON object")
     return record
 
 
-def turns_of(where: str, record: dict) -> tuple:
-    """(field name, messages) of a sharegpt or messages record; (None, None) for other shapes."""
+class Turns(NamedTuple):
+    """A record's list of turns: the field holding it and its messages (both None for an alpaca record)."""
+
+    field_name: str | None
+    messages: list[Message] | None
+
+
+def turns_of(where: str, record: dict[str, Any]) -> Turns:
+    """The turns of a sharegpt or messages record; Turns(None, None) for other shapes."""
     if "conversations" in record:
-        return "conversations", turn_list(where, record, "conversations", "from", "value", SHAREGPT_ROLES)
+        return Turns("conversations", turn_list(where, record, "conversations", "from", "value", SHAREGPT_ROLES))
     if "messages" in record:
-        return "messages", turn_list(where, record, "messages", "role", "content", MESSAGE_ROLES)
-    return None, None
+        return Turns("messages", turn_list(where, record, "messages", "role", "content", MESSAGE_ROLES))
+    return Turns(None, None)
 
 
-def conversation_of(where: str, record, ends_with: str = ANSWER) -> list:
+def conversation_of(where: str, record: Any, ends_with: str = ANSWER) -> list[Message]:
     """One record of any conversation shape as chat messages, validated, ending as `ends_with` says."""
     record = record_object(where, record)
     name, messages = turns_of(where, record)
@@ -252,7 +265,7 @@ def conversation_of(where: str, record, ends_with: str = ANSWER) -> list:
     return validate_conversation(where, messages, name, ends_with)
 
 
-def prompt_of(where: str, record) -> list:
+def prompt_of(where: str, record: Any) -> list[Message]:
     """A record as a prompt to answer: alpaca (with "instruction" or "prompt"; an "output" is not
     needed), sharegpt or messages records, whose final answer, if any, is dropped."""
     record = record_object(where, record)
@@ -267,9 +280,17 @@ def prompt_of(where: str, record) -> list:
     raise InputError(f"{where}: no 'instruction', 'prompt', 'conversations' or 'messages' field")
 
 
-def request_of(where: str, record, system_prompt: Optional[str] = None) -> tuple:
-    """(field name, its value, messages) of a chat request, {"prompt": "..."} or {"messages": [...]};
-    a system prompt is put first where the messages have none."""
+class ChatRequest(NamedTuple):
+    """A chat request read: the field it came in ("prompt" or "messages"), that field's value, its messages."""
+
+    field_name: str
+    value: Any
+    messages: list[Message]
+
+
+def request_of(where: str, record: Any, system_prompt: str | None = None) -> ChatRequest:
+    """A chat request, {"prompt": "..."} or {"messages": [...]}; a system prompt is put first where the
+    messages have none."""
     record = record_object(where, record)
     if "messages" in record:
         messages = conversation_of(where, {"messages": record["messages"]}, PROMPT)
@@ -281,7 +302,7 @@ def request_of(where: str, record, system_prompt: Optional[str] = None) -> tuple
         raise InputError(f"{where}: field 'prompt' or 'messages' is missing")
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
-    return name, record[name], messages
+    return ChatRequest(name, record[name], messages)
 
 
 # Which roles may follow each role (None: the first turn after an optional system prompt).
@@ -290,12 +311,13 @@ FOLLOWS = {None: ("user",), "user": ("assistant",), "assistant": ("user", "tool"
 LAST_ROLES = {ANSWER: ("assistant",), PROMPT: ("user", "tool")}
 
 
-def validate_conversation(where: str, messages: list, field_name: Optional[str], ends_with: str = ANSWER) -> list:
+def validate_conversation(where: str, messages: list[Message], field_name: str | None,
+                          ends_with: str = ANSWER) -> list[Message]:
     """System first (optional), then user and assistant alternating (an assistant's tool calls
     followed by tool results, then the assistant again), with non-empty answers, ending with an
     answer (ANSWER) or with a turn the model answers next (PROMPT)."""
 
-    def at(index):
+    def at(index: int) -> str:
         return f"field '{field_name}[{index}]'" if field_name else "the conversation"
 
     start = 1 if messages and messages[0]["role"] == "system" else 0
@@ -326,7 +348,7 @@ def validate_conversation(where: str, messages: list, field_name: Optional[str],
     return messages
 
 
-def records_of(path: str) -> list:
+def records_of(path: str) -> list[tuple[str, Any]]:
     """[(where, record)] of a file, where = "path:line"; an empty file is refused."""
     records = [(f"{path}:{line}", record) for line, record in read_records(path)]
     if not records:
@@ -334,14 +356,31 @@ def records_of(path: str) -> list:
     return records
 
 
-def read_conversations(path: str) -> list:
-    """[(where, messages, tools)] of every record of a file."""
-    return [(where, conversation_of(where, record), tools_of(where, record)) for where, record in records_of(path)]
+class Conversation(NamedTuple):
+    """One record of a file read as a conversation."""
+
+    where: str  # "path:line"
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
 
 
-def preference_of(where: str, record) -> tuple:
-    """(context messages ending on a user turn, chosen answer, rejected answer, margin) from
-    {"prompt", "chosen", "rejected", "system"?, "history"?, "margin"?} or
+def read_conversations(path: str) -> list[Conversation]:
+    """Every record of a file as a conversation."""
+    return [Conversation(where, conversation_of(where, record), tools_of(where, record))
+            for where, record in records_of(path)]
+
+
+class Preference(NamedTuple):
+    """A preference pair: the context both answers follow, the two answers, and the margin between them."""
+
+    context: list[Message]  # ends on a user turn
+    chosen: str
+    rejected: str
+    margin: float
+
+
+def preference_of(where: str, record: Any) -> Preference:
+    """A preference pair from {"prompt", "chosen", "rejected", "system"?, "history"?, "margin"?} or
     {"chosen": [messages], "rejected": [messages]} sharing every turn but the last answer."""
     record = record_object(where, record)
     for name in ("chosen", "rejected"):
@@ -351,21 +390,29 @@ def preference_of(where: str, record) -> tuple:
     if not isinstance(margin, (int, float)) or isinstance(margin, bool):
         raise InputError(f"{where}: field 'margin' must be a number")
     if isinstance(record["chosen"], list):
-        return conversation_pair(where, record) + (float(margin),)
+        return Preference(*conversation_pair(where, record), float(margin))
     context = alpaca_messages(where, record, PROMPT, instruction_field="prompt")
     chosen, rejected = string_field(where, record, "chosen"), string_field(where, record, "rejected")
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
         if not answer.strip():
             raise InputError(f"{where}: field '{name}': empty answer")
-    return context, chosen, rejected, float(margin)
+    return Preference(context, chosen, rejected, float(margin))
 
 
-def conversation_pair(where: str, record: dict) -> tuple:
+class ConversationPair(NamedTuple):
+    """Two message lists that differ in their last answer only: the turns they share, and the two answers."""
+
+    context: list[Message]
+    chosen: str
+    rejected: str
+
+
+def conversation_pair(where: str, record: dict[str, Any]) -> ConversationPair:
     chosen, rejected = (validate_conversation(where, turn_list(where, record, name, "role", "content", MESSAGE_ROLES),
                                               name) for name in ("chosen", "rejected"))
     if len(chosen) != len(rejected) or chosen[:-1] != rejected[:-1]:
         raise InputError(f"{where}: fields 'chosen' and 'rejected' must share every turn but the last answer")
-    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
+    return ConversationPair(chosen[:-1], chosen[-1]["content"], rejected[-1]["content"])
 
 
 # ----------------------------------------------------------------------------- pretraining documents
@@ -373,7 +420,7 @@ def conversation_pair(where: str, record: dict) -> tuple:
 PRETRAINING_SUFFIXES = (".txt", ".jsonl")
 
 
-def find_pretraining_files(dataset_dir: Optional[str]) -> list:
+def find_pretraining_files(dataset_dir: str | None) -> list[str]:
     """Every *.txt (one document a line) and *.jsonl (field "text") directly in dataset_dir."""
     if not dataset_dir:
         raise InputError("--dataset_dir is required")

@@ -3,13 +3,18 @@ the actor's trainable weights, averaged after every optimizer step, saved as act
 ppo_lora_model's layout (and read back from a checkpoint's actor_ema on resume)."""
 
 import os
+from typing import TYPE_CHECKING
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from lorakit.core.cli import InputError
 from lorakit.models.zero3 import gathered
-from lorakit.rl.policy import SharedBasePolicy
+from lorakit.rl.policy import PPOPolicy, SharedBasePolicy
 from lorakit.rl.ppo_math import ema_update
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EMA_DIR_NAME = "actor_ema"
 
@@ -19,9 +24,9 @@ class ActorEMA:
     no-op, nothing saved) until start(), which copies the current weights unless load() already
     read a checkpoint's."""
 
-    def __init__(self, model, beta: float):
+    def __init__(self, model: PPOPolicy, beta: float) -> None:
         self.model, self.beta = model, beta
-        self.weights = None
+        self.weights: dict[str, torch.Tensor] | None = None
 
     @property
     def active(self) -> bool:
@@ -42,7 +47,7 @@ class ActorEMA:
             ema_update([self.weights[name] for name, _ in named], [p.detach().float().cpu() for _, p in named],
                        self.beta)
 
-    def save(self, directory: str, tokenizer) -> None:
+    def save(self, directory: str, tokenizer: "PreTrainedTokenizerBase") -> None:
         """directory/actor_ema: the actor's adapter config, the averaged weights, the tokenizer."""
         if self.weights is None:
             return

@@ -10,9 +10,10 @@ are 0 on padding."""
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,11 +39,21 @@ from lorakit.rl.ppo_math import (
     penalised_scores,
 )
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedModel
+
+    from lorakit.rl.policy import PPOPolicy
+    from lorakit.rl.ppo import PPOArguments
+
 logger = logging.getLogger(__name__)
 
 # What the Trainer's compute_loss reads of each micro-batch (plus prompt_length and ptx_input_ids).
 TRAINING_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "old_values", "advantages",
                    "returns")
+
+# One micro-batch for the Trainer: TRAINING_FIELDS' tensors, the int prompt_length, and ptx_input_ids.
+MicroBatch = dict[str, torch.Tensor | int]
 
 
 @dataclass
@@ -112,14 +123,14 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
 
-    def training_rows(self, rows: torch.Tensor) -> dict:
+    def training_rows(self, rows: torch.Tensor) -> MicroBatch:
         """The Trainer's inputs for the given rows: TRAINING_FIELDS, each [rows, ...], and prompt_length."""
         batch = {name: getattr(self, name)[rows.to(self.input_ids.device)] for name in TRAINING_FIELDS}
         batch["prompt_length"] = self.prompt_length
         return batch
 
 
-def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, args) -> Experience:
+def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, args: "PPOArguments") -> Experience:
     """The experience of a scored rollout: per-token KL-penalised rewards with the (penalised,
     clipped) score at each answer's end, then whitened GAE advantages and returns. args supplies
     missing_eos_penalty, clip_reward_value, gamma and lam (the run's PPOArguments)."""
@@ -138,7 +149,7 @@ def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, ar
 # -- prompts, padding, answer ends ----------------------------------------------
 
 
-def stream_indices(num_items: int, seed: int, start: int, count: int) -> list:
+def stream_indices(num_items: int, seed: int, start: int, count: int) -> list[int]:
     """Positions start..start+count of an endless stream of seeded permutations of num_items:
     epoch e is permutation(seed, e). A pure function of the position, so a resumed run draws
     exactly the prompts the uninterrupted run would have."""
@@ -155,7 +166,7 @@ def derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
-def iteration_prompt_rows(prompts: list, iteration: int, args) -> list:
+def iteration_prompt_rows(prompts: list[list[int]], iteration: int, args: "PPOArguments") -> list[list[int]]:
     """This process's prompts of one iteration: generation_batches x per_device_generation_batch_size
     of them, each process its own stretch of the prompt stream."""
     size = args.generation_batches * args.per_device_generation_batch_size
@@ -163,7 +174,14 @@ def iteration_prompt_rows(prompts: list, iteration: int, args) -> list:
     return [prompts[i] for i in stream_indices(len(prompts), args.seed, start, size)]
 
 
-def evaluation_prompt_rows(prompts: list, args) -> tuple:
+class EvaluationRows(NamedTuple):
+    """This process's held-out prompts (token ids) and their weights [rows] float (0 for the filling repeats)."""
+
+    rows: list[list[int]]
+    weights: torch.Tensor
+
+
+def evaluation_prompt_rows(prompts: list[list[int]], args: "PPOArguments") -> EvaluationRows:
     """This process's share of the held-out prompts, (rows, weights [rows] float): every process
     gets the same number of generation batches (under ZeRO-3 each forward is a collective), filled
     with repeats of the first prompt that weigh 0 in the statistics."""
@@ -171,28 +189,43 @@ def evaluation_prompt_rows(prompts: list, args) -> tuple:
     per_rank = math.ceil(len(prompts) / world / batch) * batch
     mine = list(range(args.process_index, len(prompts), world))
     weights = torch.tensor([1.0] * len(mine) + [0.0] * (per_rank - len(mine)))
-    return [prompts[i] for i in mine] + [prompts[0]] * (per_rank - len(mine)), weights
+    return EvaluationRows([prompts[i] for i in mine] + [prompts[0]] * (per_rank - len(mine)), weights)
 
 
-def left_pad(rows: list, width: int, pad_id: int) -> tuple:
+class TokenBatch(NamedTuple):
+    """Rows of token ids and their attention mask, both [B, width] long."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+class AnswerMask(NamedTuple):
+    """answer_mask's mask [B, A] long (1 through the answer-end token) and has_end [B] bool."""
+
+    mask: torch.Tensor
+    has_end: torch.Tensor
+
+
+def left_pad(rows: list[list[int]], width: int, pad_id: int) -> TokenBatch:
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
         mask[i, width - len(row):] = 1
-    return ids, mask
+    return TokenBatch(ids, mask)
 
 
-def answer_mask(answers, answer_end_id: int):
+def answer_mask(answers: torch.Tensor, answer_end_id: int) -> AnswerMask:
     """1 on answer tokens up to and including the first answer-end token (all of a row without
     one); the ids after it are generate's padding. Never compares ids with the pad id (it may be
     the answer-end token). Returns (mask [B, A] long, has_end [B] bool)."""
     is_end = answers == answer_end_id
     seen_before = (is_end.long().cumsum(-1) - is_end.long()) > 0
-    return (~seen_before).long(), is_end.any(-1)
+    return AnswerMask((~seen_before).long(), is_end.any(-1))
 
 
-def append_turn_end(input_ids, attention_mask, answer_end_id: int, after_turn_end_ids: list) -> tuple:
+def append_turn_end(input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_end_id: int,
+                    after_turn_end_ids: list[int]) -> TokenBatch:
     """Completes the turn of each answer that ended: the answer ends with the template's turn-end
     token (answer_end_id: EOS, or `<|im_end|>`, `<|end|>`, ... where the template ends turns with
     its own), and the template renders after_turn_end_ids after it (ChatML's "\\n"); the reward
@@ -200,7 +233,7 @@ def append_turn_end(input_ids, attention_mask, answer_end_id: int, after_turn_en
     keep_after_turn_end and turn_end_ids). Rows cut at the answer length limit are scored where they
     stop. Returns new (ids, mask) [B, T + len(after_turn_end_ids)]."""
     if not after_turn_end_ids:
-        return input_ids, attention_mask
+        return TokenBatch(input_ids, attention_mask)
     extra = len(after_turn_end_ids)
     ids = F.pad(input_ids, (0, extra), value=answer_end_id)
     mask = F.pad(attention_mask, (0, extra), value=0)
@@ -209,7 +242,7 @@ def append_turn_end(input_ids, attention_mask, answer_end_id: int, after_turn_en
     for offset, token in enumerate(after_turn_end_ids, start=1):
         ids[rows, last[rows] + offset] = token
         mask[rows, last[rows] + offset] = 1
-    return ids, mask
+    return TokenBatch(ids, mask)
 
 
 # -- making experience ------------------------------------------------------------
@@ -218,11 +251,11 @@ def append_turn_end(input_ids, attention_mask, answer_end_id: int, after_turn_en
 class PhaseTimes:
     """Seconds spent per named phase since the last drain (logged with each training step)."""
 
-    def __init__(self, *names: str):
+    def __init__(self, *names: str) -> None:
         self.seconds = dict.fromkeys(names, 0.0)
 
     @contextmanager
-    def timing(self, name: str):
+    def timing(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
         yield
         self.add(name, time.perf_counter() - started)
@@ -230,10 +263,25 @@ class PhaseTimes:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
 
-    def drained(self) -> dict:
+    def drained(self) -> dict[str, float]:
         drained = {name: round(value, 4) for name, value in self.seconds.items()}
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         return drained
+
+
+class TokenStatistics(NamedTuple):
+    """Of each sampled answer token, [B, A]: the actor's log-prob, and the entropy of the distribution it came from."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+class SampledBatch(NamedTuple):
+    """One generation batch's answer ids with their TokenStatistics, each [rows, answer width] on the CPU."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
 
 
 class SampledTokenStatistics(LogitsProcessor):
@@ -247,42 +295,43 @@ class SampledTokenStatistics(LogitsProcessor):
     token sampled at the step before. Steps generate() runs past the end (synced ZeRO-3 ranks, a
     deferred stop check) are cut by finish()."""
 
-    def __init__(self, temperature: float):
+    def __init__(self, temperature: float) -> None:
         self.temperature = temperature
         self.latest = None  # [B, V] float32: the last forward's logits at its last position
         self.pending = None  # [B, V]: the previous step's scaled logits, until its token is known
-        self.logprobs, self.entropies = [], []
+        self.logprobs: list[torch.Tensor] = []
+        self.entropies: list[torch.Tensor] = []
 
     @contextmanager
-    def recording(self, model):
+    def recording(self, model: torch.nn.Module) -> Iterator["SampledTokenStatistics"]:
         handle = model.register_forward_hook(self.capture)
         try:
             yield self
         finally:
             handle.remove()
 
-    def capture(self, module, args, output) -> None:
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         # A copy: a view would keep the whole prefill logits alive.
         self.latest = output.logits[:, -1].to(dtype=torch.float32, copy=True)
 
-    def __call__(self, input_ids, scores):
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         self.resolve(input_ids[:, -1])
         logits = self.latest if self.temperature == 1.0 else self.latest / self.temperature
         self.entropies.append(entropy_from_logits(logits[:, None])[:, 0])
         self.pending = logits
         return scores
 
-    def resolve(self, tokens) -> None:
+    def resolve(self, tokens: torch.Tensor) -> None:
         if self.pending is not None:
             self.logprobs.append(logprobs_from_logits(self.pending[:, None], tokens[:, None])[:, 0])
             self.pending = None
 
-    def finish(self, answers) -> tuple:
+    def finish(self, answers: torch.Tensor) -> TokenStatistics:
         """(log-probs, entropy), each [B, A], of the answers [B, A] generate() returned."""
         width = answers.shape[1]
         if len(self.logprobs) < width:
             self.resolve(answers[:, len(self.logprobs)])
-        return torch.stack(self.logprobs[:width], dim=1), torch.stack(self.entropies[:width], dim=1)
+        return TokenStatistics(torch.stack(self.logprobs[:width], dim=1), torch.stack(self.entropies[:width], dim=1))
 
 
 # --generation_gather auto gathers the actor once per generation batch when its whole weights take at most
@@ -296,16 +345,18 @@ class ExperienceMaker:
     (shape_experience). args is the run's PPOArguments. deepspeed_engine: returns the Trainer's
     DeepSpeed engine (None before it exists); under ZeRO-3 generation goes through its hooks."""
 
-    def __init__(self, model, args, pad_id: int, answer_end_id: int, after_turn_end_ids: list, max_answer_len: int,
-                 deepspeed_engine=None):
+    def __init__(self, model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int,
+                 after_turn_end_ids: Sequence[int], max_answer_len: int,
+                 deepspeed_engine: Callable[[], Any] | None = None) -> None:
         self.model, self.args = model, args
         self.pad_id, self.answer_end_id = pad_id, answer_end_id
         self.after_turn_end_ids, self.max_answer_len = list(after_turn_end_ids), max_answer_len
         self.deepspeed_engine = deepspeed_engine or (lambda: None)
         self.actor_fits_device = None  # --generation_gather auto's choice, made once (all ranks agree)
-        self.logged_gather_modes = set()
+        self.logged_gather_modes: set[tuple[str, bool]] = set()
 
-    def make(self, prompt_rows: list, seed: int, kl_coef: float, times: Optional[PhaseTimes] = None) -> Experience:
+    def make(self, prompt_rows: list[list[int]], seed: int, kl_coef: float,
+             times: PhaseTimes | None = None) -> Experience:
         """Sample answers to prompt_rows (token ids) with the given seed, score and shape them;
         the phases' seconds go to times as time_generation and time_scoring."""
         times = times or PhaseTimes("time_generation", "time_scoring")
@@ -325,7 +376,7 @@ class ExperienceMaker:
             eos_token_id=self.answer_end_id, pad_token_id=self.pad_id, use_cache=True,
         )
 
-    def gathers_once_per_batch(self, generator) -> bool:
+    def gathers_once_per_batch(self, generator: "PreTrainedModel") -> bool:
         """Whether one generation batch runs on the actor's weights gathered once (ZeRO-3, --generation_gather
         per_batch, or auto where the whole actor fits: GENERATION_GATHER_SHARE of the device's free memory)
         rather than layer by layer at every token. Outside ZeRO-3 nothing is partitioned: False."""
@@ -347,7 +398,7 @@ class ExperienceMaker:
                             "whole)", why, size / 1e9)
         return once
 
-    def sample(self, prompt_ids, prompt_mask) -> tuple:
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SampledBatch:
         """One generation batch: (answer ids, log-probs, entropy), each [rows, answer width] on the CPU,
         log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token, over the
         temperature: recorded step by step (SampledTokenStatistics), or without --chunked_loss from the
@@ -362,7 +413,7 @@ class ExperienceMaker:
         with gathered_for_generation(self.deepspeed_engine(), generator) if once else nullcontext():
             return self.sample_with(generator, options, prompt_width)
 
-    def sample_with(self, generator, options: dict, prompt_width: int) -> tuple:
+    def sample_with(self, generator: "PreTrainedModel", options: dict[str, Any], prompt_width: int) -> SampledBatch:
         if self.args.chunked_loss:
             with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
                 output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))
@@ -375,9 +426,9 @@ class ExperienceMaker:
             if self.args.temperature != 1.0:
                 logits = logits / self.args.temperature
             logprobs, entropy = logprobs_from_logits(logits, tokens), entropy_from_logits(logits)
-        return tokens.cpu(), logprobs.cpu(), entropy.cpu()
+        return SampledBatch(tokens.cpu(), logprobs.cpu(), entropy.cpu())
 
-    def generate(self, prompt_rows: list, seed: int) -> Rollout:
+    def generate(self, prompt_rows: list[list[int]], seed: int) -> Rollout:
         """Answers sampled by the current actor (KV cache on, in batches of
         per_device_generation_batch_size, left-padded prompts), with the actor's log-probs and
         entropy of each answer token taken from the logits that sampled it (what PPO calls the old
@@ -391,19 +442,21 @@ class ExperienceMaker:
             for start in range(0, len(prompt_rows), batch):
                 parts.append(self.sample(prompt_ids[start : start + batch].to(device),
                                          prompt_mask[start : start + batch].to(device)))
-        longest = max(tokens.shape[1] for tokens, _, _ in parts)
+        # Unpacked, not read by field name: a probe wrapping sample() (tests/helpers) may return a plain tuple.
+        token_parts, logprob_parts, entropy_parts = zip(*parts, strict=True)
+        longest = max(tokens.shape[1] for tokens in token_parts)
 
-        def padded(index, value):
-            return torch.cat([F.pad(part[index], (0, longest - part[index].shape[1]), value=value) for part in parts])
+        def padded(values: Sequence[torch.Tensor], value: float) -> torch.Tensor:
+            return torch.cat([F.pad(part, (0, longest - part.shape[1]), value=value) for part in values])
 
-        answers = padded(0, self.pad_id)
+        answers = padded(token_parts, self.pad_id)
         mask, has_eos = answer_mask(answers, self.answer_end_id)
         response_mask = mask.float().to(device)
         return Rollout(input_ids=torch.cat([prompt_ids, answers], dim=1).to(device),
                        attention_mask=torch.cat([prompt_mask, mask], dim=1).to(device), prompt_length=width,
                        response_mask=response_mask, has_eos=has_eos.to(device),
-                       logprobs=padded(1, 0.0).to(device) * response_mask,
-                       entropy=padded(2, 0.0).to(device) * response_mask)
+                       logprobs=padded(logprob_parts, 0.0).to(device) * response_mask,
+                       entropy=padded(entropy_parts, 0.0).to(device) * response_mask)
 
     @torch.no_grad()
     def score(self, rollout: Rollout) -> RolloutScores:
@@ -412,12 +465,12 @@ class ExperienceMaker:
         template's turn end, append_turn_end)."""
         model, width = self.model, rollout.prompt_length
 
-        def passes(ids, mask, prompt_length):
+        def passes(ids: torch.Tensor, mask: torch.Tensor, prompt_length: int) -> dict[str, torch.Tensor]:
             closed = append_turn_end(ids, mask, self.answer_end_id, self.after_turn_end_ids)
             return {"ref_logprobs": model.answer_logprobs("reference", ids, mask, prompt_length),
                     "values": model.answer_values(ids, mask, prompt_length), "scores": model.scores(*closed)}
 
-        parts = {"ref_logprobs": [], "values": [], "scores": []}
+        parts: dict[str, list[torch.Tensor]] = {"ref_logprobs": [], "values": [], "scores": []}
         batch = self.args.per_device_generation_batch_size
         for start in range(0, rollout.input_ids.shape[0], batch):
             rows = slice(start, start + batch)
@@ -433,15 +486,15 @@ class ExperienceMaker:
 class SumStats:
     """Sums and counts of named statistics, reduced across processes on request."""
 
-    def __init__(self):
-        self.sums = {}
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}
 
     def add(self, name: str, total: float, count: float = 1.0) -> None:
         current = self.sums.setdefault(name, [0.0, 0.0])
         current[0] += float(total)
         current[1] += float(count)
 
-    def reduced(self, device) -> dict:
+    def reduced(self, device: torch.device) -> dict[str, float]:
         names = sorted(self.sums)
         values = torch.tensor([self.sums[n] for n in names], dtype=torch.float64).reshape(-1, 2)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -451,7 +504,8 @@ class SumStats:
         return {name: (values[i, 0] / values[i, 1].clamp(min=1e-12)).item() for i, name in enumerate(names)}
 
 
-def experience_metrics(experience: Experience, device, row_weights: Optional[torch.Tensor] = None) -> dict:
+def experience_metrics(experience: Experience, device: torch.device,
+                       row_weights: torch.Tensor | None = None) -> dict[str, float]:
     """The statistics of an experience, means over all processes' rows (weighted by row_weights [B],
     default 1): reward_mean and reward_std of the sequence reward (sum of the per-token rewards:
     clipped penalised score minus kl_coef x KL), score_mean (the penalised score), kl (sequence KL
@@ -473,12 +527,13 @@ def experience_metrics(experience: Experience, device, row_weights: Optional[tor
     return metrics
 
 
-def training_metrics(experience: Experience, kl_coef: float, device) -> dict:
+def training_metrics(experience: Experience, kl_coef: float, device: torch.device) -> dict[str, float]:
     """What each training step logs of its iteration's experience, with the KL coefficient it was shaped with."""
     return {**experience_metrics(experience, device), "kl_coef": kl_coef}
 
 
-def evaluation_metrics(experience: Experience, row_weights: torch.Tensor, device, prefix: str = "eval") -> dict:
+def evaluation_metrics(experience: Experience, row_weights: torch.Tensor, device: torch.device,
+                       prefix: str = "eval") -> dict[str, float]:
     """What an evaluation logs of the held-out experience: the same statistics as training's, named prefix_*."""
     return {f"{prefix}_{name}": value for name, value in experience_metrics(experience, device, row_weights).items()}
 
@@ -486,7 +541,8 @@ def evaluation_metrics(experience: Experience, row_weights: torch.Tensor, device
 # -- the Trainer's stream of micro-batches -------------------------------------------
 
 
-def micro_batches(experience: Experience, iteration: int, args, ptx_blocks: Optional[list]) -> list:
+def micro_batches(experience: Experience, iteration: int, args: "PPOArguments",
+                  ptx_blocks: "Dataset | None") -> list[MicroBatch]:
     """The Trainer's inputs of one iteration: --ppo_epochs passes over the experience, each in its
     own seeded order, in micro-batches of per_device_training_batch_size rows (Experience.training_rows),
     each with ptx_input_ids [rows, block] from the ptx blocks' own seeded stream when there are any."""
@@ -511,11 +567,11 @@ class ExperienceStream:
     micro-batch. It owns the iteration counter (a resume sets it). No __len__: the Trainer then
     runs by --max_steps and has no batches to skip on resume."""
 
-    def __init__(self, make_batches):
+    def __init__(self, make_batches: Callable[[int], list[MicroBatch]]) -> None:
         self.make_batches = make_batches
         self.iteration = 0
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[MicroBatch]:
         while True:
             batches = self.make_batches(self.iteration)
             self.iteration += 1

@@ -5,9 +5,10 @@ PPOPolicy interface the trainer uses, and their loaders."""
 import logging
 import math
 import os
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import fields
-from typing import Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,12 @@ from lorakit.models.positions import last_position, positions_from_mask
 from lorakit.models.zero3 import free_memory_bytes, on_every_rank
 from lorakit.rl.ppo_math import length_chunks, logprobs_from_logits
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from lorakit.rl.ppo import PPOArguments, PPOModelArguments
+
 logger = logging.getLogger(__name__)
 
 SCORE_KEY_SUFFIX = "score.weight"
@@ -36,8 +43,11 @@ SCORE_KEY_SUFFIX = "score.weight"
 # a process's free device memory or of its share of the CPU memory (check_frozen_roles_fit).
 FROZEN_ROLES_SHARE = 0.5
 
+# A pass over rows of a rollout: (ids, mask, prompt_length) -> {name: [rows, answer] or [rows] tensor}.
+RowPasses = Callable[[torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
 
-def backbone_of(causal_or_classifier):
+
+def backbone_of(causal_or_classifier: "PreTrainedModel") -> torch.nn.Module:
     """The decoder stack (LlamaModel for Llama) under a task head."""
     return getattr(causal_or_classifier, causal_or_classifier.base_model_prefix)
 
@@ -50,29 +60,31 @@ class PPOPolicy(torch.nn.Module):
 
     temperature: float = 1.0
     # --chunked_loss (the trainer sets it): log-probs and the ptx loss from the hidden states over chunks
-    # of positions (chunked_loss.token_logprobs), never the [rows, positions, vocabulary] logits at once.
+    # of positions (models.chunked_loss.token_logprobs), never the [rows, positions, vocabulary] logits at once.
     chunked_loss: bool = True
     # Passes over a rollout run on groups of rows of similar length (see over_length_groups). The
     # trainer turns it off under multi-process ZeRO-3, where every forward is a collective and all
     # ranks must run the same number of them.
     group_by_length: bool = True
 
-    def hidden(self, role: str, input_ids, attention_mask, position_ids):
+    def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               position_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def head(self, role: str):
+    def head(self, role: str) -> torch.nn.Module:
         raise NotImplementedError
 
-    def generator(self):
+    def generator(self) -> "PreTrainedModel":
         """The actor as a causal LM, with generate()."""
         raise NotImplementedError
 
     @property
-    def config(self):
+    def config(self) -> "PretrainedConfig":
         """The actor's config: the Trainer and DeepSpeed size their buffers from it."""
         return self.actor_config()
 
-    def answer_logprobs(self, role, input_ids, attention_mask, prompt_length):
+    def answer_logprobs(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        prompt_length: int) -> torch.Tensor:
         """log p of each answer token under the role (actor or reference), from the logits at the position
         before it, temperature applied: the distribution the answer was sampled from. The head runs on
         answer positions only."""
@@ -80,27 +92,27 @@ class PPOPolicy(torch.nn.Module):
         return self.head_logprobs(role, hidden[:, prompt_length - 1 : -1], input_ids[:, prompt_length:],
                                   self.temperature)
 
-    def head_logprobs(self, role, hidden, labels, temperature: float):
+    def head_logprobs(self, role: str, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
         """log softmax(head(hidden) / temperature) at labels [rows, positions]: over chunks of positions
         with chunked_loss (the head checkpointed, recomputed under this role), else from the whole
-        logits (half precision kept so: ppo_utils reduces them row by row in float32)."""
+        logits (half precision kept so: ppo_math reduces them row by row in float32)."""
         head = self.head(role)
         if self.chunked_loss:
             return token_logprobs(hidden, head, labels, temperature, self.checkpointing_options({}).get("context_fn"))
         logits = head(hidden)
         return logprobs_from_logits(logits if temperature == 1.0 else logits.float() / temperature, labels)
 
-    def answer_values(self, input_ids, attention_mask, prompt_length):
+    def answer_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
         hidden = self.hidden("critic", input_ids, attention_mask, positions_from_mask(attention_mask))
         return self.head("critic")(hidden[:, prompt_length - 1 : -1]).squeeze(-1).float()
 
-    def scores(self, input_ids, attention_mask):
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The reward model's score of each row, read at its last attended token."""
         hidden = self.hidden("reward", input_ids, attention_mask, positions_from_mask(attention_mask))
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
         return self.head("reward")(pooled).squeeze(-1).float()
 
-    def ptx_loss(self, input_ids):
+    def ptx_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The actor's next-token loss on a pretraining block (DeepSpeed-Chat's unsupervised term)."""
         ones = torch.ones_like(input_ids)
         hidden = self.hidden("actor", input_ids, ones, positions_from_mask(ones))[:, :-1]
@@ -109,7 +121,8 @@ class PPOPolicy(torch.nn.Module):
         logits = self.head("actor")(hidden).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
 
-    def over_length_groups(self, input_ids, attention_mask, prompt_length: int, passes) -> dict:
+    def over_length_groups(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                           passes: RowPasses) -> dict[str, torch.Tensor]:
         """passes(ids, mask, prompt_length) -> {name: [rows, answer] or [rows] tensor}, run on
         groups of rows of similar length, each cut to its own longest prompt and answer, the results
         put back in row order (per-token ones zero-padded to the batch's answer width). In a PPO
@@ -135,7 +148,8 @@ class PPOPolicy(torch.nn.Module):
         inverse = torch.argsort(torch.cat(order))
         return {name: torch.cat(values)[inverse] for name, values in parts.items()}
 
-    def forward(self, input_ids, attention_mask, prompt_length, ptx_input_ids=None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                ptx_input_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The training pass: the actor's log-probs of the answer tokens and the critic's values."""
         outputs = self.over_length_groups(input_ids, attention_mask, prompt_length, lambda ids, mask, width: {
             "logprobs": self.answer_logprobs("actor", ids, mask, width),
@@ -144,23 +158,24 @@ class PPOPolicy(torch.nn.Module):
             outputs["ptx_loss"] = self.ptx_loss(ptx_input_ids)
         return outputs
 
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs):
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict[str, Any] | None = None,
+                                        **kwargs: Any) -> None:
         """--gradient_checkpointing: on every trained model's layers (the Trainer calls this)."""
         options = self.checkpointing_options(dict(activation_checkpointing_kwargs or {}))
         for model in self.trained_models():
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=options or None, **kwargs)
 
-    def checkpointing_options(self, options: dict) -> dict:
+    def checkpointing_options(self, options: dict[str, Any]) -> dict[str, Any]:
         return options
 
     # What is saved: subclasses name the actor's and critic's parameters and peft models.
-    def actor_named_parameters(self) -> list:
+    def actor_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         raise NotImplementedError
 
     def is_critic_parameter(self, name: str) -> bool:
         raise NotImplementedError
 
-    def save_pretrained(self, path: str, **kwargs) -> None:
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
         """The actor adapter alone (SavePeftModelCallback writes ppo_lora_model through this)."""
         raise NotImplementedError
 
@@ -181,7 +196,8 @@ class SharedBasePolicy(PPOPolicy):
 
     ADAPTERS = {"actor": "default", "critic": "critic", "reward": "reward"}
 
-    def __init__(self, peft_model, score_head, value_head, reference_adapter: Optional[str], reward_adapter_dir: str):
+    def __init__(self, peft_model: "PeftModel", score_head: torch.nn.Linear, value_head: torch.nn.Linear,
+                 reference_adapter: str | None, reward_adapter_dir: str) -> None:
         super().__init__()
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import AuxiliaryTrainingWrapper
@@ -195,7 +211,7 @@ class SharedBasePolicy(PPOPolicy):
                               if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
 
     @property
-    def causal_lm(self):
+    def causal_lm(self) -> "PreTrainedModel":
         # A property, not an attribute: a second registration would put the base in state_dict twice.
         return self.policy.get_base_model()
 
@@ -207,7 +223,7 @@ class SharedBasePolicy(PPOPolicy):
         self.active_role = role
 
     @contextmanager
-    def role_active(self, role: str):
+    def role_active(self, role: str) -> Iterator[None]:
         previous = getattr(self, "active_role", "actor")
         self.use(role)
         try:
@@ -215,47 +231,48 @@ class SharedBasePolicy(PPOPolicy):
         finally:
             self.use(previous)
 
-    def checkpointing_options(self, options: dict) -> dict:
+    def checkpointing_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """A checkpointed layer is recomputed during backward, after later roles switched the
         adapters: recompute it under the role that ran it (torch's context_fn, which needs the
         non-reentrant checkpoint)."""
 
-        def contexts():
+        def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
             return nullcontext(), self.role_active(self.active_role)
 
         return {**options, "use_reentrant": False, "context_fn": contexts}
 
-    def hidden(self, role, input_ids, attention_mask, position_ids):
+    def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               position_ids: torch.Tensor) -> torch.Tensor:
         self.use(role)
         return backbone_of(self.causal_lm)(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=False).last_hidden_state
 
-    def head(self, role):
+    def head(self, role: str) -> torch.nn.Module:
         if role in ("actor", "reference"):
             return self.causal_lm.get_output_embeddings()
         return self.value_head if role == "critic" else self.score_head
 
-    def generator(self):
+    def generator(self) -> "PreTrainedModel":
         self.use("actor")
         return self.causal_lm
 
-    def actor_config(self):
+    def actor_config(self) -> "PretrainedConfig":
         return self.causal_lm.config
 
-    def trained_models(self):
+    def trained_models(self) -> list["PreTrainedModel"]:
         return [self.causal_lm]
 
-    def actor_named_parameters(self):
+    def actor_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name[len("policy."):], p) for name, p in self.named_parameters()
                 if p.requires_grad and name.startswith("policy.") and ".default." in name]
 
-    def is_critic_parameter(self, name):
+    def is_critic_parameter(self, name: str) -> bool:
         return name.startswith("value_head.") or ".critic." in name
 
-    def save_pretrained(self, path, **kwargs):
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
         self.policy.save_pretrained(path, selected_adapters=["default"])
 
-    def save_critic(self, path):
+    def save_critic(self, path: str) -> None:
         """rm_lora_model's layout (LoRA + score head on the same base), so the critic loads like a
         reward adapter: PeftModel.from_pretrained(reward_model_class(config)(base), path)."""
         from peft import LoraConfig, get_peft_model_state_dict
@@ -274,7 +291,8 @@ class SeparatePolicy(PPOPolicy):
     reward models are frozen and kept outside the module, so DeepSpeed neither partitions nor
     checkpoints them."""
 
-    def __init__(self, actor, critic, reference, reward, offload: bool):
+    def __init__(self, actor: "PeftModel", critic: "PeftModel", reference: "PreTrainedModel",
+                 reward: "PreTrainedModel", offload: bool) -> None:
         super().__init__()
         self.actor = actor
         self.critic = critic
@@ -282,7 +300,7 @@ class SeparatePolicy(PPOPolicy):
         self.__dict__["frozen"] = {"reference": reference, "reward": reward}
         self.offload = offload
 
-    def role_model(self, role):
+    def role_model(self, role: str) -> "PreTrainedModel":
         if role == "actor":
             return self.actor.get_base_model()
         if role == "critic":
@@ -290,7 +308,7 @@ class SeparatePolicy(PPOPolicy):
         return self.frozen[role]
 
     @contextmanager
-    def placed(self, role, device):
+    def placed(self, role: str, device: torch.device) -> Iterator[None]:
         """With --offload_reference_model a frozen model visits the device for its pass only."""
         model = self.frozen.get(role)
         if model is None or not self.offload:
@@ -302,60 +320,62 @@ class SeparatePolicy(PPOPolicy):
         finally:
             model.to("cpu")
 
-    def hidden(self, role, input_ids, attention_mask, position_ids):
+    def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               position_ids: torch.Tensor) -> torch.Tensor:
         with self.placed(role, input_ids.device):
             return backbone_of(self.role_model(role))(input_ids=input_ids, attention_mask=attention_mask,
                                                       position_ids=position_ids, use_cache=False).last_hidden_state
 
-    def head(self, role):
+    def head(self, role: str) -> torch.nn.Module:
         model = self.role_model(role)
         if role in ("actor", "reference"):
             return model.get_output_embeddings()
         return model.score
 
-    def scores(self, input_ids, attention_mask):
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with self.placed("reward", input_ids.device):
             return super().scores(input_ids, attention_mask)
 
-    def answer_logprobs(self, role, input_ids, attention_mask, prompt_length):
+    def answer_logprobs(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        prompt_length: int) -> torch.Tensor:
         with self.placed(role, input_ids.device):
             return super().answer_logprobs(role, input_ids, attention_mask, prompt_length)
 
-    def generator(self):
+    def generator(self) -> "PreTrainedModel":
         return self.actor.get_base_model()
 
-    def actor_config(self):
+    def actor_config(self) -> "PretrainedConfig":
         return self.actor.get_base_model().config
 
-    def trained_models(self):
+    def trained_models(self) -> list["PreTrainedModel"]:
         return [self.actor.get_base_model(), self.critic.get_base_model()]
 
-    def actor_named_parameters(self):
+    def actor_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name[len("actor."):], p) for name, p in self.named_parameters()
                 if p.requires_grad and name.startswith("actor.")]
 
-    def is_critic_parameter(self, name):
+    def is_critic_parameter(self, name: str) -> bool:
         return name.startswith("critic.")
 
-    def save_pretrained(self, path, **kwargs):
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
         self.actor.save_pretrained(path)
 
-    def save_critic(self, path):
+    def save_critic(self, path: str) -> None:
         self.critic.save_pretrained(path)
 
 
-def role_model_args(model_args, model_dir: str, adapter_dir: Optional[str]) -> ModelArguments:
+def role_model_args(model_args: ModelArguments, model_dir: str, adapter_dir: str | None) -> ModelArguments:
     """The shared loader's arguments for one role: PPO's own (dtype, quantization, LoRA shape, new
     embedding rows, ...; PPOModelArguments extends ModelArguments) with that role's model and adapter."""
     shared = {item.name: getattr(model_args, item.name) for item in fields(ModelArguments)}
     return ModelArguments(**{**shared, "model_name_or_path": model_dir, "peft_path": adapter_dir})
 
 
-def actor_model_args(model_args) -> ModelArguments:
+def actor_model_args(model_args: "PPOModelArguments") -> ModelArguments:
     return role_model_args(model_args, model_args.actor_model_name_or_path, model_args.actor_lora_model)
 
 
-def critic_model_args(model_args) -> ModelArguments:
+def critic_model_args(model_args: "PPOModelArguments") -> ModelArguments:
     """The critic starts as the reward model: the reward adapter and score head trained on (the
     same parameterisation as --shared_base), or a full critic model with a new LoRA."""
     if model_args.critic_model_name_or_path:
@@ -363,15 +383,23 @@ def critic_model_args(model_args) -> ModelArguments:
     return role_model_args(model_args, model_args.reward_model_name_or_path, model_args.reward_lora_model)
 
 
-def reward_adapter_parts(adapter_dir: str) -> tuple:
+class RewardAdapterParts(NamedTuple):
+    """A reward adapter's weights by name, split into its LoRA layers and its score head."""
+
+    lora: dict[str, torch.Tensor]
+    score: dict[str, torch.Tensor]
+
+
+def reward_adapter_parts(adapter_dir: str) -> RewardAdapterParts:
     """(LoRA weights, score head weights) of a reward adapter saved by run_reward.py."""
     weights = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     score = {k: v for k, v in weights.items() if ".score." in f".{k}"}
     lora = {k: v for k, v in weights.items() if k not in score}
-    return lora, score
+    return RewardAdapterParts(lora, score)
 
 
-def new_score_head(hidden_size: int, score_weights: dict, dtype, trainable: bool):
+def new_score_head(hidden_size: int, score_weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                   trainable: bool) -> torch.nn.Linear:
     weight = next(v for k, v in score_weights.items() if k.endswith(SCORE_KEY_SUFFIX))
     bias = next((v for k, v in score_weights.items() if k.endswith("score.bias")), None)
     head = torch.nn.Linear(hidden_size, weight.shape[0], bias=bias is not None, dtype=dtype)
@@ -383,10 +411,12 @@ def new_score_head(hidden_size: int, score_weights: dict, dtype, trainable: bool
     return head
 
 
-def load_shared_policy(model_args, training_args, tokenizer, configs: dict) -> SharedBasePolicy:
+def load_shared_policy(model_args: "PPOModelArguments", training_args: "PPOArguments",
+                       tokenizer: "PreTrainedTokenizerBase",
+                       configs: dict[str, "PretrainedConfig"]) -> SharedBasePolicy:
     """The actor via the shared loader (SFT adapter continued, or a new LoRA; on a quantized base
     with --load_in_kbits), then the other roles as adapters on the same base. configs: {role:
-    model config} as run_ppo.check_models read them."""
+    model config} as rl.ppo.check_models read them."""
     from peft import LoraConfig, TaskType, set_peft_model_state_dict
 
     policy = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
@@ -425,8 +455,9 @@ def load_shared_policy(model_args, training_args, tokenizer, configs: dict) -> S
     return model
 
 
-def load_frozen(model_dir: str, adapter_dir: Optional[str], task: str, model_args, training_args=None, tokenizer=None,
-                config=None):
+def load_frozen(model_dir: str, adapter_dir: str | None, task: str, model_args: ModelArguments,
+                training_args: "PPOArguments | None" = None, tokenizer: "PreTrainedTokenizerBase | None" = None,
+                config: "PretrainedConfig | None" = None) -> "PreTrainedModel":
     """A frozen role (the reference, the reward model): the shared loader's frozen model, its
     adapter folded in (one plain forward per pass)."""
     flag = "--actor_lora_model" if task == "causal_lm" else "--reward_lora_model"
@@ -434,7 +465,8 @@ def load_frozen(model_dir: str, adapter_dir: Optional[str], task: str, model_arg
                       config=config, trainable=False, adapter_flag=flag)
 
 
-def frozen_role_bytes(model_args, training_args, model_dir: str, config, task: str, tokenizer) -> int:
+def frozen_role_bytes(model_args: ModelArguments, training_args: "PPOArguments", model_dir: str,
+                      config: "PretrainedConfig", task: str, tokenizer: "PreTrainedTokenizerBase") -> int:
     """Bytes of a frozen role loaded whole: its parameters (counted on the empty skeleton, embeddings grown to the
     tokenizer; a folded adapter adds none) in the dtype load_frozen loads it in."""
     role_args = frozen_precision(role_model_args(model_args, model_dir, None), training_args)
@@ -445,7 +477,8 @@ def frozen_role_bytes(model_args, training_args, model_dir: str, config, task: s
     return sum(p.numel() for p in skeleton.parameters()) * dtype.itemsize
 
 
-def check_frozen_roles_fit(model_args, training_args, tokenizer, configs: dict) -> None:
+def check_frozen_roles_fit(model_args: "PPOModelArguments", training_args: "PPOArguments",
+                           tokenizer: "PreTrainedTokenizerBase", configs: dict[str, "PretrainedConfig"]) -> None:
     """Separate placement under ZeRO-3: the frozen reference and reward models never enter the engine, so every
     process loads them whole into its CPU memory and keeps them whole on its device. Refused (before any write)
     where they take more than FROZEN_ROLES_SHARE of either, pointing to --shared_base, where they are adapters on
@@ -469,9 +502,11 @@ def check_frozen_roles_fit(model_args, training_args, tokenizer, configs: dict) 
                              "on the actor's base)")
 
 
-def load_separate_policy(model_args, training_args, tokenizer, configs: dict) -> SeparatePolicy:
+def load_separate_policy(model_args: "PPOModelArguments", training_args: "PPOArguments",
+                         tokenizer: "PreTrainedTokenizerBase",
+                         configs: dict[str, "PretrainedConfig"]) -> SeparatePolicy:
     """Each role its own model through the shared loader. configs: {role: model config} as
-    run_ppo.check_models read them."""
+    rl.ppo.check_models read them."""
     actor = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
                        adapter_flag="--actor_lora_model")
     actor.get_base_model().config.use_cache = False

@@ -27,15 +27,15 @@ was given, so base + ppo_lora_model is the PPO policy), OUT/actor_ema (with --en
 OUT/critic (critic adapter + value head, in rm_lora_model's layout) and resumable
 OUT/checkpoint-N (at iteration boundaries, with the iteration counter, KL controller and EMA).
 
-This script holds the arguments, the prompt reading and the checks on the inputs; the roles are
-in ppo_policy.py, the Trainer in ppo_trainer.py and the PPO math in ppo_utils.py.
+This module holds the arguments, the prompt reading and the checks on the inputs; the roles are
+in rl.policy, the Trainer in rl.ppo_trainer and the PPO math in rl.ppo_math.
 """
 
 import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 from transformers import set_seed
 
@@ -46,7 +46,7 @@ from lorakit.data.cache import cache_key, data_cache_dir, report_prepared_data, 
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.prompts import build_prompt_sets
 from lorakit.data.run_record import note_data
-from lorakit.models.arguments import ModelArguments, map_flags
+from lorakit.models.arguments import MappedFlag, ModelArguments, map_flags
 from lorakit.models.loader import (
     check_load_plan,
     check_model_inputs,
@@ -70,6 +70,9 @@ from lorakit.trainers.arguments import CausalLMTrainingArguments
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import check_held_out_data, resolve_resume_checkpoint, setup_logging, train_and_finish
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 
@@ -84,9 +87,9 @@ class PPOModelArguments(ModelArguments):
     actor's: given, they are mapped to --actor_model_name_or_path / --actor_lora_model (logged), as
     are DeepSpeed-Chat's --actor_lora_dim / --critic_lora_dim to --lora_rank (PPO_MODEL_FLAGS)."""
 
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Same as --actor_model_name_or_path."})
-    peft_path: Optional[str] = field(default=None, metadata={"help": "Same as --actor_lora_model."})
-    tokenizer_name_or_path: Optional[str] = field(
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Same as --actor_model_name_or_path."})
+    peft_path: str | None = field(default=None, metadata={"help": "Same as --actor_lora_model."})
+    tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer directory (default: the SFT adapter's, else the actor base's)."}
     )
     lora_dropout: float = field(
@@ -94,25 +97,25 @@ class PPOModelArguments(ModelArguments):
         metadata={"help": "Dropout on the LoRA input. 0 (DeepSpeed-Chat's choice): experience is scored without "
                           "dropout, so any dropout in the update adds noise to PPO's probability ratio."},
     )
-    actor_model_name_or_path: Optional[str] = field(
+    actor_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Actor base model (or a merged SFT model). Required."}
     )
-    reward_model_name_or_path: Optional[str] = field(
+    reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Reward base model (with --reward_lora_model), or a merged reward model "
                                         "(rm_merged_model). Required."}
     )
-    actor_lora_model: Optional[str] = field(
+    actor_lora_model: str | None = field(
         default=None,
         metadata={"help": "The SFT adapter on the actor base: the policy PPO starts from and the reference."},
     )
-    reward_lora_model: Optional[str] = field(
+    reward_lora_model: str | None = field(
         default=None, metadata={"help": "The reward adapter (rm_lora_model of run_reward.py: LoRA + score head)."}
     )
-    critic_model_name_or_path: Optional[str] = field(
+    critic_model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A full reward/value model to start the critic from (default: the reward model)."},
     )
-    shared_base: Optional[bool] = field(
+    shared_base: bool | None = field(
         default=None,
         metadata={"help": "One frozen base with actor/critic/reward(/reference) adapters. Default: true when the "
                           "actor and reward share a base and the reward comes as an adapter."},
@@ -121,10 +124,10 @@ class PPOModelArguments(ModelArguments):
         default=False,
         metadata={"help": "Separate placement: keep the reference and reward models on the CPU between their passes."},
     )
-    actor_lora_dim: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --lora_rank."})
-    critic_lora_dim: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --lora_rank."})
+    actor_lora_dim: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --lora_rank."})
+    critic_lora_dim: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --lora_rank."})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Logging is not configured yet; main() hands these to setup_logging with the Trainer's own.
         super().__post_init__()
         map_flags(self, PPO_MODEL_FLAGS, self.mapped_flags)
@@ -135,16 +138,16 @@ class PPOModelArguments(ModelArguments):
             raise InputError("--full_finetuning: PPO trains LoRA adapters (actor, critic) on frozen bases")
 
 
-def role_lora_dim_flag(dim: int) -> tuple:
+def role_lora_dim_flag(dim: int) -> MappedFlag:
     """DeepSpeed-Chat's --actor_lora_dim / --critic_lora_dim: the rank of PPO's new LoRA adapters."""
     if dim < 1:
         raise InputError(f"--actor_lora_dim / --critic_lora_dim {dim}: PPO trains LoRA adapters (actor, critic); "
                          "give a rank of at least 1")
-    return "lora_rank", dim, ("one --lora_rank shapes every new PPO adapter; the actor and critic continue the SFT and "
-                              "reward adapters at their own ranks")
+    return MappedFlag("lora_rank", dim, "one --lora_rank shapes every new PPO adapter; the actor and critic continue "
+                                        "the SFT and reward adapters at their own ranks")
 
 
-# Other names of PPO's model flags -> (PPO's flag, value[, why]), applied by model_utils.map_flags: the other
+# Other names of PPO's model flags -> (PPO's flag, value[, why]), applied by models.arguments.map_flags: the other
 # stages' names of the actor's model and adapter, and DeepSpeed-Chat's per-role LoRA ranks.
 PPO_MODEL_FLAGS = {
     "model_name_or_path": lambda path: ("actor_model_name_or_path", path),
@@ -159,7 +162,7 @@ class PPODataArguments(ConversationDataArguments):
     data_phase: int = field(default=3, metadata={"help": "Which part of --data_split this stage takes (3 = PPO)."})
     max_prompt_seq_len: int = field(default=256, metadata={"help": "Prompt tokens; longer prompts lose their start."})
     max_answer_seq_len: int = field(default=256, metadata={"help": "Most tokens generated per answer."})
-    unsupervised_dataset_dir: Optional[str] = field(
+    unsupervised_dataset_dir: str | None = field(
         default=None,
         metadata={"help": "Pretraining text (*.txt / *.jsonl 'text') for the ptx loss mixed into the actor's."},
     )
@@ -173,22 +176,22 @@ class PPOArguments(CausalLMTrainingArguments):
     and --actor_learning_rate set the Trainer's own batch size and learning rate; the Trainer's
     names for them are accepted too (mapped, logged), giving both with different values is refused."""
 
-    per_device_train_batch_size: Optional[int] = field(
+    per_device_train_batch_size: int | None = field(
         default=None, metadata={"help": "The Trainer's name of --per_device_training_batch_size."})
-    learning_rate: Optional[float] = field(
+    learning_rate: float | None = field(
         default=None, metadata={"help": "The Trainer's name of --actor_learning_rate."})
     per_device_generation_batch_size: int = field(
         default=8, metadata={"help": "Prompts per generation batch per process."})
-    per_device_training_batch_size: Optional[int] = field(
+    per_device_training_batch_size: int | None = field(
         default=None, metadata={"help": "Sequences per PPO micro-batch per process (default 8)."})
     generation_batches: int = field(default=1, metadata={"help": "Generation batches of experience per PPO iteration."})
     ppo_epochs: int = field(default=1, metadata={"help": "Passes over each iteration's experience."})
-    actor_learning_rate: Optional[float] = field(
+    actor_learning_rate: float | None = field(
         default=None, metadata={"help": "Learning rate of the actor's adapter (default 1e-4)."})
     critic_learning_rate: float = field(
         default=5e-5, metadata={"help": "Learning rate of the critic's adapter and value head."})
     kl_ctl: float = field(default=0.1, metadata={"help": "KL penalty coefficient (initial value when adaptive)."})
-    target_kl: Optional[float] = field(
+    target_kl: float | None = field(
         default=None, metadata={"help": "Adaptive KL control towards this KL per answer."})
     kl_horizon: int = field(default=10000, metadata={"help": "Adaptive KL controller horizon, in answers."})
     clip_reward_value: float = field(default=5.0, metadata={"help": "Reward scores are clamped to +-this."})
@@ -199,7 +202,7 @@ class PPOArguments(CausalLMTrainingArguments):
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (log-probs use the same)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 = off."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 = off."})
-    missing_eos_penalty: Optional[float] = field(
+    missing_eos_penalty: float | None = field(
         default=None,
         metadata={"help": "Subtracted from the score of an answer that hit --max_answer_seq_len without EOS."},
     )
@@ -208,8 +211,8 @@ class PPOArguments(CausalLMTrainingArguments):
     ema_beta: float = field(default=0.992, metadata={"help": "EMA decay per optimizer step."})
     print_answers: bool = field(default=False, metadata={"help": "Log a sample prompt, answer and score."})
     print_answers_interval: int = field(default=1, metadata={"help": "... every this many iterations."})
-    actor_zero_stage: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
-    critic_zero_stage: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
+    actor_zero_stage: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
+    critic_zero_stage: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
     enable_hybrid_engine: bool = field(
         default=False, metadata={"help": "DeepSpeed-Chat: accepted; the actor generates with its training weights."}
     )
@@ -221,7 +224,7 @@ class PPOArguments(CausalLMTrainingArguments):
                   "choices": ["auto", "per_batch", "per_layer"]},
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # The Trainer's names for what PPO calls --per_device_training_batch_size and --actor_learning_rate, and
         # DeepSpeed-Chat's per-role ZeRO stages, are mapped before TrainingArguments fills DeepSpeed's "auto"
         # batch size and learning rate from them and --zero_stage picks the config.
@@ -239,7 +242,7 @@ class PPOArguments(CausalLMTrainingArguments):
 
 
 ONE_ENGINE = "one DeepSpeed engine trains the actor's and the critic's adapters together"
-# Other names of PPO's trainer flags -> (PPO's flag, value[, why]), applied by model_utils.map_flags.
+# Other names of PPO's trainer flags -> (PPO's flag, value[, why]), applied by models.arguments.map_flags.
 PPO_TRAINER_FLAGS = {
     "per_device_train_batch_size": lambda size: ("per_device_training_batch_size", size),
     "learning_rate": lambda rate: ("actor_learning_rate", rate),
@@ -254,17 +257,18 @@ PPO_TRAINER_FLAGS = {
 # ----------------------------------------------------------------------------- model checks
 
 
-def tokenizer_of(model_dir: str, adapter_dir: Optional[str], trust_remote_code: bool):
+def tokenizer_of(model_dir: str, adapter_dir: str | None, trust_remote_code: bool) -> "PreTrainedTokenizerBase":
     """The tokenizer saved with an adapter (it carries the stage's chat template), else the model's."""
     return load_tokenizer(ModelArguments(model_name_or_path=adapter_dir if has_tokenizer(adapter_dir) else model_dir,
                                          trust_remote_code=trust_remote_code))
 
 
-def config_of(model_dir: str, trust_remote_code: bool):
+def config_of(model_dir: str, trust_remote_code: bool) -> "PretrainedConfig":
     return load_model_config(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
 
 
-def check_same_tokenizer(actor_tokenizer, other, role: str, where: str) -> None:
+def check_same_tokenizer(actor_tokenizer: "PreTrainedTokenizerBase", other: "PreTrainedTokenizerBase", role: str,
+                         where: str) -> None:
     if tokenizer_fingerprint(actor_tokenizer) != tokenizer_fingerprint(other):
         detail = (f"{len(other)} tokens vs the actor's {len(actor_tokenizer)}" if len(other) != len(actor_tokenizer)
                   else "same size, different tokens or ids")
@@ -272,7 +276,7 @@ def check_same_tokenizer(actor_tokenizer, other, role: str, where: str) -> None:
                          "PPO scores the actor's token ids, so every role needs the actor's tokenizer")
 
 
-def check_reward_source(model_dir: str, adapter_dir: Optional[str], flag: str) -> None:
+def check_reward_source(model_dir: str, adapter_dir: str | None, flag: str) -> None:
     """A reward/critic source must carry a trained score head: a base model alone would get a
     random one, and PPO would optimise noise."""
     if adapter_dir:
@@ -289,11 +293,19 @@ def check_reward_source(model_dir: str, adapter_dir: Optional[str], flag: str) -
                          "adapter with --reward_lora_model, or run_reward.py's rm_merged_model")
 
 
-def same_directory(first: Optional[str], second: Optional[str]) -> bool:
+def same_directory(first: str | None, second: str | None) -> bool:
     return bool(first) and bool(second) and os.path.realpath(first) == os.path.realpath(second)
 
 
-def check_models(model_args: PPOModelArguments, data_args: PPODataArguments):
+class CheckedModels(NamedTuple):
+    """What check_models read and decided: the actor's tokenizer, {role: model config}, and the placement."""
+
+    tokenizer: "PreTrainedTokenizerBase"
+    configs: dict[str, "PretrainedConfig"]
+    shared_base: bool
+
+
+def check_models(model_args: PPOModelArguments, data_args: PPODataArguments) -> CheckedModels:
     """Refuse, before any weight is loaded, role combinations that would train silently wrong.
     Returns (actor tokenizer, {role: model config}, shared_base); the configs go on to the
     loaders, so a run reads each once."""
@@ -320,11 +332,12 @@ def check_models(model_args: PPOModelArguments, data_args: PPODataArguments):
                              "critic", model_args.critic_model_name_or_path)
         check_reward_source(model_args.critic_model_name_or_path, None, "--critic_model_name_or_path")
     check_lengths(data_args, configs)
-    return tokenizer, configs, shared_placement(model_args)
+    return CheckedModels(tokenizer, configs, shared_placement(model_args))
 
 
-def check_role_loading(model_args: PPOModelArguments, training_args, tokenizer, configs: dict) -> None:
-    """What loading the roles would refuse, refused before any data is read (model_utils.check_load_plan): the
+def check_role_loading(model_args: PPOModelArguments, training_args: PPOArguments,
+                       tokenizer: "PreTrainedTokenizerBase", configs: dict[str, "PretrainedConfig"]) -> None:
+    """What loading the roles would refuse, refused before any data is read (models.loader.check_load_plan): the
     actor (its SFT adapter, the reference's, continued) and the critic as they are made trainable, and the frozen
     reward model where the critic does not start from it."""
     check_load_plan(actor_model_args(model_args), training_args, configs["actor"], tokenizer,
@@ -337,7 +350,7 @@ def check_role_loading(model_args: PPOModelArguments, training_args, tokenizer, 
                         adapter_flag="--reward_lora_model")
 
 
-def check_lengths(data_args: PPODataArguments, configs: dict) -> None:
+def check_lengths(data_args: PPODataArguments, configs: dict[str, "PretrainedConfig"]) -> None:
     total = data_args.max_prompt_seq_len + data_args.max_answer_seq_len
     for flag, value in (("--max_prompt_seq_len", data_args.max_prompt_seq_len),
                         ("--max_answer_seq_len", data_args.max_answer_seq_len)):
@@ -404,7 +417,7 @@ def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
 ARGUMENT_CLASSES = (PPOModelArguments, PPODataArguments, PPOArguments)
 
 
-def main():
+def main() -> None:
     model_args, data_args, training_args = parse_args(ARGUMENT_CLASSES)
     training_args.mapped_flags += model_args.mapped_flags
     setup_logging(training_args)

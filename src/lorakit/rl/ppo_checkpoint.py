@@ -6,18 +6,21 @@ them."""
 
 import json
 import os
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from lorakit.core.cli import InputError
 from lorakit.models.zero3 import gathered
+from lorakit.rl.ppo_math import KLController
 
 PPO_STATE_NAME = "ppo_state.json"
 TRAINABLE_WEIGHTS_NAME = "ppo_trainable.safetensors"
 
 
-def save_trainable_weights(model, directory: str, should_save: bool) -> None:
+def save_trainable_weights(model: torch.nn.Module, directory: str, should_save: bool) -> None:
     """directory/ppo_trainable.safetensors (collective under ZeRO-3: every rank calls it)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with gathered([p for _, p in trainable]):
@@ -27,7 +30,7 @@ def save_trainable_weights(model, directory: str, should_save: bool) -> None:
                       os.path.join(directory, TRAINABLE_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
-def load_trainable_weights(model, checkpoint: str) -> None:
+def load_trainable_weights(model: torch.nn.Module, checkpoint: str) -> None:
     path = os.path.join(checkpoint, TRAINABLE_WEIGHTS_NAME)
     if not os.path.isfile(path):
         raise InputError(f"{checkpoint}: not a PPO checkpoint (no {TRAINABLE_WEIGHTS_NAME})")
@@ -39,14 +42,15 @@ def load_trainable_weights(model, checkpoint: str) -> None:
     model.load_state_dict(weights, strict=False)
 
 
-def write_ppo_state(directory: str, iteration: int, steps_per_iteration: int, kl_controller, seed: int) -> None:
+def write_ppo_state(directory: str, iteration: int, steps_per_iteration: int, kl_controller: KLController,
+                    seed: int) -> None:
     state = {"iteration": iteration, "steps_per_iteration": steps_per_iteration,
              "kl_controller": kl_controller.state_dict(), "seed": seed}
     with open(os.path.join(directory, PPO_STATE_NAME), "w", encoding="utf-8") as handle:
         json.dump(state, handle, indent=2)
 
 
-def read_ppo_state(checkpoint: str, steps_per_iteration: int) -> dict:
+def read_ppo_state(checkpoint: str, steps_per_iteration: int) -> dict[str, Any]:
     """The checkpoint's PPO state, refused when it ran another number of steps per iteration (its
     iteration counter would then point elsewhere in the prompt stream)."""
     path = os.path.join(checkpoint, PPO_STATE_NAME)
@@ -68,7 +72,7 @@ class PPOTrainerPrivateOverrides:
     after_prepare(max_steps, resume_from_checkpoint), PPO's own resume, run once the model is
     prepared and the Trainer's state loaded."""
 
-    def _save_optimizer_and_scheduler(self, output_dir):
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.is_deepspeed_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
         from accelerate.utils import DeepSpeedSchedulerWrapper
@@ -80,10 +84,11 @@ class PPOTrainerPrivateOverrides:
         if self.args.should_save and not isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         load_trainable_weights(self.model if model is None else model, resume_from_checkpoint)
 
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Iterable[Any],
+                              resume_from_checkpoint: str | None) -> tuple[torch.nn.Module, Iterable[Any]]:
         if self.is_deepspeed_enabled and resume_from_checkpoint is not None:
             from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 

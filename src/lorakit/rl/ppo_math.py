@@ -8,14 +8,51 @@ The sequence score of the reward model is credited at each row's last real token
 per-token KL to the reference model is paid as a penalty on every token.
 """
 
-from typing import Optional
+from typing import NamedTuple
 
 import torch
 
 from lorakit.models.positions import last_position
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+class ShapedRewards(NamedTuple):
+    """kl_penalty_rewards' per-token rewards and KL to the reference, both [B, T] and 0 on padding."""
+
+    rewards: torch.Tensor
+    kl: torch.Tensor
+
+
+class AdvantagesAndReturns(NamedTuple):
+    """PPO's per-token training targets: advantages (the actor's) and returns (the critic's), [B, T], 0 on padding."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+class PolicyLoss(NamedTuple):
+    """policy_loss's loss and its two diagnostics (detached): the share of clipped tokens and the approximate KL."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+    approx_kl: torch.Tensor
+
+
+class ValueLoss(NamedTuple):
+    """value_loss's loss and the share of real tokens where the clipped error won (detached)."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+class LengthChunk(NamedTuple):
+    """One group of length_chunks: its rows (ascending prompt length) and its longest prompt and answer."""
+
+    rows: list[int]
+    prompt_width: int
+    answer_width: int
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `values` over the entries where mask is 1. An all-masked slice gives 0, not NaN, so
     a batch whose every row ended at once cannot poison a logged statistic."""
     mask = mask.to(values.dtype)
@@ -78,7 +115,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalty_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
-                       mask: torch.Tensor, kl_coef: float, clip_reward_value: float) -> tuple:
+                       mask: torch.Tensor, kl_coef: float, clip_reward_value: float) -> ShapedRewards:
     """Per-token rewards of the InstructGPT objective (DeepSpeed-Chat's compute_rewards).
 
     Every real token pays -kl_coef * (log pi - log pi_ref), the sampled estimate of its KL to the
@@ -95,11 +132,11 @@ def kl_penalty_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, score
     has_response = (mask.sum(-1) > 0).to(rewards.dtype)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, last_position(mask)] += clipped_scores * has_response
-    return rewards, kl
+    return ShapedRewards(rewards, kl)
 
 
 def gae_advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor,
-                               gamma: float, lam: float) -> tuple:
+                               gamma: float, lam: float) -> AdvantagesAndReturns:
     """Generalised advantage estimation (Schulman et al. 2016), backwards over the response.
 
     delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where every
@@ -122,10 +159,10 @@ def gae_advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor, mask
         advantages_reversed.append(next_advantage)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = (advantages + values) * mask
-    return advantages, returns
+    return AdvantagesAndReturns(advantages, returns)
 
 
-def penalised_scores(scores: torch.Tensor, has_eos: torch.Tensor, missing_eos_penalty: Optional[float]) -> torch.Tensor:
+def penalised_scores(scores: torch.Tensor, has_eos: torch.Tensor, missing_eos_penalty: float | None) -> torch.Tensor:
     """The reward model's [B] scores less missing_eos_penalty for each answer that stopped at the
     length limit instead of ending ([B] bool has_eos); unchanged when the penalty is None. Applied
     before kl_penalty_rewards clips the score, as TRL applies it."""
@@ -135,18 +172,18 @@ def penalised_scores(scores: torch.Tensor, has_eos: torch.Tensor, missing_eos_pe
 
 
 def advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor,
-                           gamma: float, lam: float) -> tuple:
+                           gamma: float, lam: float) -> AdvantagesAndReturns:
     """PPO's training targets of one batch of experience: GAE advantages whitened over the whole
     batch's real tokens (when it has at least 2, the fewest a variance needs), and the critic's
     returns from the advantages before whitening. All [B, T], 0 on padding."""
     advantages, returns = gae_advantages_and_returns(values, rewards, mask, gamma, lam)
     if mask.sum() >= 2:
         advantages = masked_whiten(advantages, mask)
-    return advantages, returns
+    return AdvantagesAndReturns(advantages, returns)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cliprange: float) -> tuple:
+                mask: torch.Tensor, cliprange: float) -> PolicyLoss:
     """PPO's clipped surrogate (Schulman et al. 2017) as a loss, averaged over real tokens.
 
     ratio = pi/pi_old; the loss takes max(-A * ratio, -A * clip(ratio, 1-c, 1+c)) per token, the
@@ -165,11 +202,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
         approx_kl = masked_mean(0.5 * log_ratio ** 2, mask)
-    return loss, clipfrac, approx_kl
+    return PolicyLoss(loss, clipfrac, approx_kl)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor, cliprange_value: float) -> tuple:
+               mask: torch.Tensor, cliprange_value: float) -> ValueLoss:
     """The critic's clipped regression loss: 0.5 * mean over real tokens of
     max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), which, like the policy's clip, removes
     the incentive to move a value estimate far from the one the experience was scored with.
@@ -182,22 +219,22 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped_error > unclipped_error).to(values.dtype), mask)
-    return loss, clipfrac
+    return ValueLoss(loss, clipfrac)
 
 
 class FixedKLController:
     """A constant KL coefficient (DeepSpeed-Chat's --kl_ctl)."""
 
-    def __init__(self, kl_coef: float):
+    def __init__(self, kl_coef: float) -> None:
         self.value = float(kl_coef)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing to adapt; kept so the trainer treats both controllers alike."""
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
 
 
@@ -207,7 +244,7 @@ class AdaptiveKLController:
     while below, with the error clipped to +-20% so one noisy batch cannot swing it, and scaled by
     n_steps / horizon so it moves by about e-fold over `horizon` samples of sustained error."""
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
         if target <= 0 or horizon <= 0:
             raise ValueError(f"the adaptive KL controller needs target > 0 and horizon > 0, got {target}, {horizon}")
         self.value = float(init_kl_coef)
@@ -218,16 +255,20 @@ class AdaptiveKLController:
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, float]:
         # The coefficient is the state; target and horizon are settings, saved so a resumed run
         # can be checked against them.
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
 
 
-def make_kl_controller(kl_ctl: float, target_kl: Optional[float] = None, kl_horizon: int = 10000):
+# Either controller: the trainer and the checkpoint treat both alike (value, update, state_dict, load_state_dict).
+KLController = FixedKLController | AdaptiveKLController
+
+
+def make_kl_controller(kl_ctl: float, target_kl: float | None = None, kl_horizon: int = 10000) -> KLController:
     """A fixed controller at kl_ctl, or, given a target KL, an adaptive one starting at kl_ctl."""
     if target_kl is None:
         return FixedKLController(kl_ctl)
@@ -235,18 +276,18 @@ def make_kl_controller(kl_ctl: float, target_kl: Optional[float] = None, kl_hori
 
 
 @torch.no_grad()
-def ema_update(ema_tensors: list, tensors: list, beta: float) -> None:
+def ema_update(ema_tensors: list[torch.Tensor], tensors: list[torch.Tensor], beta: float) -> None:
     """ema = beta * ema + (1 - beta) * x in place, for each pair (DeepSpeed-Chat's --enable_ema:
     an exponential moving average of the actor's weights, often a better model to ship than the
     last noisy PPO iterate)."""
     if len(ema_tensors) != len(tensors):
         raise ValueError(f"ema_update got {len(ema_tensors)} averages for {len(tensors)} tensors")
-    for average, current in zip(ema_tensors, tensors):
+    for average, current in zip(ema_tensors, tensors, strict=True):
         average.lerp_(current.to(average.dtype), 1.0 - beta)
 
 
-def length_chunks(prompt_lengths: list, answer_lengths: list, min_rows: int) -> list:
-    """Groups of rows of similar length for the passes over a rollout: [(rows, prompt_width,
+def length_chunks(prompt_lengths: list[int], answer_lengths: list[int], min_rows: int) -> list[LengthChunk]:
+    """Groups of rows of similar length for the passes over a rollout: [LengthChunk(rows, prompt_width,
     answer_width)], rows in ascending prompt length, each group as wide as its own longest prompt
     and answer. Prompts are left-padded to the longest of the whole batch and answers right-padded
     to the longest answer, so one pass over the batch computes every padding position; groups of
@@ -273,6 +314,6 @@ def length_chunks(prompt_lengths: list, answer_lengths: list, min_rows: int) -> 
     while end > 0:
         start = best[end][2]
         rows = order[start:end]
-        groups.append((rows, max(prompt_lengths[r] for r in rows), max(answer_lengths[r] for r in rows)))
+        groups.append(LengthChunk(rows, max(prompt_lengths[r] for r in rows), max(answer_lengths[r] for r in rows)))
         end = start
     return groups[::-1]

@@ -1,5 +1,5 @@
 """The PPO stage's Trainer: the clipped PPO update of actor and critic in one module, on
-experience made by ppo_experience, with ppo_ema's average of the actor and ppo_checkpoint's
+experience made by rl.experience, with rl.ema's average of the actor and rl.ppo_checkpoint's
 checkpoints that resume the iteration stream exactly. DeepSpeed, gradient accumulation and
 clipping, logging and the checkpoint schedule stay the Trainer's."""
 
@@ -7,7 +7,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -16,6 +19,7 @@ from lorakit.rl.ema import ActorEMA
 from lorakit.rl.experience import (
     ExperienceMaker,
     ExperienceStream,
+    MicroBatch,
     PhaseTimes,
     SumStats,
     derived_seed,
@@ -34,6 +38,12 @@ from lorakit.rl.ppo_checkpoint import (
 from lorakit.rl.ppo_math import make_kl_controller, policy_loss, value_loss
 from lorakit.trainers.causal_lm import ResumableTrainer
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase, TrainerControl, TrainerState, TrainingArguments
+
+    from lorakit.rl.ppo import PPODataArguments
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,18 +52,21 @@ class PPOStepCallback(TrainerCallback):
     fetches the step's micro-batches), updates the EMA after each, and saves the roles the
     Trainer does not (critic, actor_ema) when training ends."""
 
-    def __init__(self, times: PhaseTimes, ema: ActorEMA, save_roles):
+    def __init__(self, times: PhaseTimes, ema: ActorEMA, save_roles: Callable[[str], None]) -> None:
         self.times, self.ema, self.save_roles = times, ema, save_roles
         self.started = None
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
+                      **kwargs: Any) -> None:
         self.started = time.perf_counter()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
+                    **kwargs: Any) -> None:
         self.times.add("time_training", time.perf_counter() - self.started)
         self.ema.update()
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
+                     **kwargs: Any) -> None:
         self.save_roles(args.output_dir)
 
 
@@ -61,8 +74,10 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
     """PPO on the Trainer: experience in (an ExperienceStream it owns), clipped policy + value
     (+ ptx) loss out, actor and critic at their own learning rates."""
 
-    def __init__(self, *args, prompts, eval_prompts, ptx_blocks, data_args, tokenizer, steps_per_iteration,
-                 after_turn_end_ids=(), answer_end_id=None, **kwargs):
+    def __init__(self, *args: Any, prompts: list[list[int]], eval_prompts: list[list[int]] | None,
+                 ptx_blocks: "Dataset | None", data_args: "PPODataArguments", tokenizer: "PreTrainedTokenizerBase",
+                 steps_per_iteration: int, after_turn_end_ids: Sequence[int] = (), answer_end_id: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prompts, self.eval_prompts, self.ptx_blocks = prompts, eval_prompts, ptx_blocks
         self.unsup_coef = data_args.unsup_coef
@@ -88,10 +103,10 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
 
     # -- experience -----------------------------------------------------------
 
-    def get_train_dataloader(self):
+    def get_train_dataloader(self) -> ExperienceStream:
         return self.stream
 
-    def make_iteration(self, iteration: int) -> list:
+    def make_iteration(self, iteration: int) -> list[MicroBatch]:
         """One iteration's experience as the Trainer's micro-batches; its statistics are logged with
         the iteration's steps and move the KL controller."""
         args, kl_coef = self.args, self.kl_ctl.value
@@ -110,7 +125,9 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
 
     # -- loss -----------------------------------------------------------------
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: torch.nn.Module, inputs: MicroBatch, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None,
+                     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         prompt_length=inputs["prompt_length"], ptx_input_ids=inputs.get("ptx_input_ids"))
         mask = inputs["response_mask"]
@@ -129,7 +146,7 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
             self.train_stats.add(name, value.item())
         return (loss, outputs) if return_outputs else loss
 
-    def create_optimizer(self, model=None):
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer with actor and critic in their own parameter groups: two learning
         rates (the scheduler scales both alike)."""
         if self.optimizer is None:
@@ -149,7 +166,7 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
 
     # -- evaluation and logging -----------------------------------------------
 
-    def log(self, logs, *args, **kwargs):
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "loss" in logs and self.train_stats.sums:
             logs.update(self.train_stats.reduced(self.args.device))
             logs.update(self.experience_stats)
@@ -158,7 +175,8 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
             self.train_stats = SumStats()
         super().log(logs, *args, **kwargs)
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
         """Answers to the held-out prompts, sampled with a fixed seed (so two evaluations differ by
         the policy only), made and measured exactly as training's experience is."""
         rows, weights = evaluation_prompt_rows(self.eval_prompts, self.args)
@@ -178,8 +196,8 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
                 self.tokenizer.save_pretrained(os.path.join(directory, "critic"))
                 self.ema.save(directory, self.tokenizer)
 
-    def save_model(self, output_dir=None, _internal_call=False):
-        """Only what PPO trains (ppo_checkpoint); in a checkpoint also the PPO state and the EMA."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Only what PPO trains (rl.ppo_checkpoint); in a checkpoint also the PPO state and the EMA."""
         output_dir = output_dir or self.args.output_dir
         save_trainable_weights(self.model, output_dir, self.args.should_save)
         if not self.args.should_save:
@@ -190,7 +208,7 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         else:
             self.tokenizer.save_pretrained(output_dir)
 
-    def after_prepare(self, max_steps: int, resume_from_checkpoint) -> None:
+    def after_prepare(self, max_steps: int, resume_from_checkpoint: str | None) -> None:
         """PPO's own resume (iteration counter, KL controller, EMA) and the EMA's start."""
         if resume_from_checkpoint is not None:
             state = read_ppo_state(resume_from_checkpoint, self.steps_per_iteration)

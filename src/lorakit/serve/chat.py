@@ -17,16 +17,17 @@ import logging
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, NamedTuple
 
 from transformers import set_seed
 
 from lorakit.core.atomic import write_atomically
 from lorakit.core.cli import InputError, parse_args, run_cli
 from lorakit.models.arguments import note_accepted_flags, trust_remote_code_field
-from lorakit.records.readers import read_records, request_of
+from lorakit.records.readers import Message, read_records, request_of
 from lorakit.serve.inference import (
     ChatGenerator,
+    Completion,
     InferenceModelArguments,
     PromptTooLong,
     SamplingSettings,
@@ -52,14 +53,14 @@ class ChatArguments:
     top_p: float = field(default=0.9, metadata={"help": "Nucleus sampling mass."})
     top_k: int = field(default=40, metadata={"help": "Sample among the k likeliest tokens (0 = all)."})
     repetition_penalty: float = field(default=1.1, metadata={"help": "1.0 = none."})
-    seed: Optional[int] = field(default=None, metadata={"help": "Seed for reproducible sampling."})
-    system_prompt: Optional[str] = field(default=None, metadata={"help": "System turn before the conversation."})
+    seed: int | None = field(default=None, metadata={"help": "Seed for reproducible sampling."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System turn before the conversation."})
     show_prompt: bool = field(default=False, metadata={"help": "Print each rendered prompt (to check the template)."})
-    data_file: Optional[str] = field(
+    data_file: str | None = field(
         default=None,
         metadata={"help": "Batch mode: .jsonl/.json of {\"prompt\": ...} or {\"messages\": [...]} records."},
     )
-    predictions_file: Optional[str] = field(default=None, metadata={"help": "Batch mode: where answers go (.jsonl)."})
+    predictions_file: str | None = field(default=None, metadata={"help": "Batch mode: where answers go (.jsonl)."})
     batch_size: int = field(default=8, metadata={"help": "Batch mode: prompts generated together."})
     trust_remote_code: bool = trust_remote_code_field()
     with_prompt: bool = field(
@@ -70,12 +71,12 @@ class ChatArguments:
                                          "interactive."}
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.interactive and self.data_file:
             raise InputError("--interactive and --data_file both given: the chat is interactive without --data_file "
                              "and answers the file with it; give only one")
         # Logged by log_mapped_flags once main() has configured logging.
-        self.mapped_flags = []
+        self.mapped_flags: list[str] = []
         note_accepted_flags(self, ACCEPTED_CHAT_FLAGS, self.mapped_flags)
 
 
@@ -107,54 +108,72 @@ def prompt_budget(generator: ChatGenerator, max_new_tokens: int) -> int:
     return budget
 
 
-def read_prompt_records(path: str, system_prompt: Optional[str]) -> list:
-    """[(where, field name, value, messages)] of every record, refusing the first bad one by
-    file:line:field before any model is loaded."""
+class PromptRecord(NamedTuple):
+    """One request of the batch file: where it is (file:line), the field it came in, that field's value, its
+    messages."""
+
+    where: str
+    field_name: str
+    value: Any
+    messages: list[Message]
+
+
+class EncodedPrompt(NamedTuple):
+    """A request's field and value (echoed in its prediction line) and its prompt's token ids."""
+
+    field_name: str
+    value: Any
+    ids: list[int]
+
+
+def read_prompt_records(path: str, system_prompt: str | None) -> list[PromptRecord]:
+    """Every record's request, refusing the first bad one by file:line:field before any model is loaded."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: --data_file does not exist")
     if not path.endswith((".json", ".jsonl")):
         raise InputError(f"{path}: --data_file must be .jsonl (one record a line) or .json (a list)")
-    records = [(f"{path}:{line}",) + request_of(f"{path}:{line}", record, system_prompt)
+    records = [PromptRecord(f"{path}:{line}", *request_of(f"{path}:{line}", record, system_prompt))
                for line, record in read_records(path)]
     if not records:
         raise InputError(f"{path}: file holds no records (empty)")
     return records
 
 
-def encode_prompts(records: list, generator: ChatGenerator, budget: int) -> list:
-    """[(field name, value, prompt ids)]; a prompt that leaves no room for the answer is refused."""
+def encode_prompts(records: list[PromptRecord], generator: ChatGenerator, budget: int) -> list[EncodedPrompt]:
+    """Each record's prompt ids; a prompt that leaves no room for the answer is refused."""
     prompts = []
     for where, name, value, messages in records:
         ids = generator.encode_chat(messages)
         if len(ids) > budget:
             raise InputError(f"{where}: field '{name}': {PromptTooLong(len(ids), budget)}")
-        prompts.append((name, value, ids))
+        prompts.append(EncodedPrompt(name, value, ids))
     return prompts
 
 
-def predict_file(generator: ChatGenerator, prompts: list, settings: SamplingSettings, batch_size: int,
-                 predictions_file: str) -> None:
+def predict_file(generator: ChatGenerator, prompts: list[EncodedPrompt], settings: SamplingSettings,
+                 batch_size: int, predictions_file: str) -> None:
     """Answer every prompt, batching prompts of similar length (less padding), and write the
     answers in input order. The file appears only when complete."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][2]))
-    completions = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
+    completions: list[Completion | None] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        results = generator.generate([prompts[i][2] for i in chunk], settings, stops=generator.chat_stops())
-        for index, completion in zip(chunk, results):
+        results = generator.generate([prompts[i].ids for i in chunk], settings, stops=generator.chat_stops())
+        for index, completion in zip(chunk, results, strict=True):
             completions[index] = completion
         logger.info("answered %d of %d prompts", min(start + batch_size, len(order)), len(order))
     lines = [json.dumps({name: value, "response": completion.text, "finish_reason": completion.finish_reason},
-                        ensure_ascii=False) + "\n" for (name, value, _), completion in zip(prompts, completions)]
+                        ensure_ascii=False) + "\n"
+             for (name, value, _), completion in zip(prompts, completions, strict=True)]
     write_atomically(predictions_file, "".join(lines))
     logger.info("wrote %d predictions to %s", len(prompts), predictions_file)
 
 
-def chat_loop(generator: ChatGenerator, settings: SamplingSettings, system_prompt: Optional[str],
+def chat_loop(generator: ChatGenerator, settings: SamplingSettings, system_prompt: str | None,
               show_prompt: bool) -> None:
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     budget = prompt_budget(generator, settings.max_new_tokens)
-    history = []
+    history: list[Message] = []
     print("Chat: /clear forgets the history, /quit leaves.", flush=True)
     while True:
         try:
@@ -193,7 +212,7 @@ def chat_loop(generator: ChatGenerator, settings: SamplingSettings, system_promp
 ARGUMENT_CLASSES = (InferenceModelArguments, ChatArguments)
 
 
-def main():
+def main() -> None:
     model_args, chat_args = parse_args(ARGUMENT_CLASSES)
     # Logs go to stderr: stdout carries the conversation (or nothing, in batch mode).
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",

@@ -5,8 +5,10 @@ streaming text deltas."""
 
 import logging
 import os
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -14,7 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from lorakit.core.cli import InputError
 from lorakit.core.model_files import check_adapter_fits_base, checkpoint_shapes, has_tokenizer
-from lorakit.models.arguments import DTYPES, ModelArguments, map_flags
+from lorakit.models.arguments import DTYPES, FlagTable, MappedFlag, ModelArguments, map_flags
 from lorakit.models.loader import load_model, load_model_config, load_tokenizer
 from lorakit.records.chat_templates import (
     TEMPLATES,
@@ -23,6 +25,10 @@ from lorakit.records.chat_templates import (
     saved_template_kwargs,
     turn_end_text,
 )
+from lorakit.records.readers import Message
+
+if TYPE_CHECKING:  # annotations only: transformers' model and tokenizer classes load with the model
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ class InferenceModelArguments:
     """Which model to serve and how prompts are rendered."""
 
     base_model: str = field(metadata={"help": "A merged model, or the base of --lora_model (HF format directory)."})
-    lora_model: Optional[str] = field(
+    lora_model: str | None = field(
         default=None,
         metadata={"help": "A LoRA adapter directory (e.g. sft_lora_model); its tokenizer is used if it has one."},
     )
@@ -40,63 +46,63 @@ class InferenceModelArguments:
         default=16, metadata={"help": "4 or 8: quantize the base with bitsandbytes; 16: no.", "choices": [4, 8, 16]}
     )
     dtype: str = field(default="auto", metadata={"help": "dtype of the loaded weights.", "choices": list(DTYPES)})
-    template: Optional[str] = field(
+    template: str | None = field(
         default=None,
         metadata={"help": f"Chat template if the tokenizer saved none: {', '.join(sorted(TEMPLATES))}."},
     )
-    template_kwargs: Optional[str] = field(
+    template_kwargs: str | None = field(
         default=None, metadata={"help": "Keyword arguments of the chat template as a JSON object; default: those "
                                 "training saved with the tokenizer (chat_template_kwargs.json)."})
-    enable_thinking: Optional[bool] = field(
+    enable_thinking: bool | None = field(
         default=None, metadata={"help": "Passed to templates that take it (Qwen3); overrides the saved value."})
-    max_context_tokens: Optional[int] = field(
+    max_context_tokens: int | None = field(
         default=None, metadata={"help": "Prompt + answer tokens; default: the model's max_position_embeddings."}
     )
-    tokenizer_path: Optional[str] = field(
+    tokenizer_path: str | None = field(
         default=None,
         metadata={"help": "Tokenizer directory; default: --lora_model's if it saved one, else --base_model's."},
     )
-    device: Optional[str] = field(
+    device: str | None = field(
         default=None, metadata={"help": "cpu, cuda or cuda:N; default: the first GPU if there is one, else the CPU."}
     )
     load_in_8bit: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --load_in_kbits 8."})
     load_in_4bit: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --load_in_kbits 4."})
     only_cpu: bool = field(default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's --device cpu."})
-    gpus: Optional[str] = field(
+    gpus: str | None = field(
         default=None, metadata={"help": "Chinese-LLaMA-Alpaca-2's GPU choice: one index N is --device cuda:N, "
                                         "an empty string --device cpu."}
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Logged by log_mapped_flags once the script has configured logging.
-        self.mapped_flags = []
+        self.mapped_flags: list[str] = []
         map_flags(self, ANCHOR_INFERENCE_FLAGS, self.mapped_flags)
 
 
-def device_of_gpus(gpus: str) -> tuple:
+def device_of_gpus(gpus: str) -> MappedFlag:
     """Chinese-LLaMA-Alpaca-2's --gpus (it sets CUDA_VISIBLE_DEVICES and spreads the model over those
     GPUs) as one device: the model runs on one device here; with no GPU, as there, on the CPU."""
     indices = [index.strip() for index in gpus.split(",") if index.strip()]
     if not indices:
-        return "device", "cpu"
+        return MappedFlag("device", "cpu")
     if len(indices) > 1 or not indices[0].isdigit():
         raise InputError(f"--gpus {gpus}: the model runs on one device here, not spread over several GPUs; "
                          "choose it with --device cuda:N (or --device cpu)")
     if not torch.cuda.is_available():
-        return "device", "cpu", "no GPU here"
-    return "device", f"cuda:{indices[0]}", "the GPU of that index among the visible ones"
+        return MappedFlag("device", "cpu", "no GPU here")
+    return MappedFlag("device", f"cuda:{indices[0]}", "the GPU of that index among the visible ones")
 
 
 # Chinese-LLaMA-Alpaca-2's inference flags (inference_hf.py, openai_api_server.py) -> (our flag, value[, why]).
-ANCHOR_INFERENCE_FLAGS = {
-    "load_in_8bit": lambda on: ("load_in_kbits", 8),
-    "load_in_4bit": lambda on: ("load_in_kbits", 4),
-    "only_cpu": lambda on: ("device", "cpu"),
+ANCHOR_INFERENCE_FLAGS: FlagTable = {
+    "load_in_8bit": lambda on: MappedFlag("load_in_kbits", 8),
+    "load_in_4bit": lambda on: MappedFlag("load_in_kbits", 4),
+    "only_cpu": lambda on: MappedFlag("device", "cpu"),
     "gpus": device_of_gpus,
 }
 
 
-def log_mapped_flags(*argument_groups) -> None:
+def log_mapped_flags(*argument_groups: object) -> None:
     """The 'flag mapped' lines of the parsed argument dataclasses, once logging is configured."""
     for arguments in argument_groups:
         for note in getattr(arguments, "mapped_flags", []):
@@ -112,7 +118,7 @@ class SamplingSettings:
     top_p: float = 0.9
     top_k: int = 40
     repetition_penalty: float = 1.1
-    seed: Optional[int] = None
+    seed: int | None = None
 
 
 @dataclass
@@ -123,7 +129,7 @@ class Completion:
     completion_tokens: int
 
 
-def tokenizer_dir_of(base_model: str, lora_model: Optional[str], tokenizer_path: Optional[str] = None) -> str:
+def tokenizer_dir_of(base_model: str, lora_model: str | None, tokenizer_path: str | None = None) -> str:
     """--tokenizer_path, else the adapter directory when it has a tokenizer (training saved it there
     with the chat template and any added tokens), else the base model's."""
     if tokenizer_path:
@@ -131,9 +137,9 @@ def tokenizer_dir_of(base_model: str, lora_model: Optional[str], tokenizer_path:
     return lora_model if has_tokenizer(lora_model) else base_model
 
 
-def inference_model_arguments(base_model: str, lora_model: Optional[str], load_in_kbits: int = 16,
+def inference_model_arguments(base_model: str, lora_model: str | None, load_in_kbits: int = 16,
                               dtype: str = "auto", trust_remote_code: bool = False,
-                              tokenizer_path: Optional[str] = None) -> ModelArguments:
+                              tokenizer_path: str | None = None) -> ModelArguments:
     """The training scripts' ModelArguments for this model, its directories checked."""
     if not os.path.isfile(os.path.join(base_model, "config.json")):
         raise InputError(f"{base_model}: --base_model is not a model directory (no config.json)")
@@ -147,13 +153,13 @@ def inference_model_arguments(base_model: str, lora_model: Optional[str], load_i
                           torch_dtype=dtype, load_in_kbits=load_in_kbits, trust_remote_code=trust_remote_code)
 
 
-def inference_tokenizer(base_model: str, lora_model: Optional[str] = None, trust_remote_code: bool = False,
-                        tokenizer_path: Optional[str] = None):
+def inference_tokenizer(base_model: str, lora_model: str | None = None, trust_remote_code: bool = False,
+                        tokenizer_path: str | None = None) -> "PreTrainedTokenizerBase":
     return load_tokenizer(inference_model_arguments(base_model, lora_model, trust_remote_code=trust_remote_code,
                                                     tokenizer_path=tokenizer_path))
 
 
-def inference_device(requested: Optional[str], load_in_kbits: int = 16) -> torch.device:
+def inference_device(requested: str | None, load_in_kbits: int = 16) -> torch.device:
     """Where the model runs: --device, else the first GPU if there is one, else the CPU. A quantized
     model is placed by its loader (on the first GPU if there is one), so it takes no other device."""
     default = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -174,9 +180,17 @@ def inference_device(requested: Optional[str], load_in_kbits: int = 16) -> torch
     return device
 
 
-def load_for_inference(base_model: str, lora_model: Optional[str] = None, load_in_kbits: int = 16,
-                       dtype: str = "auto", tokenizer=None, trust_remote_code: bool = False,
-                       tokenizer_path: Optional[str] = None, device: Optional[str] = None):
+class LoadedModel(NamedTuple):
+    """A model ready to generate (eval mode, on its device) and the tokenizer it goes with."""
+
+    model: "PreTrainedModel"
+    tokenizer: "PreTrainedTokenizerBase"
+
+
+def load_for_inference(base_model: str, lora_model: str | None = None, load_in_kbits: int = 16,
+                       dtype: str = "auto", tokenizer: "PreTrainedTokenizerBase | None" = None,
+                       trust_remote_code: bool = False, tokenizer_path: str | None = None,
+                       device: str | None = None) -> LoadedModel:
     """(model in eval mode, tokenizer) from a merged model or base + LoRA adapter (merged into
     the base unless the base is quantized), on --device."""
     model_args = inference_model_arguments(base_model, lora_model, load_in_kbits, dtype, trust_remote_code,
@@ -192,10 +206,10 @@ def load_for_inference(base_model: str, lora_model: Optional[str] = None, load_i
     model.eval()
     logger.info("loaded %s%s (%s, %s)", base_model, f" + {lora_model}" if lora_model else "",
                 next(model.parameters()).dtype, model.device)
-    return model, tokenizer
+    return LoadedModel(model, tokenizer)
 
 
-def chat_template_of(tokenizer, requested: Optional[str]) -> str:
+def chat_template_of(tokenizer: "PreTrainedTokenizerBase", requested: str | None) -> str:
     """--template, else the template training saved with the tokenizer; none at all is refused,
     since a guessed format would not be the one the model was trained on."""
     if requested:
@@ -208,7 +222,7 @@ def chat_template_of(tokenizer, requested: Optional[str]) -> str:
     )
 
 
-def template_kwargs_of(model_args: InferenceModelArguments) -> dict:
+def template_kwargs_of(model_args: InferenceModelArguments) -> dict[str, Any]:
     """The template's keyword arguments: those training saved with the tokenizer in use (the
     adapter's if it has one), overridden by --template_kwargs / --enable_thinking."""
     saved = saved_template_kwargs(tokenizer_dir_of(model_args.base_model, model_args.lora_model,
@@ -216,7 +230,8 @@ def template_kwargs_of(model_args: InferenceModelArguments) -> dict:
     return saved | parse_template_kwargs(model_args.template_kwargs, model_args.enable_thinking)
 
 
-def template_turn_end(tokenizer, template: str, template_kwargs: Optional[dict] = None) -> str:
+def template_turn_end(tokenizer: "PreTrainedTokenizerBase", template: str,
+                      template_kwargs: dict[str, Any] | None = None) -> str:
     """What the template writes after an answer before EOS (e.g. chatml's <|im_end|> when EOS is
     </s>): generation stops there too, so it never shows up in a reply."""
     text, special = turn_end_text(tokenizer, template, template_kwargs)
@@ -225,7 +240,7 @@ def template_turn_end(tokenizer, template: str, template_kwargs: Optional[dict] 
     return text.strip()
 
 
-def context_limit(model, requested: Optional[int]) -> int:
+def context_limit(model: "PreTrainedModel", requested: int | None) -> int:
     max_positions = getattr(model.config, "max_position_embeddings", None) or 2048
     if requested is None:
         return max_positions
@@ -236,12 +251,19 @@ def context_limit(model, requested: Optional[int]) -> int:
 
 
 class PromptTooLong(Exception):
-    def __init__(self, tokens: int, budget: int):
+    def __init__(self, tokens: int, budget: int) -> None:
         super().__init__(f"the prompt is {tokens} tokens, over the {budget} tokens the context leaves for it")
         self.tokens, self.budget = tokens, budget
 
 
-def trim_history(messages: list, count_tokens: Callable[[list], int], budget: int) -> tuple:
+class TrimmedHistory(NamedTuple):
+    """The conversation that fits the prompt budget, and how many of the oldest exchanges were dropped."""
+
+    messages: list[Message]
+    dropped: int
+
+
+def trim_history(messages: list[Message], count_tokens: Callable[[list[Message]], int], budget: int) -> TrimmedHistory:
     """Drop the oldest user/assistant exchanges until the rendered prompt fits in budget tokens.
     The system turn and the last user turn are always kept. Returns (messages, exchanges dropped);
     PromptTooLong if even those two do not fit."""
@@ -252,7 +274,7 @@ def trim_history(messages: list, count_tokens: Callable[[list], int], budget: in
         kept = system + turns
         tokens = count_tokens(kept)
         if tokens <= budget:
-            return kept, dropped
+            return TrimmedHistory(kept, dropped)
         if len(turns) <= 1:
             raise PromptTooLong(tokens, budget)
         # An exchange is a user turn and the answers up to the next user turn.
@@ -261,12 +283,19 @@ def trim_history(messages: list, count_tokens: Callable[[list], int], budget: in
         dropped += 1
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> tuple:
+class StopCut(NamedTuple):
+    """Text up to the earliest stop string, and whether one occurred."""
+
+    text: str
+    hit: bool
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> StopCut:
     """(text before the earliest stop string, whether one occurred)."""
     positions = [text.find(stop) for stop in stops if stop and stop in text]
     if not positions:
-        return text, False
-    return text[: min(positions)], True
+        return StopCut(text, False)
+    return StopCut(text[: min(positions)], True)
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
@@ -286,23 +315,24 @@ class TextDeltaStreamer(BaseStreamer):
     stop string). Decoding the whole reply, unlike transformers' TextStreamer that restarts after
     each newline, keeps the concatenated deltas equal to the reply decoded at once."""
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None], stops: Sequence[str] = ()):
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", on_text: Callable[[str], None],
+                 stops: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.on_text = on_text
         self.stops = [stop for stop in stops if stop]
-        self.token_ids = []
+        self.token_ids: list[int] = []
         self.sent = 0
         self.prompt_seen = False
         self.stopped = False
 
-    def put(self, value):
+    def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate first hands over the prompt
             self.prompt_seen = True
             return
         self.token_ids.extend(value.reshape(-1).tolist())
         self.flush(final=False)
 
-    def end(self):
+    def end(self) -> None:
         self.flush(final=True)
 
     def flush(self, final: bool) -> None:
@@ -324,18 +354,18 @@ class TextDeltaStreamer(BaseStreamer):
 class CancelledCriteria(StoppingCriteria):
     """Stops generation when its event is set (a streaming client went away)."""
 
-    def __init__(self, event):
+    def __init__(self, event: threading.Event) -> None:
         self.event = event
 
-    def __call__(self, input_ids, scores, **kwargs):
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class ChatGenerator:
     """A loaded model and tokenizer with the chat template they were trained with."""
 
-    def __init__(self, model, tokenizer, template: Optional[str], context_tokens: int,
-                 template_kwargs: Optional[dict] = None):
+    def __init__(self, model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", template: str | None,
+                 context_tokens: int, template_kwargs: dict[str, Any] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
@@ -346,8 +376,8 @@ class ChatGenerator:
         # Padding is masked out by the attention mask, so any id serves; EOS when there is no pad.
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
-    def eos_token_ids(self) -> list:
-        ids = []
+    def eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
         # The template's turn-end token (Phi-3's <|end|>, Gemma's <end_of_turn>) ends a reply too.
         turn_end_id = self.tokenizer.convert_tokens_to_ids(self.turn_end) if self.turn_end else None
         turn_end_id = turn_end_id if turn_end_id != self.tokenizer.unk_token_id else None
@@ -360,24 +390,24 @@ class ChatGenerator:
             raise InputError("the tokenizer has no eos_token: replies could not end")
         return ids
 
-    def render(self, messages: list) -> str:
+    def render(self, messages: list[Message]) -> str:
         return self.tokenizer.apply_chat_template(
             messages, chat_template=self.template, tokenize=False, add_generation_prompt=True, **self.template_kwargs
         )
 
-    def encode_chat(self, messages: list) -> list:
+    def encode_chat(self, messages: list[Message]) -> list[int]:
         # The template writes BOS itself where the tokenizer uses one: nothing added around it,
         # exactly as training tokenized the conversation.
         return self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
 
-    def encode_text(self, prompt: str) -> list:
+    def encode_text(self, prompt: str) -> list[int]:
         """A plain-text prompt, with the tokenizer's BOS convention as in pretraining."""
         return self.tokenizer(prompt)["input_ids"]
 
-    def chat_stops(self, stops: Sequence[str] = ()) -> list:
+    def chat_stops(self, stops: Sequence[str] = ()) -> list[str]:
         return [stop for stop in list(stops) + [self.turn_end] if stop]
 
-    def generation_kwargs(self, settings: SamplingSettings, stops: Sequence[str]) -> dict:
+    def generation_kwargs(self, settings: SamplingSettings, stops: Sequence[str]) -> dict[str, Any]:
         kwargs = {"max_new_tokens": settings.max_new_tokens, "pad_token_id": self.pad_id,
                   "eos_token_id": self.eos_ids, "repetition_penalty": settings.repetition_penalty}
         if settings.temperature > 0:
@@ -390,8 +420,8 @@ class ChatGenerator:
         return kwargs
 
     @torch.inference_mode()
-    def generate(self, prompts: list, settings: SamplingSettings, stops: Sequence[str] = (),
-                 streamer: Optional[BaseStreamer] = None, cancel=None) -> list:
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings, stops: Sequence[str] = (),
+                 streamer: BaseStreamer | None = None, cancel: threading.Event | None = None) -> list[Completion]:
         """Completions of prompts (lists of token ids), generated together with LEFT padding
         (every row's next token then sits at the same position) and an attention mask from the
         lengths, never from comparing ids with the pad id."""
@@ -407,9 +437,10 @@ class ChatGenerator:
             streamer=streamer, stopping_criteria=criteria, **self.generation_kwargs(settings, stops),
         )
         return [self.completion(row[width:].tolist(), len(ids), settings.max_new_tokens, stops)
-                for row, ids in zip(output.cpu(), prompts)]
+                for row, ids in zip(output.cpu(), prompts, strict=True)]
 
-    def completion(self, generated: list, prompt_tokens: int, max_new_tokens: int, stops: Sequence[str]) -> Completion:
+    def completion(self, generated: list[int], prompt_tokens: int, max_new_tokens: int,
+                   stops: Sequence[str]) -> Completion:
         eos_at = next((i for i, token in enumerate(generated) if token in self.eos_ids), None)
         if eos_at is not None:
             generated = generated[: eos_at + 1]  # what follows in a batch is padding
@@ -417,6 +448,6 @@ class ChatGenerator:
         if hit:
             # Count the tokens up to the one completing the stop string; padding may follow it.
             generated = generated[: next(k for k in range(1, len(generated) + 1) if cut_at_stop(
-                self.tokenizer.decode(generated[:k], skip_special_tokens=True), stops)[1])]
+                self.tokenizer.decode(generated[:k], skip_special_tokens=True), stops).hit)]
         stopped = eos_at is not None or hit or len(generated) < max_new_tokens
         return Completion(text, "stop" if stopped else "length", prompt_tokens, len(generated))

@@ -25,9 +25,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,10 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.base import RequestResponseEndpoint
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
 
 from lorakit.core.cli import InputError, parse_args, run_cli
 from lorakit.models.arguments import trust_remote_code_field
-from lorakit.records.readers import PROMPT, conversation_of
+from lorakit.records.readers import PROMPT, Message, conversation_of
 from lorakit.serve.inference import (
     ChatGenerator,
     Completion,
@@ -66,16 +70,16 @@ class ServerArguments:
         default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."}
     )
     port: int = field(default=8000, metadata={"help": "TCP port."})
-    api_key_file: Optional[str] = field(
+    api_key_file: str | None = field(
         default=None, metadata={"help": "A file holding the key that every request must send as 'Authorization: "
                                         f"Bearer KEY'; the key may also come from ${API_KEY_VARIABLE}. Without "
                                         "a key the server serves anyone who can reach it."}
     )
-    api_key: Optional[str] = field(
+    api_key: str | None = field(
         default=None, metadata={"help": "The key itself: every user of this machine sees it in `ps`; prefer "
                                         f"--api_key_file or ${API_KEY_VARIABLE}."}
     )
-    model_name: Optional[str] = field(
+    model_name: str | None = field(
         default=None, metadata={"help": "The model id clients name; default: the adapter's or model's directory name."}
     )
     default_max_tokens: int = field(
@@ -103,7 +107,7 @@ class RequestLimits:
                                       "generation worker."}
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name, least in (("max_request_bytes", 1024), ("max_pending_requests", 1), ("max_stop_sequences", 0),
                             ("max_stop_length", 1)):
             if getattr(self, name) < least:
@@ -113,14 +117,14 @@ class RequestLimits:
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 error_type: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 error_type: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.error_type = status, message, param, code, error_type
 
 
-def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
+def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
@@ -131,32 +135,36 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[float] = Field(default=None, gt=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=0)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
-    n: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range; torch takes it
-    stream: Optional[bool] = False
-    stream_options: Optional[dict[str, Any]] = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range; torch takes it
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]]
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[str]]
+    prompt: str | list[str]
 
 
-def sse(payload) -> str:
+# A stream's event body from a text delta (None: no text) and a finish reason (None: not finished yet).
+ChunkMaker = Callable[[str | None, str | None], dict[str, Any]]
+
+
+def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def request_messages(raw: list) -> list:
+def request_messages(raw: list[dict[str, Any]]) -> list[Message]:
     """Validated chat messages; text content parts are joined, 'developer' is the system turn."""
     messages = []
     for index, message in enumerate(raw):
@@ -175,7 +183,7 @@ def request_messages(raw: list) -> list:
         raise APIError(400, str(err).removeprefix("request: "), param="messages", code="invalid_value") from None
 
 
-def stop_list(stop) -> list:
+def stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else [item for item in stop if item]
@@ -185,11 +193,11 @@ class RequestSlots:
     """The requests the server holds at once, each from its admission until its generation ends
     (or until it is refused). Touched from the event loop only."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int) -> None:
         self.limit, self.taken = limit, 0
 
     @contextlib.contextmanager
-    def admission(self):
+    def admission(self) -> Iterator["Slot"]:
         """A place for one request, or 503 when all are taken. The place is freed at the end of the
         block, or, once handed to a generation job (Slot.free_when_done), when that job ends."""
         if self.taken >= self.limit:
@@ -205,10 +213,10 @@ class RequestSlots:
 
 
 class Slot:
-    def __init__(self, slots: RequestSlots):
+    def __init__(self, slots: RequestSlots) -> None:
         self.slots, self.handed, self.freed = slots, False, False
 
-    def free(self, *_) -> None:
+    def free(self, *_: object) -> None:
         if not self.freed:
             self.freed = True
             self.slots.taken -= 1
@@ -229,7 +237,7 @@ class CompletionService:
     """Request checks, the generation worker and the response bodies."""
 
     def __init__(self, generator: ChatGenerator, model_name: str, default_max_tokens: int,
-                 limits: Optional[RequestLimits] = None):
+                 limits: RequestLimits | None = None) -> None:
         self.generator = generator
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
@@ -277,12 +285,13 @@ class CompletionService:
             seed=request.seed,
         )
 
-    def submit(self, slot: Slot, prompt_ids: list, settings: SamplingSettings, stops: list, cancel: threading.Event,
-               streamer: Optional[TextDeltaStreamer] = None, on_end=None) -> asyncio.Future:
+    def submit(self, slot: Slot, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
+               cancel: threading.Event, streamer: TextDeltaStreamer | None = None,
+               on_end: Callable[[], None] | None = None) -> asyncio.Future[Completion | None]:
         """The generation queued on the worker, holding the request's slot until it ends. A job whose
         client left while it waited (cancel set) is skipped: nothing is generated for nobody."""
 
-        def job():
+        def job() -> Completion | None:
             try:
                 if cancel.is_set():
                     return None
@@ -295,8 +304,8 @@ class CompletionService:
         slot.free_when_done(result)
         return result
 
-    async def complete(self, slot: Slot, http_request: Request, prompt_ids: list, settings: SamplingSettings,
-                       stops: list) -> Optional[Completion]:
+    async def complete(self, slot: Slot, http_request: Request, prompt_ids: list[int], settings: SamplingSettings,
+                       stops: list[str]) -> Completion | None:
         """The completion, or None when the client went away first: its generation then stops (or is
         skipped, if it was still waiting for the worker)."""
         cancel = threading.Event()
@@ -315,7 +324,8 @@ class CompletionService:
             return None
         return completion
 
-    def stream(self, slot: Slot, prompt_ids: list, settings: SamplingSettings, stops: list, chunk, opening=None,
+    def stream(self, slot: Slot, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
+               chunk: ChunkMaker, opening: dict[str, Any] | None = None,
                include_usage: bool = False) -> StreamingResponse:
         """Server-sent events: text deltas as the worker generates them, then the finish reason
         (and usage if asked), then [DONE]. A client that goes away stops its generation."""
@@ -326,7 +336,7 @@ class CompletionService:
         result = self.submit(slot, prompt_ids, settings, stops, cancel, streamer,
                              on_end=lambda: loop.call_soon_threadsafe(deltas.put_nowait, end))
 
-        async def events():
+        async def events() -> AsyncIterator[str]:
             sent = ""
             try:
                 if opening is not None:
@@ -355,7 +365,7 @@ class CompletionService:
 CLIENT_CLOSED_REQUEST = 499
 
 
-def usage(completion) -> dict:
+def usage(completion: Completion) -> dict[str, int]:
     return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
             "total_tokens": completion.prompt_tokens + completion.completion_tokens}
 
@@ -364,7 +374,7 @@ def include_usage(request: SamplingRequest) -> bool:
     return bool(request.stream_options and request.stream_options.get("include_usage"))
 
 
-def create_app(service: CompletionService, api_key: Optional[str]) -> FastAPI:
+def create_app(service: CompletionService, api_key: str | None) -> FastAPI:
     """The server: the API key check, the body size limit, OpenAI-style error bodies, and the /v1
     endpoints. The key check comes first (the middleware added last), so that a client without the
     key gets 401 before any of its body is read."""
@@ -380,11 +390,11 @@ def create_app(service: CompletionService, api_key: Optional[str]) -> FastAPI:
     return app
 
 
-def api_key_check(api_key: Optional[str]):
+def api_key_check(api_key: str | None) -> Callable[[Request, RequestResponseEndpoint], Awaitable[Response]]:
     """HTTP middleware answering 401, in OpenAI's error format, to a request without the key
     (every request passes when the server has no key)."""
 
-    async def require_api_key(request: Request, call_next):
+    async def require_api_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
         if api_key is not None:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
@@ -408,10 +418,10 @@ class RequestSizeLimit:
     a declared Content-Length over the limit is refused unread, and a body without one is counted as
     it arrives. The body (at most max_bytes) is handed on whole."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -431,7 +441,7 @@ class RequestSizeLimit:
                 return await self.refuse(scope, receive, send, drain and more)
         replayed = False
 
-        async def replay():
+        async def replay() -> ASGIMessage:
             nonlocal replayed
             if replayed:
                 return await receive()
@@ -440,7 +450,7 @@ class RequestSizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def refuse(self, scope, receive, send, drain: bool) -> None:
+    async def refuse(self, scope: Scope, receive: Receive, send: Send, drain: bool) -> None:
         dropped = 0
         while drain and dropped < DRAIN_BYTES:
             message = await receive()
@@ -453,25 +463,25 @@ class RequestSizeLimit:
         await response(scope, receive, send)
 
 
-async def api_error(request: Request, err: APIError):
+async def api_error(request: Request, err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.error_type, err.param, err.code), status_code=err.status)
 
 
-async def validation_error(request: Request, err: RequestValidationError):
+async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     # FastAPI answers 422 in its own format; OpenAI clients expect 400 with an error body.
     problems = err.errors()
     locations = [".".join(str(part) for part in problem["loc"] if part != "body") for problem in problems]
     message = "; ".join(f"{where}: {problem['msg']}" if where else problem["msg"]
-                        for where, problem in zip(locations, problems))
+                        for where, problem in zip(locations, problems, strict=True))
     return JSONResponse(error_body(message or "invalid request", param=locations[0] if locations else None,
                                    code="invalid_value"), status_code=400)
 
 
-async def http_error(request: Request, err: StarletteHTTPException):
+async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(error_body(str(err.detail), code=None), status_code=err.status_code)
 
 
-async def server_error(request: Request, err: Exception):
+async def server_error(request: Request, err: Exception) -> JSONResponse:
     return JSONResponse(error_body(failure_message(err), "server_error"), status_code=500)
 
 
@@ -487,23 +497,26 @@ def openai_routes(service: CompletionService) -> APIRouter:
     """GET /v1/models, POST /v1/chat/completions and POST /v1/completions, served by service."""
     router = APIRouter()
 
-    @router.get("/v1/models")
-    async def list_models():
+    # response_model=None: the return annotations are for readers; FastAPI would otherwise validate and
+    # serialize each answer through a model made from them.
+    @router.get("/v1/models", response_model=None)
+    async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                             "created": service.created, "owned_by": "owner"}]}
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request) -> Response | dict[str, Any]:
         return await chat_completion_response(service, request, http_request)
 
-    @router.post("/v1/completions")
-    async def completions(request: CompletionRequest, http_request: Request):
+    @router.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest, http_request: Request) -> Response | dict[str, Any]:
         return await text_completion_response(service, request, http_request)
 
     return router
 
 
-async def chat_completion_response(service: CompletionService, request: ChatCompletionRequest, http_request: Request):
+async def chat_completion_response(service: CompletionService, request: ChatCompletionRequest,
+                                   http_request: Request) -> Response | dict[str, Any]:
     """A chat.completion body, or a stream of chat.completion.chunk events."""
     generator = service.generator
     service.check_request(request)
@@ -512,7 +525,7 @@ async def chat_completion_response(service: CompletionService, request: ChatComp
     reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": reply_id, "created": created, "model": service.model_name, "system_fingerprint": None}
 
-    def chunk(text, finish_reason):
+    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}
         return {**head, "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
@@ -534,7 +547,8 @@ async def chat_completion_response(service: CompletionService, request: ChatComp
             "usage": usage(completion)}
 
 
-async def text_completion_response(service: CompletionService, request: CompletionRequest, http_request: Request):
+async def text_completion_response(service: CompletionService, request: CompletionRequest,
+                                   http_request: Request) -> Response | dict[str, Any]:
     """A text_completion body, or a stream of text_completion events."""
     service.check_request(request)
     prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
@@ -545,7 +559,7 @@ async def text_completion_response(service: CompletionService, request: Completi
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name,
             "object": "text_completion", "system_fingerprint": None}
 
-    def chunk(text, finish_reason):
+    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
         return {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
                                      "finish_reason": finish_reason}]}
 
@@ -564,7 +578,7 @@ async def text_completion_response(service: CompletionService, request: Completi
             "usage": usage(completion)}
 
 
-def api_key_of(args: ServerArguments) -> Optional[str]:
+def api_key_of(args: ServerArguments) -> str | None:
     """The key every request must send: from --api_key_file, --api_key or $OPENAI_SERVER_API_KEY, in
     that order; None (serve without one) when none is given."""
     if args.api_key is not None and args.api_key_file is not None:
@@ -588,7 +602,7 @@ def api_key_of(args: ServerArguments) -> Optional[str]:
     return key
 
 
-def main():
+def main() -> None:
     model_args, server_args, limits = parse_args((InferenceModelArguments, ServerArguments, RequestLimits))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO, stream=sys.stderr, force=True)

@@ -4,7 +4,6 @@ DeepSpeed configs a ZeRO stage picks, and the data flags of DeepSpeed-Chat's con
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from transformers import TrainingArguments
@@ -12,7 +11,7 @@ from transformers import TrainingArguments
 from lorakit.core.cli import InputError
 from lorakit.core.repository import DS_CONFIGS
 from lorakit.data.build_dataset import ConversationDataArguments
-from lorakit.models.arguments import map_flags, note_accepted_flags
+from lorakit.models.arguments import MappedFlag, ModelArguments, map_flags, note_accepted_flags
 
 # Where DeepSpeed-Chat's --zero_stage (with --offload) points: the configs shipped in ds_configs/.
 SHIPPED_ZERO_CONFIGS = {(2, False): "ds_zero2_no_offload.json", (3, False): "ds_zero3_no_offload.json",
@@ -23,14 +22,14 @@ SHIPPED_ZERO_CONFIGS = {(2, False): "ds_zero2_no_offload.json", (3, False): "ds_
 DTYPE_FLAGS = {"fp16": "fp16", "bf16": "bf16", "fp32": None}
 
 
-def warmup_ratio_flag(ratio: float) -> tuple:
+def warmup_ratio_flag(ratio: float) -> MappedFlag:
     if not 0 <= ratio < 1:
         raise InputError(f"--warmup_ratio must be in [0, 1), got {ratio}")
-    return "warmup_steps", ratio, "a warmup_steps below 1 is a share of the training steps"
+    return MappedFlag("warmup_steps", ratio, "a warmup_steps below 1 is a share of the training steps")
 
 
 # Trainer flags by another name -> (transformers 5's flag, value[, why]): transformers 4's names that
-# Chinese-LLaMA-Alpaca-2's run_pt.sh/run_sft.sh pass, and DeepSpeed-Chat's. model_utils.map_flags applies them.
+# Chinese-LLaMA-Alpaca-2's run_pt.sh/run_sft.sh pass, and DeepSpeed-Chat's. models.arguments.map_flags applies them.
 RENAMED_TRAINER_FLAGS = {
     "evaluation_strategy": lambda strategy: ("eval_strategy", strategy),
     "warmup_ratio": warmup_ratio_flag,
@@ -62,20 +61,20 @@ class ToolkitTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "Train into an output_dir that is not empty, ignoring its checkpoints."},
     )
-    evaluation_strategy: Optional[str] = field(
+    evaluation_strategy: str | None = field(
         default=None, metadata={"help": "Old name of --eval_strategy (transformers 4)."}
     )
-    warmup_ratio: Optional[float] = field(
+    warmup_ratio: float | None = field(
         default=None, metadata={"help": "Old form of a fractional --warmup_steps (transformers 4)."}
     )
-    save_safetensors: Optional[bool] = field(
+    save_safetensors: bool | None = field(
         default=None, metadata={"help": "Accepted for old scripts; weights are always safetensors."}
     )
     group_by_length: bool = field(
         default=False,
         metadata={"help": "Old form of --train_sampling_strategy group_by_length (transformers 4)."},
     )
-    zero_stage: Optional[int] = field(
+    zero_stage: int | None = field(
         default=None,
         metadata={"help": "DeepSpeed-Chat: ZeRO stage 0, 2 or 3 (with --offload: 3), mapped to the --deepspeed "
                           "config of ds_configs/ (0: no DeepSpeed)."},
@@ -83,15 +82,15 @@ class ToolkitTrainingArguments(TrainingArguments):
     offload: bool = field(
         default=False, metadata={"help": "DeepSpeed-Chat: with --zero_stage 3, ZeRO-3 with CPU offload."}
     )
-    dtype: Optional[str] = field(
+    dtype: str | None = field(
         default=None,
         metadata={"help": "DeepSpeed-Chat: fp16 or bf16 mixed precision (--fp16 / --bf16), or fp32.",
                   "choices": list(DTYPE_FLAGS)},
     )
-    num_warmup_steps: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat's --warmup_steps."})
+    num_warmup_steps: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat's --warmup_steps."})
     only_optimize_lora: bool = field(default=False, metadata={"help": "DeepSpeed-Chat: accepted, LoRA trains only "
                                                                       "the adapter."})
-    num_padding_at_beginning: Optional[int] = field(
+    num_padding_at_beginning: int | None = field(
         default=None, metadata={"help": "DeepSpeed-Chat: accepted, scores are read from the attention mask."}
     )
     max_nonfinite_steps: int = field(
@@ -109,7 +108,7 @@ class ToolkitTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "Kept False: every column of our datasets is read by a collator."}
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Logging is not configured yet; setup_logging() reports these notes on rank 0. All of them
         # act before TrainingArguments fills the DeepSpeed config's "auto" precision from --fp16/--bf16.
         self.mapped_flags = []
@@ -137,7 +136,7 @@ def map_dtype_flag(args: ToolkitTrainingArguments) -> None:
 
 def map_zero_stage(args: ToolkitTrainingArguments) -> None:
     """DeepSpeed-Chat's --zero_stage (and --offload) as the --deepspeed config shipped for it."""
-    if args.deepspeed == "":  # DeepSpeed-Chat's bare switch (cli.bare_switch_as_empty)
+    if args.deepspeed == "":  # DeepSpeed-Chat's bare switch (core.cli.bare_switch_as_empty)
         args.deepspeed = None
         args.mapped_flags.append("--deepspeed (DeepSpeed-Chat's switch) accepted: --zero_stage picks the config, "
                                  "none or 0 meaning no DeepSpeed")
@@ -175,7 +174,7 @@ def map_fp16_on_cpu(args: ToolkitTrainingArguments) -> None:
                                  "--bf16 runs on a CPU)")
 
 
-def map_half_weights_on_cpu(model_args, training_args) -> None:
+def map_half_weights_on_cpu(model_args: ModelArguments, training_args: ToolkitTrainingArguments) -> None:
     """--torch_dtype float16 for a run on a CPU: its trainable copies (--modules_to_save) would train
     in float16 without loss scaling, and DeepSpeed mixes them with float32 there; load float32."""
     if model_args.torch_dtype == "float16" and training_args.device.type == "cpu":
@@ -205,9 +204,9 @@ class CausalLMTrainingArguments(ToolkitTrainingArguments):
 class DeepSpeedChatDataArguments(ConversationDataArguments):
     """The conversation data arguments plus DeepSpeed-Chat's name of --max_seq_length (steps 1 and 2)."""
 
-    max_seq_len: Optional[int] = field(default=None, metadata={"help": "DeepSpeed-Chat's --max_seq_length."})
+    max_seq_len: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat's --max_seq_length."})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         self.mapped_flags = []
         map_flags(self, {"max_seq_len": lambda length: ("max_seq_length", length)}, self.mapped_flags)

@@ -4,28 +4,47 @@ seeded length-grouped sampler, and next-token metrics."""
 
 import logging
 import math
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import Trainer, TrainerCallback
+from torch import nn
+from torch.utils.data import Dataset, Sampler
+from transformers import (
+    EvalPrediction,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_utils import TrainOutput
 
 from lorakit.core.cli import ReportedError
 from lorakit.core.model_files import complete_checkpoints
 from lorakit.models.chunked_loss import agreed_across_ranks, causal_lm_loss, head_reproduces_logits
 from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint
 
+if TYPE_CHECKING:
+    import datasets
+    import optuna
+
+    from lorakit.trainers.arguments import CausalLMTrainingArguments
+
 logger = logging.getLogger(__name__)
 
 
-def argmax_logits_for_metrics(logits, labels):
+def argmax_logits_for_metrics(logits: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
     """Keep only the predicted ids: accumulating full logits over an eval set costs vocab x more memory."""
     if isinstance(logits, tuple):
         logits = logits[0]
     return logits.argmax(dim=-1)
 
 
-def next_token_accuracy(eval_prediction) -> dict:
+def next_token_accuracy(eval_prediction: EvalPrediction) -> dict[str, float]:
     """Accuracy of next-token prediction over positions that have a label."""
     predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
     predictions = np.asarray(predictions)[:, :-1]
@@ -35,7 +54,7 @@ def next_token_accuracy(eval_prediction) -> dict:
     return {"accuracy": float(correct.sum() / max(mask.sum(), 1))}
 
 
-def add_perplexity(metrics: dict, prefix: str = "eval") -> dict:
+def add_perplexity(metrics: dict[str, float], prefix: str = "eval") -> dict[str, float]:
     loss = metrics.get(f"{prefix}_loss")
     if loss is not None:
         metrics[f"{prefix}_perplexity"] = math.exp(loss) if loss < 50 else float("inf")
@@ -47,7 +66,7 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
     without a generator, so it draws from the global RNG mid-run, which resuming restores to the
     checkpoint's state: a resumed run would see other batches than an uninterrupted one."""
 
-    def __init__(self, batch_size: int, lengths: list, seed: int):
+    def __init__(self, batch_size: int, lengths: list[int], seed: int) -> None:
         super().__init__(batch_size, lengths=lengths)
         self.seed = seed
         self.set_epoch(0)
@@ -69,16 +88,18 @@ class StopOnNonFinite(TrainerCallback):
     resumes; every save step and the last step are made logged steps so that no save goes unchecked. The logged
     loss is the mean over every process, so each rank stops at the same step."""
 
-    def __init__(self, max_nonfinite_steps: int):
+    def __init__(self, max_nonfinite_steps: int) -> None:
         self.max_nonfinite_steps = max_nonfinite_steps
-        self.nonfinite_steps = []
+        self.nonfinite_steps: list[int] = []
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> TrainerControl:
         if control.should_save or control.should_training_stop:
             control.should_log = True
         return control
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> TrainerControl:
         values = {name: logs[name] for name in ("loss", "grad_norm") if name in (logs or {})}
         if not values:
             return control  # an eval or end-of-training log
@@ -93,7 +114,7 @@ class StopOnNonFinite(TrainerCallback):
             raise TrainingDiverged(self.stop_message(args.output_dir, bad))
         return control
 
-    def stop_message(self, output_dir: str, bad: dict) -> str:
+    def stop_message(self, output_dir: str, bad: dict[str, float]) -> str:
         checkpoints = complete_checkpoints(output_dir)
         last = (f"the last checkpoint {checkpoints[-1]} holds finite weights and resumes"
                 if checkpoints else "no checkpoint was saved")
@@ -107,9 +128,9 @@ class StopOnNonFinite(TrainerCallback):
 class ResumableTrainer(Trainer):
     """Trainer whose length-grouped sampling is reproducible across a resume, which stops a run whose loss
     diverged (StopOnNonFinite) before it saves non-finite weights, and whose checkpoints are complete only once
-    their completion marker is written, after everything else (checkpoint_state.CheckpointCompletion)."""
+    their completion marker is written, after everything else (trainers.checkpoints.CheckpointCompletion)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         max_nonfinite_steps = getattr(self.args, "max_nonfinite_steps", 0)
         if max_nonfinite_steps > 0:
@@ -117,7 +138,7 @@ class ResumableTrainer(Trainer):
         if not any(isinstance(callback, CheckpointCompletion) for callback in self.callback_handler.callbacks):
             self.add_callback(CheckpointCompletion())  # a full fine-tuning run has no SavePeftModelCallback
 
-    def train(self, *args, **kwargs):
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         # The marker's writer last (a stable sort, after any callback added since __init__): after every on_save.
         self.callback_handler.callbacks.sort(key=lambda callback: isinstance(callback, CheckpointCompletion))
         try:
@@ -129,7 +150,8 @@ class ResumableTrainer(Trainer):
                     callback.training_bar.close()
             raise
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, torch.Tensor | int | None]:
         # transformers 5.23 trains a step before its callbacks check max_steps: a rerun resuming the final
         # checkpoint (a kill during the last save or eval) would train step max_steps + 1. Nothing is left.
         if 0 < self.state.max_steps <= self.state.global_step:
@@ -137,7 +159,7 @@ class ResumableTrainer(Trainer):
             return [], None
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
-    def _save_checkpoint(self, model, trial):
+    def _save_checkpoint(self, model: nn.Module, trial: "optuna.Trial | dict[str, Any] | None") -> None:
         clear_for_checkpoint(self.args, self.state.global_step)
         # The Trainer rotates checkpoints (--save_total_limit) inside this call, before the adapter copy and the
         # completion marker are written: it could remove the last complete checkpoint for one a crash leaves
@@ -148,7 +170,7 @@ class ResumableTrainer(Trainer):
         finally:
             self.args.save_total_limit = save_total_limit
 
-    def _get_train_sampler(self, train_dataset=None):
+    def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler | None:
         sampler = super()._get_train_sampler(train_dataset)
         if isinstance(sampler, LengthGroupedSampler):
             seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
@@ -156,23 +178,24 @@ class ResumableTrainer(Trainer):
         return sampler
 
 
-def without_labels(batch: dict) -> dict:
+def without_labels(batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
     """A causal-LM batch's model inputs: all but its (shifted) labels."""
     return {name: value for name, value in batch.items() if name not in ("labels", "shift_labels")}
 
 
 class CausalLMTrainer(ResumableTrainer):
     """Trainer whose eval logs carry perplexity next to the loss, during training and at the end, and whose
-    loss is chunked_loss.causal_lm_loss (--chunked_loss) where that equals the model's own: no float32 logits
+    loss is models.chunked_loss.causal_lm_loss (--chunked_loss) where that equals the model's own: no float32 logits
     of the whole batch and vocabulary. The model runs with logits_to_keep=1 and returns its hidden states."""
 
-    chunked_loss_exact = None  # decided on the first batch (head_reproduces_logits)
+    chunked_loss_exact: bool | None = None  # decided on the first batch (head_reproduces_logits)
 
-    def log(self, logs, *args, **kwargs):
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         add_perplexity(logs)
         super().log(logs, *args, **kwargs)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         if return_outputs or not self.uses_chunked_loss(model, inputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         outputs = model(**without_labels(inputs), output_hidden_states=True, logits_to_keep=1)
@@ -185,7 +208,7 @@ class CausalLMTrainer(ResumableTrainer):
             loss = loss * self.accelerator.num_processes
         return loss
 
-    def uses_chunked_loss(self, model, inputs) -> bool:
+    def uses_chunked_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any]) -> bool:
         """--chunked_loss, a batch with labels, plain data parallelism (no tensor, sequence or context
         parallelism, no DataParallel), and a model whose head reproduces its logits."""
         if not (getattr(self.args, "chunked_loss", False) and "labels" in inputs and self.args.n_gpu <= 1
@@ -203,7 +226,10 @@ class CausalLMTrainer(ResumableTrainer):
         return self.chunked_loss_exact
 
 
-def build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, data_collator, callbacks):
+def build_trainer(model: nn.Module, training_args: "CausalLMTrainingArguments", tokenizer: PreTrainedTokenizerBase,
+                  train_dataset: "datasets.Dataset", eval_dataset: "datasets.Dataset | None",
+                  data_collator: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor | Any]],
+                  callbacks: list[TrainerCallback]) -> CausalLMTrainer:
     """The CausalLMTrainer every causal-LM stage uses, with token accuracy on its eval set."""
     has_eval = eval_dataset is not None
     return CausalLMTrainer(

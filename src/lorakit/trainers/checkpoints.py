@@ -1,23 +1,31 @@
-"""What makes a checkpoint resumable, for every stage: a completion marker (model_files.COMPLETION_MARKER) written
+"""What makes a checkpoint resumable, for every stage: a completion marker (core.model_files.COMPLETION_MARKER) written
 last into checkpoint-N, once every rank's files and the adapter copy are on disk and synced, holding the identity
 of the run that wrote it and the size of each of its files; the choice of a checkpoint to resume from, made once
 (rank 0) for every rank; and the refusal of a checkpoint that another run wrote (model, data, seed or a
 shape-changing setting differ) or that some rank cannot read.
 
 A run's identity is its models (path and config file fingerprint), the settings in RUN_DEFINING_FLAGS, the number
-of processes, and its data: the names of the data cache entries it reads (data_cache.build_or_load_cached calls
-note_data with each, PPO with its prompts' fingerprint). A resumed run refuses an entry its checkpoint was not
-trained on before reading or building it, so a refusal leaves the cache as it was."""
+of processes, and its data: the names of the data cache entries it reads (data.cache.build_or_load_cached calls
+data.run_record.note_data with each, PPO with its prompts' fingerprint). A resumed run refuses an entry its
+checkpoint was not trained on before reading or building it, so a refusal leaves the cache as it was."""
 
 import hashlib
 import json
 import logging
 import os
 import shutil
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
-from transformers import TrainerCallback
+from torch import nn
+from transformers import (
+    PreTrainedTokenizerBase,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from lorakit.core.atomic import sync_path, sync_tree, write_json_atomically
 from lorakit.core.cli import InputError
@@ -27,7 +35,13 @@ from lorakit.data.run_record import START_AFRESH, check_all_data_read
 from lorakit.models.zero3 import gathered
 from lorakit.records.chat_templates import save_template_kwargs
 
+if TYPE_CHECKING:
+    from lorakit.models.arguments import ModelArguments
+    from lorakit.trainers.arguments import ToolkitTrainingArguments
+
 logger = logging.getLogger(__name__)
+
+Decision = TypeVar("Decision")
 
 # The flags naming a model or adapter the run starts from: each is recorded with its config file's fingerprint.
 MODEL_FLAGS = ("model_name_or_path", "peft_path", "actor_model_name_or_path", "actor_lora_model",
@@ -47,7 +61,7 @@ RUN_DEFINING_FLAGS = (
 # ----------------------------------------------------------------------------- the run's identity
 
 
-def config_fingerprint(path: str) -> Optional[str]:
+def config_fingerprint(path: str) -> str | None:
     """blake2b of the directory's config.json (a model) or adapter_config.json (an adapter); None for neither."""
     for name in ("config.json", "adapter_config.json"):
         config = os.path.join(path, name)
@@ -57,7 +71,7 @@ def config_fingerprint(path: str) -> Optional[str]:
     return None
 
 
-def run_identity(model_args, data_args, training_args) -> dict:
+def run_identity(model_args: "ModelArguments", data_args: Any, training_args: TrainingArguments) -> dict[str, Any]:
     """{name: value} of what defines this run but its data: every model flag's directory and config fingerprint,
     RUN_DEFINING_FLAGS as given, and the number of processes. JSON values, as the marker stores them."""
     sources = (model_args, data_args, training_args)
@@ -76,7 +90,7 @@ def run_identity(model_args, data_args, training_args) -> dict:
     return json.loads(json.dumps(identity))
 
 
-def identity_differences(recorded: dict, current: dict) -> list:
+def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'name old (checkpoint) vs new (now)' for every entry that differs."""
     names = list(current) + [name for name in recorded if name not in current]
     return [f"{name} {json.dumps(recorded.get(name))} (checkpoint) vs {json.dumps(current.get(name))} (now)"
@@ -95,7 +109,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def rank_zero_decides(decide: Callable):
+def rank_zero_decides(decide: Callable[[], Decision]) -> Decision:
     """decide() run on rank 0 alone, its result (or its refusal, raised again) on every rank: a decision read from
     a disk must not differ between nodes."""
     if process_count() == 1:
@@ -113,7 +127,7 @@ def rank_zero_decides(decide: Callable):
     return value
 
 
-def refuse_unless_every_rank_agrees(checkpoint: str, unreadable: Optional[str], refusal: Optional[str]) -> None:
+def refuse_unless_every_rank_agrees(checkpoint: str, unreadable: str | None, refusal: str | None) -> None:
     """Raise on every rank, so that no rank trains while another stops: first that some rank cannot read the
     checkpoint (why, on the first such rank), else rank 0's refusal of it (its identity differs)."""
     found = [(unreadable, refusal)]
@@ -131,7 +145,7 @@ def refuse_unless_every_rank_agrees(checkpoint: str, unreadable: Optional[str], 
         raise InputError(found[0][1])
 
 
-def resumable_checkpoint_data(checkpoint: str, identity: dict) -> list:
+def resumable_checkpoint_data(checkpoint: str, identity: dict[str, Any]) -> list[str]:
     """The data entries of the checkpoint rank 0 chose, once every rank has read its marker and rank 0 found this
     run's identity in it; a refusal (on every rank) naming what differs otherwise."""
     unreadable, refusal, record = checkpoint_problem(checkpoint), None, {}
@@ -149,7 +163,7 @@ def resumable_checkpoint_data(checkpoint: str, identity: dict) -> list:
 # ----------------------------------------------------------------------------- writing a checkpoint
 
 
-def file_sizes(directory: str) -> dict:
+def file_sizes(directory: str) -> dict[str, int]:
     sizes = {}
     for root, _, files in os.walk(directory):
         for name in files:
@@ -158,13 +172,13 @@ def file_sizes(directory: str) -> dict:
     return dict(sorted(sizes.items()))
 
 
-def write_completion_marker(checkpoint: str, record: dict) -> None:
+def write_completion_marker(checkpoint: str, record: dict[str, Any]) -> None:
     """The completion marker, atomically; then the output directory that names checkpoint-N is synced too."""
     write_json_atomically(os.path.join(checkpoint, COMPLETION_MARKER), record, indent=1)
     sync_path(os.path.dirname(checkpoint))
 
 
-def clear_for_checkpoint(args, step: int) -> None:
+def clear_for_checkpoint(args: TrainingArguments, step: int) -> None:
     """Before the Trainer writes checkpoint-N: a checkpoint-N left by an earlier attempt (a save cut short, or a
     run resumed from an earlier step) is removed, so that no file or marker of it outlives the new save."""
     path = os.path.join(args.output_dir, f"checkpoint-{step}")
@@ -175,7 +189,7 @@ def clear_for_checkpoint(args, step: int) -> None:
     barrier()
 
 
-def rotate_checkpoints(output_dir: str, limit: Optional[int], newest: str, protected: set) -> None:
+def rotate_checkpoints(output_dir: str, limit: int | None, newest: str, protected: set[str]) -> None:
     """--save_total_limit among complete checkpoints: the newest `limit` (and the best one) stay; older ones go, as
     does any incomplete one older than `newest` (a save that never finished and is superseded). Incomplete ones
     beyond it stay, for the run to replace when it gets there."""
@@ -190,7 +204,7 @@ def rotate_checkpoints(output_dir: str, limit: Optional[int], newest: str, prote
             shutil.rmtree(path, ignore_errors=True)
 
 
-def mark_checkpoint_complete(args, state) -> None:
+def mark_checkpoint_complete(args: TrainingArguments, state: TrainerState) -> None:
     """Every rank calls it after checkpoint-N is saved (on_save): each syncs what it wrote, all wait for each other,
     then the saving process writes the marker and rotates the checkpoints (the Trainer's own rotation is held back
     until now: it would remove the last complete checkpoint before the new one is complete)."""
@@ -211,14 +225,14 @@ class CheckpointCompletion(TrainerCallback):
     """Writes checkpoint-N's completion marker. ResumableTrainer keeps it (or SavePeftModelCallback, which
     extends it) last among the callbacks, so that it runs after every other on_save."""
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         mark_checkpoint_complete(args, state)
 
 
 # ----------------------------------------------------------------------------- starting to write
 
 
-def start_writing(args, resume_checkpoint: Optional[str]) -> None:
+def start_writing(args: "ToolkitTrainingArguments", resume_checkpoint: str | None) -> None:
     """The last refusal (a resumed run reading less data than its checkpoint's), then --overwrite_output_dir's
     removal of the earlier run's checkpoints: only now, after every refusal, as training starts to write."""
     check_all_data_read()
@@ -233,7 +247,7 @@ def start_writing(args, resume_checkpoint: Optional[str]) -> None:
     barrier()
 
 
-def save_adapter(model, tokenizer, path: str, is_main_process: bool) -> None:
+def save_adapter(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, path: str, is_main_process: bool) -> None:
     """Adapter + tokenizer in `path`. Under ZeRO-3 the adapter weights are gathered first
     (every rank must call this), the frozen base is not."""
     with gathered(p for p in model.parameters() if p.requires_grad):
@@ -250,10 +264,12 @@ class SavePeftModelCallback(CheckpointCompletion):
     checkpoint's last file, its completion marker (a crash before it leaves the checkpoint
     incomplete, never resumed from)."""
 
-    def __init__(self, adapter_dir_name: str):
+    def __init__(self, adapter_dir_name: str) -> None:
         self.adapter_dir_name = adapter_dir_name
 
-    def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                model: nn.Module | None = None, processing_class: PreTrainedTokenizerBase | None = None,
+                **kwargs: Any) -> None:
         checkpoint_dir = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         adapter_dir = os.path.join(checkpoint_dir, self.adapter_dir_name)
         if args.should_save and os.path.isdir(adapter_dir):
@@ -264,5 +280,7 @@ class SavePeftModelCallback(CheckpointCompletion):
             link_identical_files(adapter_dir, checkpoint_dir)
         super().on_save(args, state, control, **kwargs)
 
-    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     model: nn.Module | None = None, processing_class: PreTrainedTokenizerBase | None = None,
+                     **kwargs: Any) -> None:
         save_adapter(model, processing_class, os.path.join(args.output_dir, self.adapter_dir_name), args.should_save)

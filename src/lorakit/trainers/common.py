@@ -5,14 +5,17 @@ output-directory and resume rules, logging, next-token metrics and the run_clm-s
 import logging
 import os
 import sys
-from typing import Optional
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import transformers
-from transformers import TrainingArguments
+from transformers import PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments
+from transformers.trainer_utils import TrainOutput
 
 from lorakit.core.cli import InputError, parse_args
 from lorakit.core.model_files import checkpoint_problem, checkpoint_states
 from lorakit.data.run_record import begin_run
+from lorakit.models.arguments import ModelArguments
 from lorakit.models.loader import check_load_plan, check_model_inputs, load_model_config, load_tokenizer
 from lorakit.trainers.arguments import ToolkitTrainingArguments, map_half_weights_on_cpu
 from lorakit.trainers.checkpoints import (
@@ -21,6 +24,9 @@ from lorakit.trainers.checkpoints import (
     run_identity,
     start_writing,
 )
+
+if TYPE_CHECKING:
+    from transformers import Trainer  # annotations only: this module needs no transformers.trainer loaded
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ def setup_logging(training_args: TrainingArguments) -> None:
     )
 
 
-def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Optional[str]:
+def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> str | None:
     """Where training starts, read from this process's disk: an explicit --resume_from_checkpoint wins;
     otherwise the last complete checkpoint in output_dir (incomplete ones are skipped, each named in the log);
     a non-empty output_dir without one is refused unless --overwrite_output_dir."""
@@ -89,9 +95,10 @@ def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> Optiona
     )
 
 
-def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments, model_args, data_args) -> Optional[str]:
+def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments, model_args: ModelArguments,
+                              data_args: Any) -> str | None:
     """Decide, before anything is written, where training starts: rank 0 chooses (choose_resume_checkpoint) for
-    every rank; a checkpoint some rank cannot read, or written by a run whose identity (checkpoint_state: models,
+    every rank; a checkpoint some rank cannot read, or written by a run whose identity (trainers.checkpoints: models,
     seed, shape-changing settings, processes) differs from this one, is refused on every rank. Begins this
     process's run record, against which the data read next is checked when resuming."""
     checkpoint = rank_zero_decides(lambda: choose_resume_checkpoint(training_args))
@@ -101,13 +108,24 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments, model_arg
     return checkpoint
 
 
-def start_run(argument_classes: tuple, task: str = "causal_lm", fold_adapter: bool = False):
+class RunStart(NamedTuple):
+    """What start_run parsed and checked before anything is written. data_args is the stage's own data class
+    (pt's DataArguments or a ConversationDataArguments); the config goes on to load_model, so a run reads it
+    once."""
+
+    model_args: ModelArguments
+    data_args: Any
+    training_args: ToolkitTrainingArguments
+    resume_checkpoint: str | None
+    tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig
+
+
+def start_run(argument_classes: tuple[type, ...], task: str = "causal_lm", fold_adapter: bool = False) -> RunStart:
     """The common start of every run_* script but PPO's: parse the arguments, set up logging, and
     check everything that can be refused (evaluation data, resume point, tokenizer, model config,
-    adapter, vocabulary, and what loading the model would refuse: model_utils.check_load_plan with
-    load_model's task and fold_adapter) before anything is written, the data cache included.
-    Returns (model_args, data_args, training_args, resume checkpoint, tokenizer, model config); the
-    config goes on to load_model, so a run reads it once."""
+    adapter, vocabulary, and what loading the model would refuse: models.loader.check_load_plan with
+    load_model's task and fold_adapter) before anything is written, the data cache included."""
     model_args, data_args, training_args = parse_args(argument_classes)
     training_args.mapped_flags += model_args.mapped_flags + getattr(data_args, "mapped_flags", [])
     map_half_weights_on_cpu(model_args, training_args)
@@ -120,10 +138,10 @@ def start_run(argument_classes: tuple, task: str = "causal_lm", fold_adapter: bo
     config = load_model_config(model_args)
     check_model_inputs(model_args, config, tokenizer)
     check_load_plan(model_args, training_args, config, tokenizer, task, fold_adapter=fold_adapter)
-    return model_args, data_args, training_args, resume_checkpoint, tokenizer, config
+    return RunStart(model_args, data_args, training_args, resume_checkpoint, tokenizer, config)
 
 
-def check_held_out_data(data_args, training_args: TrainingArguments, what: str = "data") -> None:
+def check_held_out_data(data_args: Any, training_args: TrainingArguments, what: str = "data") -> None:
     """An evaluating run (--eval_strategy) needs held-out data: refused from the arguments, before the
     data is read, rather than by the Trainer once the data is cached and the model loaded."""
     strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)
@@ -133,7 +151,7 @@ def check_held_out_data(data_args, training_args: TrainingArguments, what: str =
     raise InputError(f"--eval_strategy {strategy} needs held-out {what}: give {' or '.join(sources)}")
 
 
-def resolve_sequence_length(flag: str, requested: Optional[int], config) -> int:
+def resolve_sequence_length(flag: str, requested: int | None, config: PretrainedConfig) -> int:
     """A sequence length within the model's positions (default: min(1024, max positions))."""
     max_positions = getattr(config, "max_position_embeddings", None) or 1024
     if requested is None:
@@ -152,7 +170,8 @@ def padding_multiple(training_args: TrainingArguments) -> int:
     return 8 if training_args.device.type == "cuda" else 1
 
 
-def train_and_finish(trainer, resume_checkpoint, full_finetuning: bool, eval_dataset, num_train_samples: int) -> None:
+def train_and_finish(trainer: "Trainer", resume_checkpoint: str | None, full_finetuning: bool,
+                     eval_dataset: Sized | None, num_train_samples: int) -> None:
     """Train (resuming if asked), save a fully fine-tuned model (adapters are saved by their
     callback), and write run_clm's result files."""
     start_writing(trainer.args, resume_checkpoint)
@@ -162,7 +181,8 @@ def train_and_finish(trainer, resume_checkpoint, full_finetuning: bool, eval_dat
     finish_run(trainer, train_result, eval_dataset, num_train_samples)
 
 
-def finish_run(trainer, train_result, eval_dataset, num_train_samples: int) -> None:
+def finish_run(trainer: "Trainer", train_result: TrainOutput, eval_dataset: Sized | None,
+               num_train_samples: int) -> None:
     """run_clm's closing convention, kept by every stage: train/eval/all_results.json and
     trainer_state.json (with the loss history) in output_dir."""
     metrics = dict(train_result.metrics)

@@ -27,12 +27,15 @@ import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from datasets import Dataset, concatenate_datasets
+from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.trainer_utils import EvalLoopOutput
 
 from lorakit.core.cli import InputError, run_cli
 from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_PREFIX
@@ -42,6 +45,7 @@ from lorakit.models.arguments import ModelArguments
 from lorakit.models.dpo_losses import (
     LOSS_TYPES,
     REFERENCE_FREE,
+    SequenceLogps,
     nll_loss,
     nll_weight,
     preference_loss,
@@ -87,7 +91,7 @@ class DPOArguments(CausalLMTrainingArguments):
                           "Needs sdpa or eager attention; two rows per pair otherwise."},
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.beta <= 0:
             raise InputError(f"--beta must be positive, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
@@ -117,7 +121,7 @@ class DataCollatorForAnswerLogps(DataCollatorForPreferencePairs):
     and its later tokens from its own positions after the chosen answer. Precomputed reference
     log-probs, when the dataset carries them, come along."""
 
-    def __call__(self, features: list) -> dict:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = super().__call__(features)
         del batch["margin"]
         width, pairs = batch["input_ids"].shape[1], len(features)
@@ -147,7 +151,7 @@ class DataCollatorForAnswerLogps(DataCollatorForPreferencePairs):
         return batch
 
 
-def answer_logps(model, batch: dict) -> tuple:
+def answer_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogps:
     """(summed log-probabilities, token counts) of the batch's answers, chosen ones then rejected."""
     inputs = {name: value for name, value in batch.items() if name not in ("answer_owner",) + REFERENCE_COLUMNS}
     rows = batch["input_ids"].shape[0]
@@ -155,14 +159,14 @@ def answer_logps(model, batch: dict) -> tuple:
     return sequence_log_probs(model(**inputs).token_logps, batch["answer_owner"], sequences)
 
 
-def reference_logps(model, unwrapped_model, batch: dict):
+def reference_logps(model: nn.Module, unwrapped_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The answers' log-probabilities under the reference: the model with its adapter disabled."""
     from peft import PeftModel
 
     # A fully fine-tuned model (precomputing only) is its own reference before training.
     disabled = unwrapped_model.disable_adapter() if isinstance(unwrapped_model, PeftModel) else nullcontext()
     with torch.no_grad(), disabled:
-        return answer_logps(model, batch)[0]
+        return answer_logps(model, batch).sums
 
 
 class DPOTrainer(ResumableTrainer):
@@ -170,11 +174,12 @@ class DPOTrainer(ResumableTrainer):
     (+ the NLL term of ORPO and --rpo_alpha); the pair metrics are summed per mode and logged,
     averaged over every pair since the last log, with TRL's names."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.metric_sums = {"train": torch.zeros(len(METRICS) + 1), "eval": torch.zeros(len(METRICS) + 1)}
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         args = self.args
         ref_chosen = ref_rejected = None
         if args.loss_type not in REFERENCE_FREE:
@@ -196,39 +201,43 @@ class DPOTrainer(ResumableTrainer):
                             chosen.detach(), rejected.detach())
         return (loss, {"chosen": chosen_rewards, "rejected": rejected_rewards}) if return_outputs else loss
 
-    def record_metrics(self, mode: str, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> None:
+    def record_metrics(self, mode: str, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                       chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> None:
         values = torch.stack([chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
                               chosen_rewards - rejected_rewards, chosen_logps, rejected_logps]).float().sum(dim=1)
         self.metric_sums[mode] += torch.cat([values.cpu(), torch.tensor([float(len(chosen_rewards))])])
 
-    def pop_metrics(self, mode: str, prefix: str = "") -> dict:
+    def pop_metrics(self, mode: str, prefix: str = "") -> dict[str, float]:
         """The mean of each metric over every pair of every rank since the last call (a collective)."""
         totals = self.accelerator.reduce(self.metric_sums[mode].to(self.accelerator.device), "sum").cpu()
         self.metric_sums[mode].zero_()
         pairs = max(totals[-1].item(), 1.0)
         return {f"{prefix}{name}": totals[k].item() / pairs for k, name in enumerate(METRICS)}
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    def log(self, logs, *args, **kwargs):
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "loss" in logs:  # a training log: every rank logs at the same step
             logs.update(self.pop_metrics("train"))
         super().log(logs, *args, **kwargs)
 
-    def evaluation_loop(self, *args, **kwargs):
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> EvalLoopOutput:
         output = super().evaluation_loop(*args, **kwargs)
         output.metrics.update(self.pop_metrics("eval", f"{kwargs.get('metric_key_prefix', 'eval')}_"))
         return output
 
 
-def reference_model_fingerprint(model_args, memo: FingerprintMemo) -> dict:
+def reference_model_fingerprint(model_args: ModelArguments, memo: FingerprintMemo) -> dict[str, Any]:
     """What the reference log-probs depend on: the weights (and folded adapter) by content (memo: read once per
     node, then stat), the dtype and quantization."""
-    def fingerprints(directory):
+    def fingerprints(directory: str | None) -> list[tuple[str, str]] | None:
         if not directory:
             return None
         return sorted((name, memo(os.path.join(directory, name))) for name in os.listdir(directory)
@@ -239,11 +248,12 @@ def reference_model_fingerprint(model_args, memo: FingerprintMemo) -> dict:
             "attention": model_args.attn_implementation}
 
 
-def with_reference_logps(dataset: Dataset, model, collator, training_args, model_args, cache_dir: str) -> Dataset:
+def with_reference_logps(dataset: Dataset, model: nn.Module, collator: DataCollatorForAnswerLogps,
+                         training_args: DPOArguments, model_args: ModelArguments, cache_dir: str) -> Dataset:
     """The dataset plus the reference log-probs of each pair's answers (REFERENCE_COLUMNS), computed
     once with the adapter disabled and cached next to the tokenized pairs (the key covers the pairs
     and the reference model); every rank reads the one cached copy."""
-    def build(tmp_dir):
+    def build(tmp_dir: str) -> None:
         loader = DataLoader(dataset, batch_size=training_args.per_device_eval_batch_size, collate_fn=collator)
         device, columns = training_args.device, []
         model.to(device).eval()
@@ -252,7 +262,7 @@ def with_reference_logps(dataset: Dataset, model, collator, training_args, model
             columns.append(reference_logps(model, model, batch).cpu().view(2, -1))
         model.train()
         table = torch.cat(columns, dim=1)
-        Dataset.from_dict(dict(zip(REFERENCE_COLUMNS, table.tolist()))).save_to_disk(tmp_dir)
+        Dataset.from_dict(dict(zip(REFERENCE_COLUMNS, table.tolist(), strict=True))).save_to_disk(tmp_dir)
 
     with training_args.main_process_first(desc="reference log-probs"):
         memo = FingerprintMemo(cache_dir)
@@ -263,7 +273,7 @@ def with_reference_logps(dataset: Dataset, model, collator, training_args, model
     return concatenate_datasets([dataset, reference], axis=1)
 
 
-def check_reference(model_args, training_args) -> None:
+def check_reference(model_args: ModelArguments, training_args: DPOArguments) -> None:
     needs_reference = training_args.loss_type not in REFERENCE_FREE
     if model_args.full_finetuning and needs_reference and not training_args.precompute_ref_log_probs:
         raise InputError(f"--full_finetuning with --loss_type {training_args.loss_type}: the reference is the model "
@@ -273,7 +283,7 @@ def check_reference(model_args, training_args) -> None:
                          "leave it out under ZeRO-3 (the reference is then the model with its LoRA disabled)")
 
 
-def main():
+def main() -> None:
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
         ARGUMENT_CLASSES, task="answer_logps", fold_adapter=True)
     check_reference(model_args, training_args)
@@ -285,7 +295,7 @@ def main():
     model = load_model(model_args, training_args, tokenizer, task="answer_logps", config=config,
                        fold_adapter=True)
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    causal_lm.chunked_loss = training_args.chunked_loss  # read by model_utils.answer_logps_forward
+    causal_lm.chunked_loss = training_args.chunked_loss  # read by models.heads.answer_logps_forward
     share_prefix = shares_pair_prefix(model, training_args)
     collator = DataCollatorForAnswerLogps(tokenizer.pad_token_id, padding_multiple(training_args),
                                           share_prefix=share_prefix)

@@ -1,6 +1,6 @@
 """torchrun, keeping the bad-input contract through the launcher: every process meets the same bad
 input (or the same diverged loss), so each leaves its one-line message in torchrun's error file
-(cli.hand_to_launcher) instead of printing it; when the job failed only on that (the other
+(core.cli.hand_to_launcher) instead of printing it; when the job failed only on that (the other
 processes exited with the same status or were stopped by torchrun after the first), the launcher
 prints the first message once and exits with that status (2 for bad input), without torchrun's
 traceback and failure report. Any other failure is torchrun's, reported in full."""
@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NamedTuple
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -27,9 +28,9 @@ AGENT_FAILURE_LINES = ("failed (exitcode", "Sending process")
 class HeldBack(logging.Filter):
     """Keeps the agent's failure records instead of letting them through, for replay() to emit later."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self.records = []
+        self.records: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(AGENT_FAILURE_LINES):
@@ -43,10 +44,18 @@ class HeldBack(logging.Filter):
             logger.handle(record)
 
 
-def reported_failure(err: ChildFailedError) -> tuple:
+class ReportedFailure(NamedTuple):
+    """How a job failed on what its processes reported themselves: the status to exit with, and the one-line
+    message to print (None: every process has printed it already)."""
+
+    status: int
+    message: str | None
+
+
+def reported_failure(err: ChildFailedError) -> ReportedFailure | None:
     """(exit status, message) when every process that failed by itself exited with one status and reported it
-    (cli.hand_to_launcher: bad input, a diverged run), the message being the earliest one; (2, None) when they
-    exited 2 without a message (an argument the parser refused, which every process has printed already);
+    (core.cli.hand_to_launcher: bad input, a diverged run), the message being the earliest one; (2, None) when
+    they exited 2 without a message (an argument the parser refused, which every process has printed already);
     None for any other failure."""
     failures = [f for f in err.failures.values() if f.exitcode not in STOPPED_BY_TORCHRUN]
     statuses = {failure.exitcode for failure in failures}
@@ -56,8 +65,9 @@ def reported_failure(err: ChildFailedError) -> tuple:
     reported = [failure for failure in failures if isinstance(failure.message, str)
                 and failure.error_file_data.get("message") == failure.message]
     if reported:
-        return status, min(reported, key=lambda failure: (failure.timestamp, failure.local_rank)).message
-    return (status, None) if status == INPUT_ERROR_STATUS else None
+        earliest = min(reported, key=lambda failure: (failure.timestamp, failure.local_rank))
+        return ReportedFailure(status, earliest.message)
+    return ReportedFailure(status, None) if status == INPUT_ERROR_STATUS else None
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ Writes checkpoint-N/ (resumable, with checkpoint-N/pt_lora_model) and OUT/pt_lor
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
 
 from transformers import set_seed
 
@@ -36,24 +35,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DataArguments:
-    dataset_dir: Optional[str] = field(
+    dataset_dir: str | None = field(
         default=None, metadata={"help": "Directory of *.txt (one document a line) and *.jsonl (field 'text') files."}
     )
-    data_cache_dir: Optional[str] = field(
+    data_cache_dir: str | None = field(
         default=None, metadata={"help": "Where tokenized blocks are cached (default: the datasets cache)."}
     )
-    block_size: Optional[int] = field(
+    block_size: int | None = field(
         default=None, metadata={"help": "Tokens per training block (default: min(1024, model's max positions))."}
     )
     validation_split_percentage: float = field(
         default=0.05, metadata={"help": "Held-out share of blocks for eval: a fraction if < 1, else a percentage."}
     )
     preprocessing_num_workers: int = field(default=1, metadata={"help": "Processes used to tokenize."})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many train blocks."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep at most this many eval blocks."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many train blocks."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep at most this many eval blocks."})
     prepare_data_only: bool = field(default=False, metadata={"help": PREPARE_DATA_ONLY_HELP})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_prepare_data_only(self)
 
 
@@ -61,7 +60,7 @@ class DataArguments:
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CausalLMTrainingArguments)
 
 
-def main():
+def main() -> None:
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
     block_size = resolve_sequence_length("--block_size", data_args.block_size, config)
     set_seed(training_args.seed)

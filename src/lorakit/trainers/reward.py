@@ -19,11 +19,13 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import set_seed
+from torch import nn
+from transformers import EvalPrediction, PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
 from lorakit.commands import COMMANDS
 from lorakit.core.cli import InputError, ReportedError, in_process_group, leave_process_group, run_cli
@@ -34,16 +36,19 @@ from lorakit.data.build_dataset import (
     build_preference_dataset,
 )
 from lorakit.data.cache import data_cache_dir, report_prepared_data
-from lorakit.data.splits import first_samples, held_out_check, split_validation
+from lorakit.data.splits import ValidationSplit, first_samples, held_out_check, split_validation
 from lorakit.models.arguments import ModelArguments
 from lorakit.models.heads import MASKABLE_ATTENTION, score_pairs
 from lorakit.models.loader import choose_pad_token, load_model
-from lorakit.records.chat_templates import parse_template_kwargs, use_template
+from lorakit.records.chat_templates import ChatTemplate, parse_template_kwargs, use_template
 from lorakit.records.readers import find_record_files
 from lorakit.trainers.arguments import DeepSpeedChatDataArguments, ToolkitTrainingArguments
 from lorakit.trainers.causal_lm import ResumableTrainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import padding_multiple, resolve_sequence_length, start_run, train_and_finish
+
+if TYPE_CHECKING:
+    from lorakit.trainers.dpo import DPOArguments
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +79,18 @@ class RewardTrainer(ResumableTrainer):
     """Pairwise loss -logsigmoid(r_chosen - r_rejected - margin) over batches holding each
     pair's chosen and rejected sequences together (one forward for both)."""
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         chosen, rejected = score_pairs(model, inputs)
         loss = -F.logsigmoid(chosen - rejected - inputs["margin"]).mean()
         if self.args.reward_center_coef:
             loss = loss + self.args.reward_center_coef * (chosen + rejected).pow(2).mean()
         return (loss, {"chosen": chosen, "rejected": rejected}) if return_outputs else loss
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss, scores = self.compute_loss(model, inputs, return_outputs=True)
@@ -92,7 +101,7 @@ class RewardTrainer(ResumableTrainer):
         return loss.detach(), pair_scores, torch.zeros(pair_scores.shape[0], device=pair_scores.device)
 
 
-def preference_metrics(eval_prediction) -> dict:
+def preference_metrics(eval_prediction: EvalPrediction) -> dict[str, float]:
     scores = np.asarray(eval_prediction.predictions)
     chosen, rejected = scores[:, 0], scores[:, 1]
     return {
@@ -103,7 +112,8 @@ def preference_metrics(eval_prediction) -> dict:
     }
 
 
-def build_datasets(data_args: RewardDataArguments, tokenizer, chat_template, max_length: int, seed: int) -> tuple:
+def build_datasets(data_args: RewardDataArguments, tokenizer: PreTrainedTokenizerBase, chat_template: ChatTemplate,
+                   max_length: int, seed: int) -> ValidationSplit:
     files = find_record_files(data_args.dataset_dir, data_args.data_path)
     if not files:
         raise InputError("no training data: give --dataset_dir or --data_path")
@@ -114,11 +124,12 @@ def build_datasets(data_args: RewardDataArguments, tokenizer, chat_template, max
     train = build_preference_dataset(files, data_split=data_args.data_split, data_phase=data_args.data_phase,
                                      seed=seed, check=check, **common)
     if data_args.validation_file:
-        return train, build_preference_dataset(find_record_files(None, [data_args.validation_file]), **common)
+        return ValidationSplit(train, build_preference_dataset(find_record_files(None, [data_args.validation_file]),
+                                                            **common))
     return split_validation(train, data_args.validation_split_percentage, seed, "pairs")
 
 
-def check_mergeable(model_args, training_args) -> None:
+def check_mergeable(model_args: ModelArguments, training_args: RewardArguments) -> None:
     """--merge_on_save reads the base's safetensors files: a base without any is refused before training, not
     after it."""
     base = model_args.model_name_or_path
@@ -127,7 +138,7 @@ def check_mergeable(model_args, training_args) -> None:
                          "none (pytorch_model*.bin?): re-save it with save_pretrained, or drop --merge_on_save")
 
 
-def merge_after_every_rank(model_args, training_args) -> None:
+def merge_after_every_rank(model_args: ModelArguments, training_args: RewardArguments) -> None:
     """--merge_on_save once the run is complete on every rank: the other ranks end (their last barrier), the main
     process destroys the process group and only then merges (save_merged), so that no rank waits at a barrier
     bounded by --ddp_timeout however long the merge of a large base takes."""
@@ -142,7 +153,7 @@ def merge_after_every_rank(model_args, training_args) -> None:
         save_merged(model_args, training_args)
 
 
-def save_merged(model_args, training_args) -> None:
+def save_merged(model_args: ModelArguments, training_args: RewardArguments) -> None:
     """OUT/rm_merged_model: the base + OUT/rm_lora_model folded by the streaming LoRA merge in a child process
     (tensor by tensor in bounded memory, in float32 rounded once to the base's dtype; the adapter's tokenizer
     and pad token; built in a temporary sibling and renamed into place when complete), replacing the one an
@@ -172,7 +183,8 @@ def save_merged(model_args, training_args) -> None:
 ARGUMENT_CLASSES = (ModelArguments, RewardDataArguments, RewardArguments)
 
 
-def prepared_pairs(data_args, training_args, tokenizer, config) -> tuple:
+def prepared_pairs(data_args: RewardDataArguments, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase,
+                   config: PretrainedConfig) -> ValidationSplit:
     """(train pairs, eval pairs or None), tokenized with the chat template (the pad token chosen for it), the
     main process first; shared with the DPO stage, which reads the same pairs."""
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
@@ -186,10 +198,10 @@ def prepared_pairs(data_args, training_args, tokenizer, config) -> tuple:
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train pairs: %d, eval pairs: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
-    return train_dataset, eval_dataset
+    return ValidationSplit(train_dataset, eval_dataset)
 
 
-def shares_pair_prefix(model, training_args) -> bool:
+def shares_pair_prefix(model: nn.Module, training_args: "RewardArguments | DPOArguments") -> bool:
     """One row per pair (the prompt once) where the attention implementation takes the pair mask."""
     attention = model.config._attn_implementation
     share_prefix = training_args.share_pair_prefix and attention in MASKABLE_ATTENTION
@@ -198,7 +210,7 @@ def shares_pair_prefix(model, training_args) -> bool:
     return share_prefix
 
 
-def main():
+def main() -> None:
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES,
                                                                                            task="reward")
     check_mergeable(model_args, training_args)

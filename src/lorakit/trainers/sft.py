@@ -12,9 +12,8 @@ whose tokenizer carries the chat template used in training.
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
 
-from transformers import set_seed
+from transformers import PreTrainedTokenizerBase, set_seed
 
 from lorakit.core.cli import InputError, run_cli
 from lorakit.data.build_dataset import (
@@ -24,10 +23,10 @@ from lorakit.data.build_dataset import (
     check_packing_attention,
 )
 from lorakit.data.cache import data_cache_dir, report_prepared_data
-from lorakit.data.splits import first_samples, held_out_check, split_validation
+from lorakit.data.splits import ValidationSplit, first_samples, held_out_check, split_validation
 from lorakit.models.arguments import ModelArguments
 from lorakit.models.loader import choose_pad_token, load_model
-from lorakit.records.chat_templates import parse_template_kwargs, use_template
+from lorakit.records.chat_templates import ChatTemplate, parse_template_kwargs, use_template
 from lorakit.records.readers import find_record_files
 from lorakit.trainers.arguments import CausalLMTrainingArguments, DeepSpeedChatDataArguments
 from lorakit.trainers.causal_lm import build_trainer
@@ -39,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SFTDataArguments(DeepSpeedChatDataArguments):
-    sft_only_data_path: Optional[list[str]] = field(
+    sft_only_data_path: list[str] | None = field(
         default=None, metadata={"help": "Data files used whole for SFT, never split.", "nargs": "+"}
     )
     train_on_last_turn_only: bool = field(
@@ -51,7 +50,7 @@ class SFTDataArguments(DeepSpeedChatDataArguments):
 class SFTArguments(CausalLMTrainingArguments):
     packing: bool = field(default=False, metadata={"help": "Pack samples into padding-free rows of max_seq_length."})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.packing and self.train_sampling_strategy == "random":
             # Packed rows differ by the few tokens no sample fitted into; batching rows of similar
@@ -60,7 +59,8 @@ class SFTArguments(CausalLMTrainingArguments):
             self.mapped_flags.append("--packing -> --train_sampling_strategy group_by_length")
 
 
-def build_datasets(data_args: SFTDataArguments, tokenizer, chat_template, max_length: int, seed: int) -> tuple:
+def build_datasets(data_args: SFTDataArguments, tokenizer: PreTrainedTokenizerBase, chat_template: ChatTemplate,
+                   max_length: int, seed: int) -> ValidationSplit:
     train_files = find_record_files(data_args.dataset_dir, data_args.data_path)
     unsplit = find_record_files(None, data_args.sft_only_data_path)
     if not train_files and not unsplit:
@@ -79,14 +79,14 @@ def build_datasets(data_args: SFTDataArguments, tokenizer, chat_template, max_le
         evaluation = build_sft_dataset(find_record_files(None, [data_args.validation_file]), **common)
     else:
         train, evaluation = split_validation(train, data_args.validation_split_percentage, seed, "samples")
-    return train, evaluation
+    return ValidationSplit(train, evaluation)
 
 
 # (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
 ARGUMENT_CLASSES = (ModelArguments, SFTDataArguments, SFTArguments)
 
 
-def main():
+def main() -> None:
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
     if training_args.packing:
         check_packing_attention(model_args.attn_implementation)
