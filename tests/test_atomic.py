@@ -11,11 +11,20 @@ from lorakit.core import atomic
 
 def test_a_write_replaces_the_whole_file_and_leaves_no_temporary(tmp_path):
     target = tmp_path / "deep" / "marker.json"
-    atomic.write_json_atomically(str(target), {"step": 3, "text": "中文"})
+    atomic.write_json_atomically(str(target), {"step": 3, "text": "中文"}, make_parents=True)
     atomic.write_json_atomically(str(target), {"step": 4})
     assert json.loads(target.read_text(encoding="utf-8")) == {"step": 4}
     assert os.listdir(target.parent) == ["marker.json"]
-    assert oct(target.stat().st_mode & 0o777) == oct(0o644)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~umask)  # a file as open() would create it
+
+
+def test_a_marker_is_not_written_into_a_directory_that_is_gone(tmp_path):
+    """A checkpoint's completion marker must not create the checkpoint it vouches for."""
+    with pytest.raises(FileNotFoundError):
+        atomic.write_json_atomically(str(tmp_path / "checkpoint-7" / "complete.json"), {"step": 7})
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_failed_write_keeps_the_old_content(tmp_path, monkeypatch):

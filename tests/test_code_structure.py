@@ -248,6 +248,7 @@ TRAINER_COMPUTE_LOSS = "transformers.Trainer.compute_loss: the loss, or (loss, o
 TRAINER_PREDICTION_STEP = "transformers.Trainer.prediction_step: (loss, logits, labels)"
 PROTOCOL_TUPLES = {
     "src/lorakit/models/loader.py:inputs_in_float32": "a torch forward pre-hook with kwargs returns (args, kwargs)",
+    "src/lorakit/rl/policy.py:actor_named_parameters": "torch's named_parameters(): (name, parameter) pairs",
     "src/lorakit/rl/policy.py:contexts": "torch.utils.checkpoint's context_fn returns (forward, recompute) contexts",
     "src/lorakit/rl/ppo_checkpoint.py:_prepare_for_training": "Trainer._prepare_for_training: (model, dataloader)",
     "src/lorakit/rl/ppo_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
@@ -269,16 +270,23 @@ def annotation_node(node: ast.expr) -> ast.expr:
 
 
 def loose_return(annotation: ast.expr) -> bool:
-    """A bare container, or a fixed-length tuple of parts that deserve names (tuple[X, ...] is a sequence)."""
+    """A bare container, or a fixed-length tuple of parts that deserve names (tuple[X, ...] is a sequence), at the
+    top or inside (list[tuple[str, int]], Iterator[dict])."""
     annotation = annotation_node(annotation)
     if isinstance(annotation, ast.BinOp):  # X | Y
         return loose_return(annotation.left) or loose_return(annotation.right)
     if isinstance(annotation, ast.Name):
         return annotation.id in BARE_CONTAINERS
-    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", None) in {"tuple", "Tuple"}:
-        parts = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
-        return not (len(parts) == 2 and isinstance(parts[1], ast.Constant) and parts[1].value is Ellipsis)
-    return False
+    if not isinstance(annotation, ast.Subscript):
+        return False
+    parts = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+    if getattr(annotation.value, "id", None) in {"tuple", "Tuple"}:
+        if not (len(parts) == 2 and isinstance(parts[1], ast.Constant) and parts[1].value is Ellipsis):
+            return True
+        parts = parts[:1]
+    if getattr(annotation.value, "id", None) == "Callable":  # its arguments are another function's business
+        parts = parts[1:]
+    return any(loose_return(part) for part in parts if not isinstance(part, ast.Constant))
 
 
 def loose_return_types(*roots: Path) -> list:
@@ -301,6 +309,7 @@ def test_returns_name_their_parts():
 def test_loose_returns_are_recognised():
     samples = {"tuple": True, "dict": True, "tuple[int, str]": True, "'tuple[torch.Tensor, torch.Tensor]'": True,
                "list[str] | None": False, "tuple[int, ...]": False, "dict[str, int]": False, "Scores": False,
-               "tuple | None": True}
+               "tuple | None": True, "list[tuple[str, int]]": True, "Iterator[dict]": True,
+               "dict[str, list[int]]": False, "tuple[tuple[int, int], ...]": True}
     for text, loose in samples.items():
         assert loose_return(ast.parse(text, mode="eval").body) is loose, text

@@ -1,4 +1,4 @@
-"""records.py: every record shape -> one validated list of messages, with an explicit end
+"""lorakit.records.readers: every record shape -> one validated list of messages, with an explicit end
 (ANSWER for training, PROMPT where the model answers next) and no stand-in answers."""
 
 import json

@@ -3,8 +3,10 @@ the toolkit publishes (checkpoint and stage markers, data-cache memos, predictio
 is written under a temporary sibling name, synced to disk, renamed over its target, and the directory that names
 it synced (without the last sync a power loss can undo the rename, or keep it and lose the data)."""
 
+import errno
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -12,10 +14,14 @@ from contextlib import contextmanager, suppress
 
 
 def sync_path(path: str) -> None:
-    """os.fsync a file, or a directory (which makes the names it holds durable)."""
+    """os.fsync a file, or a directory (which makes the names it holds durable). A file system that cannot sync a
+    directory (some network and FUSE mounts answer EINVAL) keeps its own promise about renames."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError as err:
+        if not (os.path.isdir(path) and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)):
+            raise
     finally:
         os.close(descriptor)
 
@@ -30,17 +36,18 @@ def sync_tree(directory: str) -> None:
         sync_path(root)
 
 
-def write_atomically(path: str, content: str | bytes) -> None:
-    """Write content to path: a temporary file beside it, synced, renamed over it, then the directory synced."""
+def write_atomically(path: str, content: str | bytes, make_parents: bool = False) -> None:
+    """Write content to path: a temporary file beside it (created with the usual umask), synced, renamed over it,
+    then the directory synced. make_parents: create missing directories above it first."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    descriptor, tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    if make_parents:
+        os.makedirs(directory, exist_ok=True)
+    tmp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
     try:
-        with os.fdopen(descriptor, "wb") as handle:
+        with open(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as handle:
             handle.write(content.encode("utf-8") if isinstance(content, str) else content)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp_path, 0o644)  # mkstemp makes it private; the result is an ordinary file
         os.replace(tmp_path, path)
     except BaseException:
         with suppress(FileNotFoundError):  # renamed already, or never made
@@ -49,9 +56,9 @@ def write_atomically(path: str, content: str | bytes) -> None:
     sync_path(directory)
 
 
-def write_json_atomically(path: str, value: object, indent: int | None = 2) -> None:
+def write_json_atomically(path: str, value: object, indent: int | None = 2, make_parents: bool = False) -> None:
     """value as JSON (non-ASCII kept readable), written by write_atomically."""
-    write_atomically(path, json.dumps(value, indent=indent, ensure_ascii=False) + "\n")
+    write_atomically(path, json.dumps(value, indent=indent, ensure_ascii=False) + "\n", make_parents)
 
 
 @contextmanager
@@ -67,9 +74,7 @@ def atomic_output_dir(output_dir: str) -> Iterator[str]:
         yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
         sync_tree(tmp)
-        if os.path.isdir(output_dir) and not os.listdir(output_dir):
-            os.rmdir(output_dir)
-        os.rename(tmp, output_dir)
+        os.rename(tmp, output_dir)  # replaces an empty output_dir in the same step (rename(2))
         sync_path(parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only still there after a failure

@@ -184,7 +184,14 @@ def safetensors_header(path: str) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-def checkpoint_shapes(model_dir: str) -> dict[str, tuple[str | None, tuple[int, ...]]]:
+class TensorInfo(NamedTuple):
+    """A saved tensor's safetensors dtype name ("BF16", ...; None if the header has none) and shape."""
+
+    dtype: str | None
+    shape: tuple[int, ...]
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, TensorInfo]:
     """{weight name: (dtype, shape)} of a model directory's safetensors weights, single file or sharded, from
     headers only; {} when it holds none (a legacy .bin model: its loader compares shapes itself)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -198,7 +205,7 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[str | None, tuple[int, 
         if not os.path.isfile(path):
             raise InputError(f"{index}: lists {name}, which does not exist")
         for tensor, info in safetensors_header(path).items():
-            shapes[tensor] = (info.get("dtype"), tuple(info["shape"]))
+            shapes[tensor] = TensorInfo(info.get("dtype"), tuple(info["shape"]))
     return shapes
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, pairwise
 from multiprocessing import get_context
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -212,7 +212,13 @@ PREPARE_DATA_ONLY_HELP = (
     "ranks then load the cache instead of waiting at a barrier (--ddp_timeout) while one process tokenizes.")
 
 
-def check_prepare_data_only(data_args: "ConversationDataArguments") -> None:
+class PreparesData(Protocol):
+    """Data arguments with --prepare_data_only (pretraining's and the conversation stages')."""
+
+    prepare_data_only: bool
+
+
+def check_prepare_data_only(data_args: PreparesData) -> None:
     """--prepare_data_only is one process (per node): under a launcher (WORLD_SIZE > 1), the training arguments,
     parsed next, would start the process group it does without, and every rank would wait on every other."""
     if data_args.prepare_data_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from datasets import Dataset, load_from_disk
 
-from lorakit.core.atomic import write_json_atomically
+from lorakit.core.atomic import sync_path, sync_tree, write_json_atomically
 from lorakit.data.run_record import note_data
 
 if TYPE_CHECKING:
@@ -126,8 +126,15 @@ def cache_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()[:20]
 
 
-# The entries this process built or loaded, in order, as (path, built): what --prepare_data_only reports.
-entries_used: list[tuple[str, bool]] = []
+class CacheEntry(NamedTuple):
+    """A cache entry this process used: its directory, and whether this process built it (else found it ready)."""
+
+    path: str
+    built: bool
+
+
+# The entries this process built or loaded, in order: what --prepare_data_only reports.
+entries_used: list[CacheEntry] = []
 
 
 class CachedDataset(NamedTuple):
@@ -166,12 +173,14 @@ def build_or_load_cached(cache_root: str, name: str, build: Callable[[str], obje
             check(load_from_disk(tmp_dir))
         if memo is not None:
             memo.save_into(tmp_dir)
+        sync_tree(tmp_dir)  # a power loss after the rename leaves a whole entry, never torn files under its name
         try:
             os.rename(tmp_dir, final_dir)
         except OSError:
             if not os.path.isdir(final_dir):
                 raise
             logger.info("another process finished the same cache first; using its copy")
+        sync_path(cache_root)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         remove_if_empty(made)
@@ -185,7 +194,7 @@ def build_or_load_cached(cache_root: str, name: str, build: Callable[[str], obje
 def used_entry(path: str, dataset: Dataset, hit: bool, memo: FingerprintMemo | None) -> CachedDataset:
     if memo is not None:
         memo.save_into(path)  # on a hit, files hashed again (racy when the entry was built) are memoized now
-    entries_used.append((path, not hit))
+    entries_used.append(CacheEntry(path, not hit))
     return CachedDataset(dataset, hit)
 
 

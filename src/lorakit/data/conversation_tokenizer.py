@@ -10,15 +10,12 @@ from jinja2 import TemplateError
 
 from lorakit.core.cli import InputError
 from lorakit.records.chat_templates import first_special_token, special_token_texts, turn_end_text
-from lorakit.records.readers import Message
+from lorakit.records.readers import Message, Tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-Tools = list[dict[str, Any]]  # a record's function schemas, as the template lists them
-
 
 class AnswerSpan(NamedTuple):
     """Where an assistant turn's trained text lies in a render (character offsets), and whether EOS follows it."""

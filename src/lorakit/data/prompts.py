@@ -37,19 +37,25 @@ class PromptSets(NamedTuple):
     evaluation: list[list[int]] | None
 
 
-def read_prompts(files: list[str], data_split: str | None, data_phase: int,
-                 seed: int) -> list[tuple[str, list[Message]]]:
+class Prompt(NamedTuple):
+    """A prompt's conversation (ending where the model answers) and where it was read."""
+
+    where: str
+    messages: list[Message]
+
+
+def read_prompts(files: list[str], data_split: str | None, data_phase: int, seed: int) -> list[Prompt]:
     """[(where, messages)] of every file (its --data_phase part with --data_split)."""
     prompts = []
     for path in files:
-        prompts += [(where, prompt_of(where, record))
+        prompts += [Prompt(where, prompt_of(where, record))
                     for where, record in phase_part(records_of(path), data_split, data_phase, seed)]
     if not prompts:
         raise InputError(f"no prompt in {', '.join(files)} for --data_phase {data_phase} of --data_split {data_split}")
     return prompts
 
 
-def tokenize_prompts(prompts: list[tuple[str, list[Message]]], tokenizer: "PreTrainedTokenizerBase", template: str,
+def tokenize_prompts(prompts: list[Prompt], tokenizer: "PreTrainedTokenizerBase", template: str,
                      max_prompt_len: int, desc: str, template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """Token ids of each prompt rendered with the generation prompt; a prompt longer than
     max_prompt_len keeps its end (the question nearest the answer), as DeepSpeed-Chat does."""

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from lorakit.core.atomic import sync_tree
+
 logger = logging.getLogger(__name__)
 
 # Pinned: PyPI never changes a released file, so the pin makes the model reproducible.
@@ -78,6 +80,7 @@ def _build_atomically(final: Path, files: tuple[str, ...], build: Callable[[Path
             path.chmod(0o755 if path.is_dir() else 0o644)
         if not _is_complete(tmp, files):
             raise RuntimeError(f"building {final} did not produce all of {files}")
+        sync_tree(str(tmp))
         try:
             os.rename(tmp, final)  # atomic; fails if another process already renamed its copy
         except OSError:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
+from lorakit.demo.prepare_default import SentimentReviews
+
 PROMPT_TEMPLATES = ("写一条关于{}的评价。", "请评价一下{}。", "说说你对{}的看法。", "用一句话评价{}。")
 # Subjects the reviews are about (hotels, electronics, books); PPO's held-out prompts use the last ones.
 SUBJECTS = ("这家酒店", "这台笔记本电脑", "这本书", "这款手机", "这个房间", "这家店的服务", "这次购物",
@@ -41,11 +43,12 @@ def prompt_split() -> PromptSplit:
     return PromptSplit(review_prompts(SUBJECTS[:-HELDOUT_SUBJECTS]), review_prompts(SUBJECTS[-HELDOUT_SUBJECTS:]))
 
 
-def review_pools(positives: list[str], negatives: list[str]) -> dict[str, tuple[list[str], list[str]]]:
+def review_pools(positives: list[str], negatives: list[str]) -> dict[str, SentimentReviews]:
     """Short reviews split in two disjoint pools, so the SFT demonstrations and the reward
     model's pairs never share a review: {"sft": (positives, negatives), "rm": (...)}."""
     short = [[review for review in reviews if len(review) <= MAX_REVIEW_CHARS] for reviews in (positives, negatives)]
-    return {"rm": (short[0][0::2], short[1][0::2]), "sft": (short[0][1::2], short[1][1::2])}
+    return {"rm": SentimentReviews(short[0][0::2], short[1][0::2]),
+            "sft": SentimentReviews(short[0][1::2], short[1][1::2])}
 
 
 def demonstrations(positives: list[str], negatives: list[str], count: int, seed: int) -> list[dict[str, str]]:

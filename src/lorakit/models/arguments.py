@@ -100,16 +100,15 @@ def lora_scope_targets(scope: str) -> str:
 
 
 class MappedFlag(NamedTuple):
-    """What another project's flag means here: our flag, its value, and why (None where the mapping says it all).
-    A flag table's entry may also return a plain (flag, value[, why]) tuple."""
+    """What another project's flag means here: our flag, its value, and why (None where the mapping says it all)."""
 
     flag: str
     value: Any
     why: str | None = None
 
 
-# A flag table: another project's flag name -> its value translated to a MappedFlag (or a plain tuple of the same).
-FlagTable = dict[str, Callable[[Any], tuple[Any, ...]]]
+# A flag table: another project's flag name -> its value translated to a MappedFlag.
+FlagTable = dict[str, Callable[[Any], MappedFlag]]
 
 
 def lora_dim_flag(dim: int) -> MappedFlag:
@@ -121,7 +120,7 @@ def lora_dim_flag(dim: int) -> MappedFlag:
     return MappedFlag("lora_rank", dim)
 
 
-# DeepSpeed-Chat's model flags (steps 1-3) -> (our flag, value[, why]); map_flags applies them.
+# DeepSpeed-Chat's model flags (steps 1-3) -> what each means here; map_flags applies them.
 DEEPSPEED_CHAT_MODEL_FLAGS: FlagTable = {
     "lora_dim": lora_dim_flag,
     "lora_module_name": lambda scope: MappedFlag("trainable", lora_scope_targets(scope),
@@ -156,8 +155,8 @@ def map_flags(args: object, table: FlagTable, notes: list[str]) -> None:
         given = getattr(args, old)
         if given == field_default(args, old):
             continue
-        new, value, *rest = translate(given)
-        why = f" ({rest[0]})" if rest and rest[0] is not None else ""
+        new, value, reason = translate(given)
+        why = f" ({reason})" if reason is not None else ""
         current = getattr(args, new)
         if current != value and (new in set_by or current != field_default(args, new)):
             other = set_by.get(new, flag_text(new, current))

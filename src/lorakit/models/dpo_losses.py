@@ -19,8 +19,9 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
 
 
-class PairRewards(NamedTuple):
-    """The implicit rewards of each pair's answers, detached (only logged): [pairs] each."""
+class PairScores(NamedTuple):
+    """A value for each pair's chosen and rejected answer, [pairs] each: a reward model's scores (models.heads), or
+    DPO's implicit rewards (detached: only logged)."""
 
     chosen: Tensor
     rejected: Tensor
@@ -41,8 +42,8 @@ class SequenceLogps(NamedTuple):
     counts: Tensor
 
 
-def log_ratio_rewards(beta: float, chosen_logratios: Tensor, rejected_logratios: Tensor) -> PairRewards:
-    return PairRewards(beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
+def log_ratio_rewards(beta: float, chosen_logratios: Tensor, rejected_logratios: Tensor) -> PairScores:
+    return PairScores(beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
 
 
 def sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float) -> PairLosses:

@@ -5,7 +5,7 @@ tokens' log-probabilities, its LM head run on answer positions only."""
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -18,6 +18,7 @@ from transformers.utils import ModelOutput
 from lorakit.core.cli import InputError
 from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_REJECTED
 from lorakit.models.chunked_loss import agreed_across_ranks, head_gives_logits, label_logprobs, token_logprobs
+from lorakit.models.dpo_losses import PairScores
 from lorakit.models.positions import last_position, positions_from_mask
 
 if TYPE_CHECKING:  # the classes are built from the checkpoint's own; modeling_utils loads with them
@@ -91,13 +92,6 @@ def reward_model_class(config: "PreTrainedConfig") -> "type[PreTrainedModel]":
 def score_sequences(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scores of a batch from a model loaded with task="reward" (one float per row)."""
     return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-
-
-class PairScores(NamedTuple):
-    """The reward model's scores of each pair's chosen and rejected answers, float32 [pairs] each."""
-
-    chosen: torch.Tensor
-    rejected: torch.Tensor
 
 
 def score_pairs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> PairScores:

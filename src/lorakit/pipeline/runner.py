@@ -61,7 +61,7 @@ def read_marker(output_dir: str, name: str) -> dict[str, Any] | None:
 
 
 def write_stage_marker(output_dir: str, name: str, record: dict[str, Any]) -> None:
-    write_json_atomically(marker_path(output_dir, name), record)  # a marker is whole or absent
+    write_json_atomically(marker_path(output_dir, name), record, make_parents=True)  # whole or absent
 
 
 def inputs_of(planned: list[PlannedStage], stage: PlannedStage, output_dir: str) -> dict[str, str | None]:

@@ -24,6 +24,7 @@ ANSWER, PROMPT = "answer", "prompt"
 
 # One chat turn as chat templates take it: {"role", "content"} and the optional keys message_extras keeps.
 Message = dict[str, Any]
+Tools = list[dict[str, Any]]  # a record's function schemas, as the template lists them
 
 
 RECORD_SUFFIXES = (".json", ".jsonl")
@@ -65,7 +66,14 @@ def refuse_non_finite(constant: str) -> NoReturn:
     raise NonFiniteNumber(f"{constant} is not a number JSON allows")
 
 
-def read_records(path: str) -> Iterator[tuple[int, Any]]:
+class NumberedRecord(NamedTuple):
+    """A record and the line it starts on."""
+
+    line: int
+    record: Any
+
+
+def read_records(path: str) -> Iterator[NumberedRecord]:
     """(line number, record) for each record of a .jsonl file or of a .json list. Lines end at
     "\n" only: str.splitlines() would also split at U+2028, U+2029 and U+0085, which
     json.dumps(ensure_ascii=False) leaves raw inside strings."""
@@ -80,7 +88,7 @@ def read_records(path: str) -> Iterator[tuple[int, Any]]:
         for line_number, line in enumerate(text.split("\n"), start=1):
             if line.strip():
                 try:
-                    yield line_number, json.loads(line, parse_constant=refuse_non_finite)
+                    yield NumberedRecord(line_number, json.loads(line, parse_constant=refuse_non_finite))
                 except json.JSONDecodeError as err:
                     raise InputError(f"{path}:{line_number}: not valid JSON "
                                      f"({err.msg} at column {err.colno})") from None
@@ -90,7 +98,7 @@ def read_records(path: str) -> Iterator[tuple[int, Any]]:
     yield from read_json_list(path, text)
 
 
-def read_json_list(path: str, text: str) -> Iterator[tuple[int, Any]]:
+def read_json_list(path: str, text: str) -> Iterator[NumberedRecord]:
     """Decode a JSON list element by element, so each record's error names its own line."""
     decoder = json.JSONDecoder(parse_constant=refuse_non_finite)
     position = len(text) - len(text.lstrip())
@@ -111,7 +119,7 @@ def read_json_list(path: str, text: str) -> Iterator[tuple[int, Any]]:
             raise InputError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
         except NonFiniteNumber as err:
             raise InputError(f"{path}:{line_number}: not valid JSON ({err})") from None
-        yield line_number, record
+        yield NumberedRecord(line_number, record)
 
 
 def string_field(where: str, record: dict[str, Any], name: str, required: bool = True) -> str:
@@ -224,7 +232,7 @@ def message_extras(where: str, field_name: str, turn: dict[str, Any], role: str)
     return extras
 
 
-def tools_of(where: str, record: Any) -> list[dict[str, Any]] | None:
+def tools_of(where: str, record: Any) -> Tools | None:
     """A record's "tools" (function schemas the template lists for the model), as a list."""
     tools = parse_json_field(where, "tools", record.get("tools")) if isinstance(record, dict) else None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -348,9 +356,16 @@ def validate_conversation(where: str, messages: list[Message], field_name: str |
     return messages
 
 
-def records_of(path: str) -> list[tuple[str, Any]]:
+class LocatedRecord(NamedTuple):
+    """A record and where it is: "path:line", the prefix of every message about it."""
+
+    where: str
+    record: Any
+
+
+def records_of(path: str) -> list[LocatedRecord]:
     """[(where, record)] of a file, where = "path:line"; an empty file is refused."""
-    records = [(f"{path}:{line}", record) for line, record in read_records(path)]
+    records = [LocatedRecord(f"{path}:{line}", record) for line, record in read_records(path)]
     if not records:
         raise InputError(f"{path}: file holds no records (empty)")
     return records
@@ -361,7 +376,7 @@ class Conversation(NamedTuple):
 
     where: str  # "path:line"
     messages: list[Message]
-    tools: list[dict[str, Any]] | None
+    tools: Tools | None
 
 
 def read_conversations(path: str) -> list[Conversation]:

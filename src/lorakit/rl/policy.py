@@ -32,7 +32,7 @@ from lorakit.rl.ppo_math import length_chunks, logprobs_from_logits
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from lorakit.rl.ppo import PPOArguments, PPOModelArguments
 
@@ -79,7 +79,7 @@ class PPOPolicy(torch.nn.Module):
         raise NotImplementedError
 
     @property
-    def config(self) -> "PretrainedConfig":
+    def config(self) -> "PreTrainedConfig":
         """The actor's config: the Trainer and DeepSpeed size their buffers from it."""
         return self.actor_config()
 
@@ -256,7 +256,7 @@ class SharedBasePolicy(PPOPolicy):
         self.use("actor")
         return self.causal_lm
 
-    def actor_config(self) -> "PretrainedConfig":
+    def actor_config(self) -> "PreTrainedConfig":
         return self.causal_lm.config
 
     def trained_models(self) -> list["PreTrainedModel"]:
@@ -344,7 +344,7 @@ class SeparatePolicy(PPOPolicy):
     def generator(self) -> "PreTrainedModel":
         return self.actor.get_base_model()
 
-    def actor_config(self) -> "PretrainedConfig":
+    def actor_config(self) -> "PreTrainedConfig":
         return self.actor.get_base_model().config
 
     def trained_models(self) -> list["PreTrainedModel"]:
@@ -413,7 +413,7 @@ def new_score_head(hidden_size: int, score_weights: dict[str, torch.Tensor], dty
 
 def load_shared_policy(model_args: "PPOModelArguments", training_args: "PPOArguments",
                        tokenizer: "PreTrainedTokenizerBase",
-                       configs: dict[str, "PretrainedConfig"]) -> SharedBasePolicy:
+                       configs: dict[str, "PreTrainedConfig"]) -> SharedBasePolicy:
     """The actor via the shared loader (SFT adapter continued, or a new LoRA; on a quantized base
     with --load_in_kbits), then the other roles as adapters on the same base. configs: {role:
     model config} as rl.ppo.check_models read them."""
@@ -457,7 +457,7 @@ def load_shared_policy(model_args: "PPOModelArguments", training_args: "PPOArgum
 
 def load_frozen(model_dir: str, adapter_dir: str | None, task: str, model_args: ModelArguments,
                 training_args: "PPOArguments | None" = None, tokenizer: "PreTrainedTokenizerBase | None" = None,
-                config: "PretrainedConfig | None" = None) -> "PreTrainedModel":
+                config: "PreTrainedConfig | None" = None) -> "PreTrainedModel":
     """A frozen role (the reference, the reward model): the shared loader's frozen model, its
     adapter folded in (one plain forward per pass)."""
     flag = "--actor_lora_model" if task == "causal_lm" else "--reward_lora_model"
@@ -466,7 +466,7 @@ def load_frozen(model_dir: str, adapter_dir: str | None, task: str, model_args: 
 
 
 def frozen_role_bytes(model_args: ModelArguments, training_args: "PPOArguments", model_dir: str,
-                      config: "PretrainedConfig", task: str, tokenizer: "PreTrainedTokenizerBase") -> int:
+                      config: "PreTrainedConfig", task: str, tokenizer: "PreTrainedTokenizerBase") -> int:
     """Bytes of a frozen role loaded whole: its parameters (counted on the empty skeleton, embeddings grown to the
     tokenizer; a folded adapter adds none) in the dtype load_frozen loads it in."""
     role_args = frozen_precision(role_model_args(model_args, model_dir, None), training_args)
@@ -478,7 +478,7 @@ def frozen_role_bytes(model_args: ModelArguments, training_args: "PPOArguments",
 
 
 def check_frozen_roles_fit(model_args: "PPOModelArguments", training_args: "PPOArguments",
-                           tokenizer: "PreTrainedTokenizerBase", configs: dict[str, "PretrainedConfig"]) -> None:
+                           tokenizer: "PreTrainedTokenizerBase", configs: dict[str, "PreTrainedConfig"]) -> None:
     """Separate placement under ZeRO-3: the frozen reference and reward models never enter the engine, so every
     process loads them whole into its CPU memory and keeps them whole on its device. Refused (before any write)
     where they take more than FROZEN_ROLES_SHARE of either, pointing to --shared_base, where they are adapters on
@@ -504,7 +504,7 @@ def check_frozen_roles_fit(model_args: "PPOModelArguments", training_args: "PPOA
 
 def load_separate_policy(model_args: "PPOModelArguments", training_args: "PPOArguments",
                          tokenizer: "PreTrainedTokenizerBase",
-                         configs: dict[str, "PretrainedConfig"]) -> SeparatePolicy:
+                         configs: dict[str, "PreTrainedConfig"]) -> SeparatePolicy:
     """Each role its own model through the shared loader. configs: {role: model config} as
     rl.ppo.check_models read them."""
     actor = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],

@@ -46,7 +46,7 @@ from lorakit.data.cache import cache_key, data_cache_dir, report_prepared_data, 
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.prompts import build_prompt_sets
 from lorakit.data.run_record import note_data
-from lorakit.models.arguments import MappedFlag, ModelArguments, map_flags
+from lorakit.models.arguments import FlagTable, MappedFlag, ModelArguments, map_flags
 from lorakit.models.loader import (
     check_load_plan,
     check_model_inputs,
@@ -71,7 +71,7 @@ from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import check_held_out_data, resolve_resume_checkpoint, setup_logging, train_and_finish
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +147,11 @@ def role_lora_dim_flag(dim: int) -> MappedFlag:
                                         "the SFT and reward adapters at their own ranks")
 
 
-# Other names of PPO's model flags -> (PPO's flag, value[, why]), applied by models.arguments.map_flags: the other
+# Other names of PPO's model flags -> what each means here, applied by models.arguments.map_flags: the other
 # stages' names of the actor's model and adapter, and DeepSpeed-Chat's per-role LoRA ranks.
-PPO_MODEL_FLAGS = {
-    "model_name_or_path": lambda path: ("actor_model_name_or_path", path),
-    "peft_path": lambda path: ("actor_lora_model", path),
+PPO_MODEL_FLAGS: FlagTable = {
+    "model_name_or_path": lambda path: MappedFlag("actor_model_name_or_path", path),
+    "peft_path": lambda path: MappedFlag("actor_lora_model", path),
     "actor_lora_dim": role_lora_dim_flag,
     "critic_lora_dim": role_lora_dim_flag,
 }
@@ -242,12 +242,12 @@ class PPOArguments(CausalLMTrainingArguments):
 
 
 ONE_ENGINE = "one DeepSpeed engine trains the actor's and the critic's adapters together"
-# Other names of PPO's trainer flags -> (PPO's flag, value[, why]), applied by models.arguments.map_flags.
-PPO_TRAINER_FLAGS = {
-    "per_device_train_batch_size": lambda size: ("per_device_training_batch_size", size),
-    "learning_rate": lambda rate: ("actor_learning_rate", rate),
-    "actor_zero_stage": lambda stage: ("zero_stage", stage, ONE_ENGINE),
-    "critic_zero_stage": lambda stage: ("zero_stage", stage, ONE_ENGINE),
+# Other names of PPO's trainer flags -> what each means here, applied by models.arguments.map_flags.
+PPO_TRAINER_FLAGS: FlagTable = {
+    "per_device_train_batch_size": lambda size: MappedFlag("per_device_training_batch_size", size),
+    "learning_rate": lambda rate: MappedFlag("actor_learning_rate", rate),
+    "actor_zero_stage": lambda stage: MappedFlag("zero_stage", stage, ONE_ENGINE),
+    "critic_zero_stage": lambda stage: MappedFlag("zero_stage", stage, ONE_ENGINE),
 }
 
 
@@ -263,7 +263,7 @@ def tokenizer_of(model_dir: str, adapter_dir: str | None, trust_remote_code: boo
                                          trust_remote_code=trust_remote_code))
 
 
-def config_of(model_dir: str, trust_remote_code: bool) -> "PretrainedConfig":
+def config_of(model_dir: str, trust_remote_code: bool) -> "PreTrainedConfig":
     return load_model_config(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
 
 
@@ -301,7 +301,7 @@ class CheckedModels(NamedTuple):
     """What check_models read and decided: the actor's tokenizer, {role: model config}, and the placement."""
 
     tokenizer: "PreTrainedTokenizerBase"
-    configs: dict[str, "PretrainedConfig"]
+    configs: dict[str, "PreTrainedConfig"]
     shared_base: bool
 
 
@@ -336,7 +336,7 @@ def check_models(model_args: PPOModelArguments, data_args: PPODataArguments) -> 
 
 
 def check_role_loading(model_args: PPOModelArguments, training_args: PPOArguments,
-                       tokenizer: "PreTrainedTokenizerBase", configs: dict[str, "PretrainedConfig"]) -> None:
+                       tokenizer: "PreTrainedTokenizerBase", configs: dict[str, "PreTrainedConfig"]) -> None:
     """What loading the roles would refuse, refused before any data is read (models.loader.check_load_plan): the
     actor (its SFT adapter, the reference's, continued) and the critic as they are made trainable, and the frozen
     reward model where the critic does not start from it."""
@@ -350,7 +350,7 @@ def check_role_loading(model_args: PPOModelArguments, training_args: PPOArgument
                         adapter_flag="--reward_lora_model")
 
 
-def check_lengths(data_args: PPODataArguments, configs: dict[str, "PretrainedConfig"]) -> None:
+def check_lengths(data_args: PPODataArguments, configs: dict[str, "PreTrainedConfig"]) -> None:
     total = data_args.max_prompt_seq_len + data_args.max_answer_seq_len
     for flag, value in (("--max_prompt_seq_len", data_args.max_prompt_seq_len),
                         ("--max_answer_seq_len", data_args.max_answer_seq_len)):

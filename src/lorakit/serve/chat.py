@@ -165,7 +165,7 @@ def predict_file(generator: ChatGenerator, prompts: list[EncodedPrompt], setting
     lines = [json.dumps({name: value, "response": completion.text, "finish_reason": completion.finish_reason},
                         ensure_ascii=False) + "\n"
              for (name, value, _), completion in zip(prompts, completions, strict=True)]
-    write_atomically(predictions_file, "".join(lines))
+    write_atomically(predictions_file, "".join(lines), make_parents=True)
     logger.info("wrote %d predictions to %s", len(prompts), predictions_file)
 
 

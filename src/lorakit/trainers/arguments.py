@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from lorakit.core.cli import InputError
 from lorakit.core.repository import DS_CONFIGS
 from lorakit.data.build_dataset import ConversationDataArguments
-from lorakit.models.arguments import MappedFlag, ModelArguments, map_flags, note_accepted_flags
+from lorakit.models.arguments import FlagTable, MappedFlag, ModelArguments, map_flags, note_accepted_flags
 
 # Where DeepSpeed-Chat's --zero_stage (with --offload) points: the configs shipped in ds_configs/.
 SHIPPED_ZERO_CONFIGS = {(2, False): "ds_zero2_no_offload.json", (3, False): "ds_zero3_no_offload.json",
@@ -28,14 +28,14 @@ def warmup_ratio_flag(ratio: float) -> MappedFlag:
     return MappedFlag("warmup_steps", ratio, "a warmup_steps below 1 is a share of the training steps")
 
 
-# Trainer flags by another name -> (transformers 5's flag, value[, why]): transformers 4's names that
+# Trainer flags by another name -> what each means in transformers 5: transformers 4's names that
 # Chinese-LLaMA-Alpaca-2's run_pt.sh/run_sft.sh pass, and DeepSpeed-Chat's. models.arguments.map_flags applies them.
-RENAMED_TRAINER_FLAGS = {
-    "evaluation_strategy": lambda strategy: ("eval_strategy", strategy),
+RENAMED_TRAINER_FLAGS: FlagTable = {
+    "evaluation_strategy": lambda strategy: MappedFlag("eval_strategy", strategy),
     "warmup_ratio": warmup_ratio_flag,
-    "num_warmup_steps": lambda steps: ("warmup_steps", steps),
-    "gradient_checkpointing": lambda on: ("activation_checkpointing", on),
-    "group_by_length": lambda on: ("train_sampling_strategy", "group_by_length"),
+    "num_warmup_steps": lambda steps: MappedFlag("warmup_steps", steps),
+    "gradient_checkpointing": lambda on: MappedFlag("activation_checkpointing", on),
+    "group_by_length": lambda on: MappedFlag("train_sampling_strategy", "group_by_length"),
 }
 
 
@@ -209,4 +209,4 @@ class DeepSpeedChatDataArguments(ConversationDataArguments):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.mapped_flags = []
-        map_flags(self, {"max_seq_len": lambda length: ("max_seq_length", length)}, self.mapped_flags)
+        map_flags(self, {"max_seq_len": lambda length: MappedFlag("max_seq_length", length)}, self.mapped_flags)

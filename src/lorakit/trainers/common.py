@@ -1,6 +1,6 @@
-"""What every run_* script shares around the Trainer: argument parsing (with the names that
-Chinese-LLaMA-Alpaca-2's and DeepSpeed-Chat's shell scripts pass), the bad-input contract (one line, exit 2),
-output-directory and resume rules, logging, next-token metrics and the run_clm-style results."""
+"""A run's start and finish, shared by every stage: parsing its arguments (the bad-input contract: one line, exit
+2), logging, the output-directory and resume rules, the checks made before any data is tokenized, and the
+run_clm-style results at the end. The flags are trainers.arguments', the Trainers trainers.causal_lm's."""
 
 import logging
 import os
@@ -9,7 +9,7 @@ from collections.abc import Sized
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import transformers
-from transformers import PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments
+from transformers import PreTrainedConfig, PreTrainedTokenizerBase, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from lorakit.core.cli import InputError, parse_args
@@ -118,7 +118,7 @@ class RunStart(NamedTuple):
     training_args: ToolkitTrainingArguments
     resume_checkpoint: str | None
     tokenizer: PreTrainedTokenizerBase
-    config: PretrainedConfig
+    config: PreTrainedConfig
 
 
 def start_run(argument_classes: tuple[type, ...], task: str = "causal_lm", fold_adapter: bool = False) -> RunStart:
@@ -151,7 +151,7 @@ def check_held_out_data(data_args: Any, training_args: TrainingArguments, what: 
     raise InputError(f"--eval_strategy {strategy} needs held-out {what}: give {' or '.join(sources)}")
 
 
-def resolve_sequence_length(flag: str, requested: int | None, config: PretrainedConfig) -> int:
+def resolve_sequence_length(flag: str, requested: int | None, config: PreTrainedConfig) -> int:
     """A sequence length within the model's positions (default: min(1024, max positions))."""
     max_positions = getattr(config, "max_position_embeddings", None) or 1024
     if requested is None:

@@ -27,7 +27,7 @@ import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from datasets import Dataset, concatenate_datasets
@@ -234,13 +234,20 @@ class DPOTrainer(ResumableTrainer):
         return output
 
 
+class FileFingerprint(NamedTuple):
+    """A file's name in its model directory and its content fingerprint (a JSON list in the cache key)."""
+
+    name: str
+    fingerprint: str
+
+
 def reference_model_fingerprint(model_args: ModelArguments, memo: FingerprintMemo) -> dict[str, Any]:
     """What the reference log-probs depend on: the weights (and folded adapter) by content (memo: read once per
     node, then stat), the dtype and quantization."""
-    def fingerprints(directory: str | None) -> list[tuple[str, str]] | None:
+    def fingerprints(directory: str | None) -> list[FileFingerprint] | None:
         if not directory:
             return None
-        return sorted((name, memo(os.path.join(directory, name))) for name in os.listdir(directory)
+        return sorted(FileFingerprint(name, memo(os.path.join(directory, name))) for name in os.listdir(directory)
                       if name.endswith((".safetensors", ".bin", ".json")))
 
     return {"model": fingerprints(model_args.model_name_or_path), "adapter": fingerprints(model_args.peft_path),

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import EvalPrediction, PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments, set_seed
+from transformers import EvalPrediction, PreTrainedConfig, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
 from lorakit.commands import COMMANDS
 from lorakit.core.cli import InputError, ReportedError, in_process_group, leave_process_group, run_cli
@@ -184,7 +184,7 @@ ARGUMENT_CLASSES = (ModelArguments, RewardDataArguments, RewardArguments)
 
 
 def prepared_pairs(data_args: RewardDataArguments, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase,
-                   config: PretrainedConfig) -> ValidationSplit:
+                   config: PreTrainedConfig) -> ValidationSplit:
     """(train pairs, eval pairs or None), tokenized with the chat template (the pad token chosen for it), the
     main process first; shared with the DPO stage, which reads the same pairs."""
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
