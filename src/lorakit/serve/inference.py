@@ -3,18 +3,28 @@ model or base + LoRA for generation, prompts rendered with the chat template sav
 time, history trimmed to the context, left-padded batched generation with stop strings, and
 streaming text deltas."""
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.streamers import BaseStreamer
 
-from lorakit.core.cli import InputError
+from lorakit.core.cli import InputError, ReportedError
 from lorakit.core.model_files import check_adapter_fits_base, checkpoint_shapes, has_tokenizer
 from lorakit.models.arguments import DTYPES, FlagTable, MappedFlag, ModelArguments, map_flags
 from lorakit.models.loader import load_model, load_model_config, load_tokenizer
@@ -118,7 +128,10 @@ class SamplingSettings:
     top_p: float = 0.9
     top_k: int = 40
     repetition_penalty: float = 1.1
+    # Seeds this generation alone (private_rng): the process's random state is left as it was.
     seed: int | None = None
+    # Seconds the generation may run; past them it stops where it is, finish_reason "length". None: no limit.
+    time_limit: float | None = None
 
 
 @dataclass
@@ -309,46 +322,178 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
+# Tokens an unsettled window (text ending in a partial character) may grow to before its text is passed on
+# anyway: a UTF-8 character is at most 4 bytes, so 4 byte-fallback tokens; only a run of invalid bytes gets here.
+MAX_UNSETTLED_TOKENS = 8
+
+
+class IncrementalDecoder:
+    """The text of a growing reply, decoded a bounded window at a time, text-generation-inference's and vLLM's
+    prefix/read offsets: the text of the tokens from `prefix` to the end, less that of the tokens from `prefix`
+    to `read` (decoded the same way, so that what a tokenizer does at the start of a decode, such as dropping
+    SentencePiece's leading space, cancels out), is the new text. The window moves on once its text is settled
+    (no half UTF-8 character at its end), so each token is decoded a few times, however long the reply. Special
+    tokens are left out as they come (decoding skips them, and one at the start of a window would leave the
+    leading space to the token after it). The text equals the reply decoded at once but where the reply holds
+    invalid UTF-8: byte-fallback tokens that make no character decode to one U+FFFD each when decoded together,
+    and then split into windows they may not."""
+
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase") -> None:
+        self.tokenizer = tokenizer
+        self.skipped = set(tokenizer.all_special_ids)
+        self.token_ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text the new tokens settle (often "", while a character's bytes are still coming)."""
+        self.token_ids.extend(token for token in token_ids if token not in self.skipped)
+        return self.settle(final=False)
+
+    def finish(self) -> str:
+        """What is left, a partial character included: the reply is complete."""
+        return self.settle(final=True)
+
+    def decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+
+    def settle(self, final: bool) -> str:
+        if self.read == len(self.token_ids):
+            return ""
+        before, text = self.decode(self.prefix, self.read), self.decode(self.prefix, len(self.token_ids))
+        unsettled = text.endswith("\ufffd") or not text.startswith(before)
+        if unsettled and not final and len(self.token_ids) - self.read < MAX_UNSETTLED_TOKENS:
+            return ""
+        self.prefix, self.read = self.read, len(self.token_ids)
+        return text[len(before):]
+
+
+class StopScanner:
+    """Passes settled text on up to the first stop string, holding back only what may begin one: a stop can
+    then only begin in the held-back text, so each piece is searched with at most the longest stop's length
+    before it, and the whole reply costs time linear in its length."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self.pending = ""
+        self.hit = False
+
+    def feed(self, text: str, final: bool = False) -> str:
+        """What of the text held back so far + text can be passed on now; after a stop, nothing more."""
+        if self.hit:
+            return ""
+        pending, self.hit = cut_at_stop(self.pending + text, self.stops)
+        keep = 0 if final or self.hit else held_back(pending, self.stops)
+        self.pending = pending[len(pending) - keep:]
+        return pending[: len(pending) - keep]
+
+
+def tokens_until_stop(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int], stops: Sequence[str]) -> int:
+    """How many of token_ids it takes for the text to hold a stop string (all of them if it never does), in
+    one incremental pass."""
+    decoder, scanner = IncrementalDecoder(tokenizer), StopScanner(stops)
+    for count, token in enumerate(token_ids, start=1):
+        scanner.feed(decoder.push([token]))
+        if scanner.hit:
+            return count
+    scanner.feed(decoder.finish(), final=True)
+    return len(token_ids)
+
+
 class TextDeltaStreamer(BaseStreamer):
-    """Streams the reply of a batch-1 generate as text deltas: decodes the whole reply at each
-    token and sends what is new and settled (no half UTF-8 character, nothing that may begin a
-    stop string). Decoding the whole reply, unlike transformers' TextStreamer that restarts after
-    each newline, keeps the concatenated deltas equal to the reply decoded at once."""
+    """Streams the reply of a batch-1 generate as text deltas: what is new and settled (no half UTF-8
+    character, nothing that may begin a stop string), decoded incrementally (IncrementalDecoder) so that a
+    long reply costs linear time; unlike transformers' TextStreamer, which restarts after each newline, the
+    concatenated deltas equal the reply decoded at once."""
 
     def __init__(self, tokenizer: "PreTrainedTokenizerBase", on_text: Callable[[str], None],
                  stops: Sequence[str] = ()) -> None:
-        self.tokenizer = tokenizer
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.scanner = StopScanner(stops)
         self.on_text = on_text
-        self.stops = [stop for stop in stops if stop]
-        self.token_ids: list[int] = []
-        self.sent = 0
         self.prompt_seen = False
-        self.stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.scanner.hit
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate first hands over the prompt
             self.prompt_seen = True
             return
-        self.token_ids.extend(value.reshape(-1).tolist())
-        self.flush(final=False)
+        if not self.stopped:
+            self.send(self.scanner.feed(self.decoder.push(value.reshape(-1).tolist())))
 
     def end(self) -> None:
-        self.flush(final=True)
+        if not self.stopped:
+            self.send(self.scanner.feed(self.decoder.finish(), final=True))
 
-    def flush(self, final: bool) -> None:
-        if self.stopped:
-            return
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        text, hit = cut_at_stop(text, self.stops)
-        ready = len(text)
-        if not (final or hit):
-            ready -= held_back(text, self.stops)
-            if text.endswith("\ufffd"):  # bytes of a character still to come
-                ready = min(ready, len(text) - 1)
-        if ready > self.sent:
-            self.on_text(text[self.sent:ready])
-            self.sent = ready
-        self.stopped = hit
+    def send(self, text: str) -> None:
+        if text:
+            self.on_text(text)
+
+
+class NonFiniteScores(ReportedError):
+    """A generation's next-token scores held NaN or infinity (or no finite score at all) where it would sample."""
+
+
+class FiniteScoresGuard(LogitsProcessor):
+    """The last logits processor before sampling: a row with NaN or +inf, or none finite, would become
+    non-finite probabilities, and torch.multinomial on a GPU then fires a device-side assert that breaks the
+    CUDA context for every later generation of the process. Such a row ends this generation with
+    NonFiniteScores instead. (transformers' remove_invalid_values runs before temperature and the warpers,
+    so it cannot catch what they produce.)"""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        bad = scores.isnan().any(dim=-1) | scores.isposinf().any(dim=-1) | scores.isneginf().all(dim=-1)
+        if bool(bad.any()):
+            raise NonFiniteScores(f"the next-token scores of {int(bad.sum())} row(s) are not finite (NaN or "
+                                  "infinity) after the sampling settings were applied")
+        return scores
+
+
+def sampling_processors(settings: SamplingSettings) -> LogitsProcessorList:
+    """Temperature, top-k and top-p in transformers' order, then the guard. generate puts the processors it is
+    given after its own (repetition penalty among them) but before the warpers it builds from temperature,
+    top_k and top_p, so generate is asked for none (GENERATE_BUILDS_NO_WARPER) and the guard is the last
+    processor: it sees the very scores that are sampled."""
+    processors = LogitsProcessorList()
+    if settings.temperature > 0:
+        if settings.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(settings.temperature))
+        if settings.top_k:
+            processors.append(TopKLogitsWarper(top_k=settings.top_k))
+        if settings.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=settings.top_p))
+    processors.append(FiniteScoresGuard())
+    return processors
+
+
+# generate's settings from which it builds warpers (or a processor after the given ones), each neutral: the
+# checkpoint's generation_config may set some (top_k=50, typical_p, ...), and generate would then run them after
+# the guard.
+GENERATE_BUILDS_NO_WARPER = {"temperature": None, "top_k": None, "top_p": None, "min_p": None, "typical_p": None,
+                             "epsilon_cutoff": None, "eta_cutoff": None, "top_h": None, "watermarking_config": None,
+                             "renormalize_logits": False}
+
+
+@contextlib.contextmanager
+def private_rng(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Within the block, the CPU's random state (and that of the model's accelerator) starts from seed, and
+    afterwards it is what it was: a client's seed never reseeds the process for the requests after it. Without a
+    seed, nothing changes."""
+    if seed is None:
+        yield
+        return
+    accelerator = device.type != "cpu"
+    index = device.index or 0
+    with torch.random.fork_rng(devices=[index] if accelerator else [],
+                               device_type=device.type if accelerator else None):
+        torch.default_generator.manual_seed(seed)
+        if accelerator:
+            module = torch.get_device_module(device.type)
+            with module.device(index):
+                module.manual_seed(seed)
+        yield
 
 
 class CancelledCriteria(StoppingCriteria):
@@ -359,6 +504,19 @@ class CancelledCriteria(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class DeadlineCriteria(StoppingCriteria):
+    """Stops generation once `seconds` have passed since it was made (time.monotonic: a clock change does
+    not move it); `reached` tells afterwards whether it did."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = monotonic() + seconds
+        self.reached = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.reached = self.reached or monotonic() >= self.deadline
+        return torch.full((input_ids.shape[0],), self.reached, dtype=torch.bool, device=input_ids.device)
 
 
 class ChatGenerator:
@@ -408,13 +566,12 @@ class ChatGenerator:
         return [stop for stop in list(stops) + [self.turn_end] if stop]
 
     def generation_kwargs(self, settings: SamplingSettings, stops: Sequence[str]) -> dict[str, Any]:
+        """generate's arguments: sampling (temperature > 0) or greedy; temperature, top_k and top_p are
+        applied by sampling_processors, so that nothing runs between its guard and the sampling."""
         kwargs = {"max_new_tokens": settings.max_new_tokens, "pad_token_id": self.pad_id,
-                  "eos_token_id": self.eos_ids, "repetition_penalty": settings.repetition_penalty}
-        if settings.temperature > 0:
-            kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
-        else:
-            # Unset the checkpoint's sampling defaults so greedy decoding does not warn about them.
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                  "eos_token_id": self.eos_ids, "repetition_penalty": settings.repetition_penalty,
+                  "do_sample": settings.temperature > 0, "logits_processor": sampling_processors(settings),
+                  **GENERATE_BUILDS_NO_WARPER}
         if stops:
             kwargs.update(stop_strings=list(stops), tokenizer=self.tokenizer)
         return kwargs
@@ -424,30 +581,41 @@ class ChatGenerator:
                  streamer: BaseStreamer | None = None, cancel: threading.Event | None = None) -> list[Completion]:
         """Completions of prompts (lists of token ids), generated together with LEFT padding
         (every row's next token then sits at the same position) and an attention mask from the
-        lengths, never from comparing ids with the pad id."""
+        lengths, never from comparing ids with the pad id. NonFiniteScores if the scores to sample
+        from are not finite."""
         stops = [stop for stop in stops if stop]
         width = max(len(ids) for ids in prompts)
         input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + list(ids) for ids in prompts])
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
-        if settings.seed is not None:
-            torch.manual_seed(settings.seed)
         criteria = StoppingCriteriaList([CancelledCriteria(cancel)] if cancel is not None else [])
-        output = self.model.generate(
-            input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device),
-            streamer=streamer, stopping_criteria=criteria, **self.generation_kwargs(settings, stops),
-        )
-        return [self.completion(row[width:].tolist(), len(ids), settings.max_new_tokens, stops)
+        deadline = DeadlineCriteria(settings.time_limit) if settings.time_limit is not None else None
+        if deadline is not None:
+            criteria.append(deadline)
+        with private_rng(settings.seed, self.model.device):
+            output = self.model.generate(
+                input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device),
+                streamer=streamer, stopping_criteria=criteria, **self.generation_kwargs(settings, stops),
+            )
+        timed_out = deadline is not None and deadline.reached
+        if timed_out:
+            logger.info("generation stopped at its time limit of %s s", settings.time_limit)
+        return [self.completion(row[width:].tolist(), len(ids), settings.max_new_tokens, stops, timed_out)
                 for row, ids in zip(output.cpu(), prompts, strict=True)]
 
     def completion(self, generated: list[int], prompt_tokens: int, max_new_tokens: int,
-                   stops: Sequence[str]) -> Completion:
+                   stops: Sequence[str], timed_out: bool = False) -> Completion:
+        """finish_reason "stop" at EOS or a stop string, "length" at max_new_tokens or the time limit."""
         eos_at = next((i for i, token in enumerate(generated) if token in self.eos_ids), None)
         if eos_at is not None:
             generated = generated[: eos_at + 1]  # what follows in a batch is padding
         text, hit = cut_at_stop(self.tokenizer.decode(generated, skip_special_tokens=True), stops)
         if hit:
             # Count the tokens up to the one completing the stop string; padding may follow it.
-            generated = generated[: next(k for k in range(1, len(generated) + 1) if cut_at_stop(
-                self.tokenizer.decode(generated[:k], skip_special_tokens=True), stops).hit)]
-        stopped = eos_at is not None or hit or len(generated) < max_new_tokens
-        return Completion(text, "stop" if stopped else "length", prompt_tokens, len(generated))
+            generated = generated[: tokens_until_stop(self.tokenizer, generated, stops)]
+        if eos_at is not None or hit:
+            finish_reason = "stop"
+        elif timed_out or len(generated) >= max_new_tokens:
+            finish_reason = "length"
+        else:  # cancelled
+            finish_reason = "stop"
+        return Completion(text, finish_reason, prompt_tokens, len(generated))
