@@ -489,20 +489,20 @@ def test_batch_chat_replies_stop_at_the_turn_end(name, own_template_sft, data_fi
 @contextlib.contextmanager
 def serving(args: list):
     """openai_api_server.main() with args, serving from a thread of this process until the block ends;
-    uvicorn.run is replaced by a server the block can stop. Yields the base URL."""
+    uvicorn.Server.run records the server, for the block to stop it. Yields the base URL."""
     import uvicorn
 
     from lorakit.serve import openai_api as openai_api_server
 
-    servers, port = [], free_port()
+    servers, port, real_run = [], free_port(), uvicorn.Server.run
 
-    def run(app, host, port, log_level):
-        servers.append(uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")))
-        servers[0].run()
+    def run(server, sockets=None):
+        servers.append(server)
+        real_run(server, sockets)
 
     root = logging.getLogger()
-    saved = sys.argv, root.handlers[:], root.level, uvicorn.run
-    sys.argv, uvicorn.run = ["openai_api_server.py"] + [str(a) for a in args] + ["--port", str(port)], run
+    saved = sys.argv, root.handlers[:], root.level, uvicorn.Server.run
+    sys.argv, uvicorn.Server.run = ["openai_api_server.py"] + [str(a) for a in args] + ["--port", str(port)], run
     thread = threading.Thread(target=openai_api_server.main, daemon=True)
     thread.start()
     try:
@@ -515,7 +515,7 @@ def serving(args: list):
         if servers:
             servers[0].should_exit = True
         thread.join(30)
-        sys.argv, root.handlers[:], uvicorn.run = saved[0], saved[1], saved[3]
+        sys.argv, root.handlers[:], uvicorn.Server.run = saved[0], saved[1], saved[3]
         root.setLevel(saved[2])
 
 

@@ -3,94 +3,32 @@ OpenAI's error body, a failure answers a generic 500 (its details only in the lo
 goes away stops its generation, and after all of it a good request still gets its answer. The
 server is main() as users start it, on the tiny model, served in this process by uvicorn."""
 
-import contextlib
-import http.client
 import json
 import logging
-import os
 import socket
 import threading
 import time
 
 import pytest
-import uvicorn
 
-from helpers.commands import REPO, assert_ok, check_refused, free_port, run_in_process
+from helpers.commands import check_refused, run_in_process
+from helpers.server import SERVER_SCRIPT, assert_error_body, call, launch, serving
 from lorakit.serve import openai_api as openai_api_server
 from lorakit.serve.inference import Completion
-from lorakit.serve.openai_api import API_KEY_VARIABLE
 
-SERVER_SCRIPT = os.path.join(REPO, "scripts", "inference", "openai_api_server.py")
 MODEL = "tiny"
 MAX_PENDING = 2
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 8,
         "temperature": 0}
 
 
-def launch(args: list, key_variable=None):
-    """(app, uvicorn.run's keyword arguments, the run) of main() with args: uvicorn.run is recorded, not run."""
-    calls = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs)))
-        if key_variable is None:
-            patch.delenv(API_KEY_VARIABLE, raising=False)
-        else:
-            patch.setenv(API_KEY_VARIABLE, key_variable)
-        result = run_in_process(SERVER_SCRIPT, args)
-    assert_ok(result)
-    return calls[0][0], calls[0][1], result
-
-
-@contextlib.contextmanager
-def serving(app):
-    """app served by uvicorn from a thread of this process; yields (port, the server's thread)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield server.config.port, thread
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def call(port, path, body=None, raw=None, headers=None, chunks=None):
-    """(status, parsed JSON body or the text) of one request: body as JSON, raw bytes, or chunks sent
-    with chunked transfer encoding (no Content-Length)."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    headers = {"Content-Type": "application/json", **(headers or {})}
-    if chunks is not None:
-        connection.request("POST", path, body=iter(chunks), headers=headers, encode_chunked=True)
-    elif body is None and raw is None:
-        connection.request("GET", path, headers=headers)
-    else:
-        connection.request("POST", path, body=raw if raw is not None else json.dumps(body).encode(), headers=headers)
-    response = connection.getresponse()
-    text = response.read().decode()
-    connection.close()
-    try:
-        return response.status, json.loads(text)
-    except json.JSONDecodeError:
-        return response.status, text
-
-
-def assert_error_body(body, status_type="invalid_request_error"):
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["type"] == status_type, body
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     """main() with no --host and no key anywhere, and room for MAX_PENDING requests."""
-    app, run_kwargs, _ = launch(["--base_model", tiny_model_dir, "--template", "human_assistant", "--model_name", MODEL,
-                                 "--max_pending_requests", MAX_PENDING])
+    app, config, _ = launch(["--base_model", tiny_model_dir, "--template", "human_assistant", "--model_name", MODEL,
+                             "--max_pending_requests", MAX_PENDING])
     with serving(app) as (port, thread):
-        yield {"port": port, "thread": thread, "host": run_kwargs["host"], "service": app.state.service}
+        yield {"port": port, "thread": thread, "host": config.host, "service": app.state.service}
 
 
 def answer(server):
@@ -143,7 +81,7 @@ def test_each_limit_gets_its_error_and_a_good_request_still_gets_its_answer(serv
 def test_a_declared_body_over_the_limit_is_refused_unread(server):
     """A client that waits for '100 Continue' before sending a 1 GB body gets the 413 instead."""
     sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 1000000000\r\nExpect: 100-continue\r\n\r\n")
     reply = b""
     while b"}}" not in reply and (data := sock.recv(4096)):
@@ -233,7 +171,7 @@ class SlowStreamer:
 def send_raw(port, body) -> socket.socket:
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
     return sock
 

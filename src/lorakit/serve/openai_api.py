@@ -11,8 +11,22 @@ OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY).
 
 One worker thread runs every generation, one after the other: requests never share a batch or
 a KV cache, so concurrent clients each get the answer they would get alone. No request can take
-the server down: bodies, stop sequences and the requests held at once are bounded (RequestLimits),
-tokenization runs off the event loop, and a generation stops when its client goes away.
+the server down: bodies, stop sequences, answer lengths (--max_tokens_limit), generation time
+(--request_timeout) and the requests held at once are bounded (RequestLimits), sampling values
+are bounded to what samples finitely (and a guard before sampling fails a request whose scores are
+not finite, alone), tokenization runs off the event loop, and a generation stops when its client
+goes away. A client's seed seeds its own generation only.
+
+Without an API key the server answers only requests whose Host header names a loopback name, the
+bound address or one of --allowed_hosts (400 otherwise: a web page cannot reach it by DNS
+rebinding); with a key, any Host. A POST body must be sent as application/json (415 otherwise).
+
+Health and exit contract: GET /health (no key, any Host) answers 200 {"status": "ok"}. If the
+generation worker meets an accelerator error (a CUDA error such as a device-side assert, after
+which the CUDA context is broken for every later request), the server turns unhealthy: /health
+answers 503 {"status": "unhealthy", "reason": ...}, every other request 503 with OpenAI's error
+body (code "server_unhealthy"), the server stops and the process exits with status 1 (one
+`error:` line on stderr), for a supervisor to restart it. Bad flags exit with status 2.
 """
 
 import asyncio
@@ -28,12 +42,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,13 +56,14 @@ from starlette.middleware.base import RequestResponseEndpoint
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
-from lorakit.core.cli import InputError, parse_args, run_cli
+from lorakit.core.cli import InputError, ReportedError, parse_args, run_cli
 from lorakit.models.arguments import trust_remote_code_field
 from lorakit.records.readers import PROMPT, Message, conversation_of
 from lorakit.serve.inference import (
     ChatGenerator,
     Completion,
     InferenceModelArguments,
+    NonFiniteScores,
     SamplingSettings,
     TextDeltaStreamer,
     chat_template_of,
@@ -86,7 +102,25 @@ class ServerArguments:
         default=512,
         metadata={"help": "Answer length limit for requests that set no max_tokens (capped by the context)."},
     )
+    max_tokens_limit: int = field(
+        default=2048,
+        metadata={"help": "The most max_tokens (or max_completion_tokens) a request may ask for: above it the "
+                          "request is refused with 400 naming the field, not silently cut short."},
+    )
+    allowed_hosts: str | None = field(
+        default=None,
+        metadata={"help": "Without an API key, the server answers only requests whose Host header names "
+                          "localhost, 127.0.0.1, ::1 or --host (a web page cannot reach it by DNS rebinding); "
+                          "this comma list adds names ('*': any). With a key, any Host is answered."},
+    )
     trust_remote_code: bool = trust_remote_code_field()
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens < 1:
+            raise InputError(f"--default_max_tokens {self.default_max_tokens}: must be at least 1")
+        if self.max_tokens_limit < self.default_max_tokens:
+            raise InputError(f"--max_tokens_limit {self.max_tokens_limit}: must be at least --default_max_tokens "
+                             f"{self.default_max_tokens}")
 
 
 @dataclass
@@ -106,12 +140,19 @@ class RequestLimits:
                                       "64 characters on a 128k vocabulary take up to ~130 MB and seconds of the "
                                       "generation worker."}
     )
+    request_timeout: float = field(
+        default=600.0, metadata={"help": "Seconds one generation may run: past them it stops where it is and the "
+                                         "answer so far is returned with finish_reason \"length\" (as at "
+                                         "max_tokens)."}
+    )
 
     def __post_init__(self) -> None:
         for name, least in (("max_request_bytes", 1024), ("max_pending_requests", 1), ("max_stop_sequences", 0),
                             ("max_stop_length", 1)):
             if getattr(self, name) < least:
                 raise InputError(f"--{name} {getattr(self, name)}: must be at least {least}")
+        if not 0 < self.request_timeout < float("inf"):
+            raise InputError(f"--request_timeout {self.request_timeout}: must be a positive number of seconds")
 
 
 class APIError(Exception):
@@ -128,32 +169,113 @@ def error_body(message: str, error_type: str = "invalid_request_error", param: s
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+# The least temperature above 0 (greedy): below it the scaled scores overflow to infinity and sampling fails.
+MIN_TEMPERATURE = 0.01
+
+
+class Unsupported(NamedTuple):
+    """A request field whose value this server cannot honour, and why."""
+
+    param: str
+    reason: str
+
+
 class SamplingRequest(BaseModel):
     """Fields both completion endpoints take. top_k and repetition_penalty are extensions (as in
-    vLLM); fields of OpenAI's API that change nothing here are accepted and ignored."""
+    vLLM). Sampling values are bounded to what samples finitely. OpenAI's fields that would change
+    the answer's meaning and are not supported are declared, and refused (unsupported) at any value
+    but their neutral one, which ordinary clients send; other fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, ge=0.5, le=2, allow_inf_nan=False)
     n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range; torch takes it
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def finite_temperature(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    def unsupported(self) -> list[Unsupported]:
+        found = []
+        if self.n not in (None, 1):
+            found.append(Unsupported("n", f"n={self.n} is not supported: one choice per request"))
+        if self.logit_bias:
+            found.append(Unsupported("logit_bias", "logit_bias is not supported"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                found.append(Unsupported(name, f"{name} is not supported (repetition_penalty is)"))
+        return found
+
+
+def tool_use(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, names: str) -> list[Unsupported]:
+    """Tools (or the older functions) are refused unless the choice is "none": present without a choice
+    means "auto"."""
+    tools_name, choice_name = names.split()
+    if tools and choice != "none":
+        return [Unsupported(tools_name, f"{tools_name} are not supported (only with {choice_name} \"none\")")]
+    if not tools and choice not in (None, "none"):
+        return [Unsupported(choice_name, f"{choice_name} is not supported")]
+    return []
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[Unsupported]:
+        found = super().unsupported()
+        found += tool_use(self.tools, self.tool_choice, "tools tool_choice")
+        found += tool_use(self.functions, self.function_call, "functions function_call")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            found.append(Unsupported("response_format", "response_format is not supported: only {\"type\": "
+                                                        "\"text\"}"))
+        if self.logprobs:
+            found.append(Unsupported("logprobs", "logprobs is not supported"))
+        if self.top_logprobs:
+            found.append(Unsupported("top_logprobs", "top_logprobs is not supported"))
+        return found
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[Unsupported]:
+        found = super().unsupported()
+        if self.logprobs is not None:
+            found.append(Unsupported("logprobs", "logprobs is not supported"))
+        if self.echo:
+            found.append(Unsupported("echo", "echo is not supported"))
+        if self.best_of not in (None, 1):
+            found.append(Unsupported("best_of", f"best_of={self.best_of} is not supported: one choice per request"))
+        if self.suffix:
+            found.append(Unsupported("suffix", "suffix is not supported"))
+        return found
 
 
 # A stream's event body from a text delta (None: no text) and a finish reason (None: not finished yet).
@@ -233,26 +355,49 @@ async def cancel_when_gone(request: Request, cancel: threading.Event) -> None:
     cancel.set()
 
 
+# How an accelerator error reads when torch raises it as a plain RuntimeError rather than torch.AcceleratorError.
+# Once one happened (a device-side assert, an illegal memory access) the CUDA context is broken for good.
+DEVICE_ERROR_MARKERS = ("CUDA error", "device-side assert", "HIP error")
+
+
+def is_device_error(err: BaseException) -> bool:
+    """An accelerator error after which the process cannot generate again: torch.AcceleratorError, or a
+    RuntimeError saying "CUDA error" or "device-side assert". Running out of memory is not one: the
+    allocator refused, and the context is fine."""
+    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(err, accelerator_error) or (
+        isinstance(err, RuntimeError) and any(marker in str(err) for marker in DEVICE_ERROR_MARKERS))
+
+
 class CompletionService:
-    """Request checks, the generation worker and the response bodies."""
+    """Request checks, the generation worker and the response bodies. `failure` (None while healthy) says
+    why the server stopped serving; `on_failure` is called once when that happens (main: stop uvicorn);
+    `fault_injection`, when set, is called in the worker before each generation (tests: an accelerator
+    error cannot be caused on a CPU)."""
 
     def __init__(self, generator: ChatGenerator, model_name: str, default_max_tokens: int,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, max_tokens_limit: int = 2048) -> None:
         self.generator = generator
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit
         self.limits = limits or RequestLimits()
         self.slots = RequestSlots(self.limits.max_pending_requests)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self.created = int(time.time())
+        self.failure: str | None = None
+        self.on_failure: Callable[[], None] = lambda: None
+        self.fault_injection: Callable[[], None] | None = None
 
     def check_request(self, request: SamplingRequest) -> None:
         if request.model != self.model_name:
             raise APIError(404, f"The model '{request.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
-        if request.n not in (None, 1):
-            raise APIError(400, f"n={request.n} is not supported: one choice per request", param="n",
-                           code="invalid_value")
+        unsupported = request.unsupported()
+        if unsupported:
+            raise APIError(400, unsupported[0].reason, param=unsupported[0].param, code="unsupported_value")
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stops) > self.limits.max_stop_sequences:
             raise APIError(400, f"stop holds {len(stops)} sequences; at most {self.limits.max_stop_sequences} "
@@ -269,13 +414,17 @@ class CompletionService:
             raise APIError(400, f"This model's context holds {context} tokens, and the prompt is {prompt_tokens} "
                                 "tokens, leaving no room for an answer; shorten the prompt",
                            param=prompt_param, code="context_length_exceeded")
+        param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, remaining)
+        elif max_tokens > self.max_tokens_limit:
+            raise APIError(400, f"{param} is {max_tokens}; this server allows at most {self.max_tokens_limit} tokens "
+                                "per answer", param=param, code="invalid_value")
         elif max_tokens > remaining:
-            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt is {prompt_tokens} tokens and this "
+            raise APIError(400, f"{param} is {max_tokens}, but the prompt is {prompt_tokens} tokens and this "
                                 f"model's context holds {context}: at most {remaining} tokens are left for the answer",
-                           param="max_tokens", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
         return SamplingSettings(
             max_new_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -283,6 +432,7 @@ class CompletionService:
             top_k=request.top_k or 0,
             repetition_penalty=request.repetition_penalty or 1.0,
             seed=request.seed,
+            time_limit=self.limits.request_timeout,
         )
 
     def submit(self, slot: Slot, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
@@ -295,7 +445,7 @@ class CompletionService:
             try:
                 if cancel.is_set():
                     return None
-                return self.generator.generate([prompt_ids], settings, stops, streamer, cancel)[0]
+                return self.generate_one(prompt_ids, settings, stops, streamer, cancel)
             finally:
                 if on_end is not None:
                     on_end()
@@ -303,6 +453,37 @@ class CompletionService:
         result = asyncio.get_running_loop().run_in_executor(self.worker, job)
         slot.free_when_done(result)
         return result
+
+    def generate_one(self, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
+                     streamer: TextDeltaStreamer | None, cancel: threading.Event) -> Completion:
+        """One generation, on the worker. Scores that are not finite fail this request alone (500); an
+        accelerator error fails the server (fail), and every generation after it is refused (503)."""
+        if self.failure is not None:
+            raise unhealthy_error()
+        try:
+            if self.fault_injection is not None:
+                self.fault_injection()
+            return self.generator.generate([prompt_ids], settings, stops, streamer, cancel)[0]
+        except NonFiniteScores as err:
+            logger.warning("generation refused: %s (temperature %s, top_p %s, top_k %s, repetition_penalty %s)",
+                           err, settings.temperature, settings.top_p, settings.top_k, settings.repetition_penalty)
+            raise APIError(500, "The model's next-token scores were not finite (NaN or infinity) with this request's "
+                                "sampling settings; nothing was sampled", error_type="server_error",
+                           code="non_finite_scores") from err
+        except Exception as err:
+            if not is_device_error(err):
+                raise
+            self.fail(err)
+            raise unhealthy_error() from err
+
+    def fail(self, err: BaseException) -> None:
+        """The accelerator failed, and (on CUDA) its context with it: from now on the server answers 503, and
+        on_failure stops it; main then exits with status 1 for a supervisor to restart the process."""
+        if self.failure is not None:
+            return
+        self.failure = f"accelerator error ({type(err).__name__}): the server is stopping"
+        logger.critical("the accelerator failed: the server stops serving and exits with status 1", exc_info=err)
+        self.on_failure()
 
     async def complete(self, slot: Slot, http_request: Request, prompt_ids: list[int], settings: SamplingSettings,
                        stops: list[str]) -> Completion | None:
@@ -351,7 +532,9 @@ class CompletionService:
                 yield sse(chunk(None, completion.finish_reason))
                 if include_usage:
                     yield sse({**chunk(None, None), "choices": [], "usage": usage(completion)})
-            except Exception as err:  # the stream has begun: report the failure in it, without its details
+            except APIError as err:  # the stream has begun: the error goes in it
+                yield sse(error_body(err.message, err.error_type, err.param, err.code))
+            except Exception as err:  # likewise, without its details
                 yield sse(error_body(failure_message(err), "server_error"))
             finally:
                 cancel.set()
@@ -374,14 +557,15 @@ def include_usage(request: SamplingRequest) -> bool:
     return bool(request.stream_options and request.stream_options.get("include_usage"))
 
 
-def create_app(service: CompletionService, api_key: str | None) -> FastAPI:
-    """The server: the API key check, the body size limit, OpenAI-style error bodies, and the /v1
-    endpoints. The key check comes first (the middleware added last), so that a client without the
-    key gets 401 before any of its body is read."""
+def create_app(service: CompletionService, api_key: str | None,
+               allowed_hosts: frozenset[str] = frozenset()) -> FastAPI:
+    """The server: the admission checks (request_gate), the body size limit, OpenAI-style error
+    bodies, /health and the /v1 endpoints. The gate comes first (the middleware added last), so that
+    a request it refuses gets its answer before any of its body is read."""
     app = FastAPI(title="OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.service = service
     app.add_middleware(RequestSizeLimit, max_bytes=service.limits.max_request_bytes)
-    app.middleware("http")(api_key_check(api_key))
+    app.middleware("http")(request_gate(service, api_key, allowed_hosts_of("127.0.0.1") | allowed_hosts))
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -390,22 +574,97 @@ def create_app(service: CompletionService, api_key: str | None) -> FastAPI:
     return app
 
 
-def api_key_check(api_key: str | None) -> Callable[[Request, RequestResponseEndpoint], Awaitable[Response]]:
-    """HTTP middleware answering 401, in OpenAI's error format, to a request without the key
-    (every request passes when the server has no key)."""
+HEALTH_PATH = "/health"
 
-    async def require_api_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
-        if api_key is not None:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not token.strip():
-                return JSONResponse(error_body("Missing API key: send 'Authorization: Bearer KEY'",
-                                               code="invalid_api_key"), status_code=401)
-            if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-                return JSONResponse(error_body("Incorrect API key provided", code="invalid_api_key"),
-                                    status_code=401)
+
+def request_gate(service: CompletionService, api_key: str | None,
+                 allowed_hosts: frozenset[str]) -> Callable[[Request, RequestResponseEndpoint], Awaitable[Response]]:
+    """HTTP middleware: GET /health passes (a supervisor's probe needs neither key nor Host name); otherwise,
+    in this order, without an API key a Host this server does not answer to gets 400 (host_refusal), with one a
+    request without the key gets 401, an unhealthy server answers 503, and a POST that is not JSON gets 415."""
+
+    async def gate(request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if request.url.path != HEALTH_PATH:
+            first_check = host_refusal(request, allowed_hosts) if api_key is None else key_refusal(request, api_key)
+            refusal = first_check or unhealthy_refusal(service) or content_type_refusal(request)
+            if refusal is not None:
+                return refusal
         return await call_next(request)
 
-    return require_api_key
+    return gate
+
+
+# Names a server without a key always answers to: the machine itself.
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# Bind addresses that name no host (all interfaces).
+WILDCARD_ADDRESSES = frozenset({"0.0.0.0", "::", ""})
+
+
+def allowed_hosts_of(bind_host: str, allowed_hosts: str | None = None) -> frozenset[str]:
+    """The Host names a server without a key answers to: the loopback names, the bound address (unless it is
+    a wildcard) and the comma list of --allowed_hosts ('*' among them: any)."""
+    names = {name.strip().lower().strip("[]") for name in (allowed_hosts or "").split(",")}
+    names.add(bind_host.strip().lower().strip("[]"))
+    return (LOOPBACK_NAMES | names) - WILDCARD_ADDRESSES
+
+
+def host_name(header: str) -> str:
+    """A Host header's name without its port: 'example.com:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    if header.count(":") == 1:
+        header = header.partition(":")[0]
+    return header.rstrip(".")
+
+
+def host_refusal(request: Request, allowed_hosts: frozenset[str]) -> JSONResponse | None:
+    """400 to a request whose Host names none of allowed_hosts: a web page that makes its own name resolve to
+    this machine (DNS rebinding) sends its own name as Host, so a browser cannot be turned against a server
+    without a key. 400 rather than 421, which invites the client to retry elsewhere, or 403, which suggests that
+    credentials would help."""
+    if "*" in allowed_hosts or host_name(request.headers.get("host", "")) in allowed_hosts:
+        return None
+    return JSONResponse(error_body("This server has no API key and answers only requests whose Host header names "
+                                   "it (localhost, its address or --allowed_hosts)", code="invalid_host"),
+                        status_code=400)
+
+
+def key_refusal(request: Request, api_key: str) -> JSONResponse | None:
+    """401, in OpenAI's error format, to a request without the key."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return JSONResponse(error_body("Missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"),
+                            status_code=401)
+    if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        return JSONResponse(error_body("Incorrect API key provided", code="invalid_api_key"), status_code=401)
+    return None
+
+
+def unhealthy_error() -> APIError:
+    return APIError(503, "The server had an accelerator error and is stopping; retry once it has restarted",
+                    error_type="server_error", code="server_unhealthy")
+
+
+def unhealthy_refusal(service: CompletionService) -> JSONResponse | None:
+    if service.failure is None:
+        return None
+    err = unhealthy_error()
+    return JSONResponse(error_body(err.message, err.error_type, code=err.code), status_code=err.status)
+
+
+def content_type_refusal(request: Request) -> JSONResponse | None:
+    """415 to a POST whose body is not declared as JSON (application/json, with charset utf-8 if any): a
+    browser sends text/plain or a form to another site without asking it first, never JSON."""
+    if request.method != "POST":
+        return None
+    media_type, *parameters = request.headers.get("content-type", "").split(";")
+    charsets = [value.strip().strip('"').lower() for key, _, value in (item.partition("=") for item in parameters)
+                if key.strip().lower() == "charset"]
+    if media_type.strip().lower() == "application/json" and all(c in ("utf-8", "utf8") for c in charsets):
+        return None
+    return JSONResponse(error_body("The request body must be JSON, sent with 'Content-Type: application/json'",
+                                   code="unsupported_media_type"), status_code=415)
 
 
 # Bytes still read (and dropped) after a body went over the limit: a client that is still sending
@@ -494,8 +753,14 @@ def failure_message(err: BaseException) -> str:
 
 
 def openai_routes(service: CompletionService) -> APIRouter:
-    """GET /v1/models, POST /v1/chat/completions and POST /v1/completions, served by service."""
+    """GET /health, GET /v1/models, POST /v1/chat/completions and POST /v1/completions, served by service."""
     router = APIRouter()
+
+    @router.get(HEALTH_PATH, response_model=None)
+    async def health() -> JSONResponse:
+        if service.failure is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": service.failure}, status_code=503)
 
     # response_model=None: the return annotations are for readers; FastAPI would otherwise validate and
     # serialize each answer through a model made from them.
@@ -619,15 +884,46 @@ def main() -> None:
     generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
                               template_kwargs_of(model_args))
     name = server_args.model_name or os.path.basename(os.path.normpath(model_args.lora_model or model_args.base_model))
-    service = CompletionService(generator, name, server_args.default_max_tokens, limits)
-    app = create_app(service, api_key)
-    if api_key is None and server_args.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("serving on %s without an API key (--api_key_file or $%s): anyone who can reach it can use it",
-                       server_args.host, API_KEY_VARIABLE)
+    service = CompletionService(generator, name, server_args.default_max_tokens, limits, server_args.max_tokens_limit)
+    allowed_hosts = allowed_hosts_of(server_args.host, server_args.allowed_hosts)
+    app = create_app(service, api_key, allowed_hosts)
+    log_exposure(server_args.host, api_key, allowed_hosts)
     logger.info("serving %s on http://%s:%d/v1", name, server_args.host, server_args.port)
     import uvicorn
 
-    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level="info")
+    # A grace period for the responses under way when the server stops: after an accelerator error
+    # every generation left fails at once, so only a client that reads slowly can hold it up.
+    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="info",
+                                           timeout_graceful_shutdown=10))
+
+    def stop() -> None:
+        server.should_exit = True
+
+    service.on_failure = stop
+    server.run()
+    if service.failure is not None:
+        raise ReportedError(f"{service.failure}; exit status 1, for a supervisor to restart the server")
+
+
+def log_exposure(host: str, api_key: str | None, allowed_hosts: frozenset[str]) -> None:
+    """Who the server answers, said at start-up."""
+    if api_key is not None:
+        return
+    if "*" in allowed_hosts:
+        logger.warning("serving on %s without an API key (--api_key_file or $%s) and with --allowed_hosts '*': "
+                       "anyone who can reach it can use it, a web page in a browser on this machine included",
+                       host, API_KEY_VARIABLE)
+        return
+    logger.info("without an API key, only requests whose Host header names %s are answered (400 otherwise; "
+                "--allowed_hosts adds names)", ", ".join(sorted(allowed_hosts)))
+    if host in WILDCARD_ADDRESSES:
+        named = ", ".join(sorted(allowed_hosts - LOOPBACK_NAMES)) or "none: no --allowed_hosts"
+        logger.warning("serving on %s without an API key: other machines are served only under the names of "
+                       "--allowed_hosts (%s), and then to anyone who can reach the server; a key (--api_key_file or "
+                       "$%s) serves any name", host, named, API_KEY_VARIABLE)
+    elif host not in LOOPBACK_NAMES:
+        logger.warning("serving on %s without an API key (--api_key_file or $%s): anyone who can reach it can use it",
+                       host, API_KEY_VARIABLE)
 
 
 def entry_point() -> None:
