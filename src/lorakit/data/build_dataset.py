@@ -205,7 +205,8 @@ class DataCollatorForPretraining:
 
 # ----------------------------------------------------------------------------- supervised data
 
-SFT_CACHE_VERSION = "sft-2"
+# 3: a special token's text in a record is encoded as text (records.control_text).
+SFT_CACHE_VERSION = "sft-3"
 PREPARE_DATA_ONLY_HELP = (
     "Build (or check) the tokenized data cache these arguments need, print its entries and exit, without a process "
     "group or the model: run it as one process per node (python, not torchrun) before the training launch, whose "
@@ -280,31 +281,38 @@ class TokenizedShard(NamedTuple):
 
     rows: dict[str, list[Any]]
     dropped: int
+    control_text: int = 0  # records whose text held a special token's text (encoded as text: records.control_text)
 
 
 def tokenize_conversation_shard(conversation_tokenizer: ConversationTokenizer,
                                 sources: list[Conversation]) -> TokenizedShard:
     """Conversations -> their rows, and the samples dropped (no answer token fits)."""
-    rows, dropped = {"input_ids": [], "labels": [], "length": []}, 0
+    rows, dropped, control_text = {"input_ids": [], "labels": [], "length": []}, 0, 0
     for where, messages, tools in sources:
         sample = conversation_tokenizer(where, messages, tools)
         if sample is None:
             dropped += 1
             continue
+        control_text += sample["control_text"]
         rows["input_ids"].append(sample["input_ids"])
         rows["labels"].append(sample["labels"])
         rows["length"].append(len(sample["input_ids"]))
-    return TokenizedShard(rows, dropped)
+    return TokenizedShard(rows, dropped, control_text)
 
 
 def joined(parts: list[TokenizedShard]) -> TokenizedShard:
     """The shards' rows, in order, and their drops, as one."""
-    rows, dropped = {name: [] for name in parts[0][0]} if parts else {}, 0
-    for part_rows, part_dropped in parts:
-        for name, values in part_rows.items():
+    rows = {name: [] for name in parts[0].rows} if parts else {}
+    for part in parts:
+        for name, values in part.rows.items():
             rows[name] += values
-        dropped += part_dropped
-    return TokenizedShard(rows, dropped)
+    return TokenizedShard(rows, sum(part.dropped for part in parts), sum(part.control_text for part in parts))
+
+
+def report_control_text(count: int, total: int, what: str) -> None:
+    if count:
+        logger.warning("%d of %d %s hold a special token's text (such as an end-of-turn token) in their messages: it "
+                       "is trained as plain text, as the server reads it", count, total, what)
 
 
 def build_sft_dataset(
@@ -347,8 +355,10 @@ def build_sft_dataset(
             split = None if path in unsplit_files else data_split
             sources += phase_part(read_conversations(path), split, data_phase, seed)
         with tqdm(total=len(sources), desc="Tokenizing conversations", unit="sample") as progress:
-            rows, dropped = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
-                                              shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc, progress))
+            rows, dropped, control_text = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
+                                                            shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc,
+                                                            progress))
+        report_control_text(control_text, len(sources), "samples")
         if dropped:
             logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d",
                            dropped, len(sources), max_length)
@@ -481,7 +491,8 @@ class DataCollatorForSupervisedDataset:
 
 # ----------------------------------------------------------------------------- preference pairs
 
-PREFERENCE_CACHE_VERSION = "pairs-4"
+# 5: a special token's text in a record is encoded as text (records.control_text).
+PREFERENCE_CACHE_VERSION = "pairs-5"
 
 
 def build_preference_dataset(
@@ -518,8 +529,10 @@ def build_preference_dataset(
     def build(tmp_dir: str) -> None:
         records = [item for path in files for item in phase_part(records_of(path), data_split, data_phase, seed)]
         with tqdm(total=len(records), desc="Tokenizing pairs", unit="pair") as progress:
-            rows, identical = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
-                                                shards_of(records, num_proc, ROWS_PER_SHARD), num_proc, progress))
+            rows, identical, control_text = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
+                                                              shards_of(records, num_proc, ROWS_PER_SHARD), num_proc,
+                                                              progress))
+        report_control_text(control_text, len(records), "pairs")
         if identical:
             logger.warning("dropped %d pairs whose chosen and rejected answers are identical", identical)
         if not rows.get("margin"):
@@ -536,18 +549,20 @@ def tokenize_pair_shard(conversation_tokenizer: ConversationTokenizer,
     """[(where, record)] of preference pairs -> their rows, and the pairs dropped (identical answers)."""
     rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "chosen_answer_start": [],
                        "rejected_answer_start": [], "margin": [], "length": []}, 0
+    control_text = 0
     for where, record in records:
         context, chosen, rejected, margin = preference_of(where, record)
         if chosen.strip() == rejected.strip():
             identical += 1
             continue
         pair = [pair_side(conversation_tokenizer, where, context, answer) for answer in (chosen, rejected)]
-        for side, (input_ids, answer_start) in zip(("chosen", "rejected"), pair, strict=True):
-            rows[f"{side}_input_ids"].append(input_ids)
-            rows[f"{side}_answer_start"].append(answer_start)
+        for side, tokenized in zip(("chosen", "rejected"), pair, strict=True):
+            rows[f"{side}_input_ids"].append(tokenized.input_ids)
+            rows[f"{side}_answer_start"].append(tokenized.answer_start)
         rows["margin"].append(margin)
         rows["length"].append(max(len(side.input_ids) for side in pair))
-    return TokenizedShard(rows, identical)
+        control_text += any(side.control_text for side in pair)
+    return TokenizedShard(rows, identical, control_text)
 
 
 class PairSide(NamedTuple):
@@ -556,6 +571,7 @@ class PairSide(NamedTuple):
 
     input_ids: list[int]
     answer_start: int
+    control_text: bool  # the side's text held a special token's text
 
 
 def pair_side(conversation_tokenizer: ConversationTokenizer, where: str, context: list[Message],
@@ -568,7 +584,7 @@ def pair_side(conversation_tokenizer: ConversationTokenizer, where: str, context
     labels = sample["labels"]
     last = max(i for i, label in enumerate(labels) if label != -100)
     answer_start = next(i for i in range(last, -1, -1) if i == 0 or labels[i - 1] == -100)
-    return PairSide(sample["input_ids"], answer_start)
+    return PairSide(sample["input_ids"], answer_start, sample["control_text"])
 
 
 class DataCollatorForPreferencePairs:

@@ -10,6 +10,7 @@ from jinja2 import TemplateError
 
 from lorakit.core.cli import InputError
 from lorakit.records.chat_templates import first_special_token, special_token_texts, turn_end_text
+from lorakit.records.control_text import CharRange, encode_prompt, encode_protected, marked_conversation, unmark
 from lorakit.records.readers import Message, Tools
 
 if TYPE_CHECKING:
@@ -218,17 +219,26 @@ class ConversationTokenizer:
             logger.warning("%s", message)
         self.notes[kind] = self.notes.get(kind, 0) + 1
 
-    def __call__(self, where: str, messages: list[Message], tools: Tools | None = None) -> dict[str, list[int]] | None:
+    def __call__(self, where: str, messages: list[Message], tools: Tools | None = None) -> dict[str, Any] | None:
+        """{"input_ids", "labels", "control_text": whether the record's text held a special token's text (encoded
+        as text: records.control_text)}, or None when no answer token fits in max_length."""
+        messages, tools, marked = marked_conversation(self.tokenizer, messages, tools)
         segments = self.segments(where, messages, tools)
+        segments, protected = unmarked_segments(segments) if marked else UnmarkedSegments(segments, [])
         if getattr(self.tokenizer, "is_fast", False):
-            input_ids, labels = self.tokenize_whole(segments)
+            input_ids, labels = self.tokenize_whole(segments, protected)
         else:
-            input_ids, labels = self.tokenize_by_segment(segments)
+            input_ids, labels = self.tokenize_by_segment(segments, protected)
         # Keep the prompt's head and cut the answer; a sample left without an answer token is dropped.
         input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
         if all(label == -100 for label in labels):
             return None
-        return {"input_ids": input_ids, "labels": labels}
+        return {"input_ids": input_ids, "labels": labels, "control_text": marked}
+
+    def prompt_ids(self, where: str, messages: list[Message], tools: Tools | None = None) -> list[int]:
+        """The ids of the inference prompt of messages (the generation prompt after them), as serving encodes it."""
+        return encode_prompt(self.tokenizer, lambda rendered_messages, rendered_tools: self.render(
+            rendered_messages, add_generation_prompt=True, tools=rendered_tools, where=where), messages, tools)
 
     def answer_end_id(self) -> int:
         """The id of the token that ends an answer: the template's turn-end token, else EOS."""
@@ -249,18 +259,19 @@ class ConversationTokenizer:
                              "choose a --template")
         return whole[len(short):]
 
-    def tokenize_whole(self, segments: list[Segment]) -> TokenizedConversation:
+    def tokenize_whole(self, segments: list[Segment], protected: list[CharRange]) -> TokenizedConversation:
         """Tokenize the rendered conversation as one string (as inference encodes a prompt: no
-        tokenizer-added prefix in front of each segment) and label tokens by character offsets."""
+        tokenizer-added prefix in front of each segment) and label tokens by character offsets.
+        protected: where the record's own special-token texts lie (encoded as text)."""
         text = "".join(segment.text for segment in segments)
         starts, position = [], 0
         for segment in segments:
             starts.append(position)
             position += len(segment.text)
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoding = encode_protected(self.tokenizer, text, protected)
         input_ids, labels = [], []
         pending_eos = None  # a segment needing an extra EOS, emitted before the first token past it
-        for token, (start, _) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True):
+        for token, (start, _) in zip(encoding.input_ids, encoding.offsets, strict=True):
             index = bisect_right(starts, start) - 1
             if pending_eos is not None and pending_eos != index:
                 self.append_eos(input_ids, labels, segments[pending_eos].trained)
@@ -277,14 +288,37 @@ class ConversationTokenizer:
         input_ids.append(self.tokenizer.eos_token_id)
         labels.append(self.tokenizer.eos_token_id if trained else -100)
 
-    def tokenize_by_segment(self, segments: list[Segment]) -> TokenizedConversation:
+    def tokenize_by_segment(self, segments: list[Segment], protected: list[CharRange]) -> TokenizedConversation:
         """Slow tokenizers have no offsets: tokenize segment by segment."""
-        input_ids, labels = [], []
+        input_ids, labels, position = [], [], 0
         for text, trained, add_eos in segments:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            inside = [(start - position, end - position) for start, end in protected
+                      if position <= start < position + len(text)]
+            ids = encode_protected(self.tokenizer, text, inside).input_ids if text else []
+            position += len(text)
             ids += [self.tokenizer.eos_token_id] if add_eos else []
             input_ids += ids
             labels += ids if trained else [-100] * len(ids)
         return TokenizedConversation(input_ids, labels)
 
 
+
+
+class UnmarkedSegments(NamedTuple):
+    """A render's segments without markers, and the ranges of the record's own special-token texts in them."""
+
+    segments: list[Segment]
+    protected: list[CharRange]
+
+
+def unmarked_segments(segments: list[Segment]) -> UnmarkedSegments:
+    """Segments of a marked render (records.control_text) without their markers, and where the record's own
+    special-token texts lie in their joined text. A marked token never spans two segments: a segment boundary sits at
+    the template's own text (a generation prompt, a turn end)."""
+    clean, protected, position = [], [], 0
+    for segment in segments:
+        text, inside = unmark(segment.text)
+        protected += [(position + start, position + end) for start, end in inside]
+        clean.append(segment._replace(text=text))
+        position += len(text)
+    return UnmarkedSegments(clean, protected)

@@ -61,8 +61,8 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer: "PreTrainedTokenizerBase"
     max_prompt_len keeps its end (the question nearest the answer), as DeepSpeed-Chat does."""
     renderer = ConversationTokenizer(tokenizer, template, max_prompt_len, template_kwargs=template_kwargs)
     rows, truncated = [], 0
-    for _, messages in prompts:
-        ids = tokenizer(renderer.render(messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    for where, messages in prompts:
+        ids = renderer.prompt_ids(where, messages)
         if len(ids) > max_prompt_len:
             truncated += 1
             ids = ids[-max_prompt_len:]

@@ -40,7 +40,9 @@ def note_data(name: str) -> None:
     run = current_run
     if run.checkpoint_data is not None and name not in run.checkpoint_data:
         raise InputError(f"{run.checkpoint}: written by a run on other data: data {', '.join(run.checkpoint_data)} "
-                         f"(checkpoint) vs {name} (now: a changed data file, tokenizer, template or length); "
+                         f"(checkpoint) vs {name} (now: a changed data file, tokenizer, template or length, or a "
+                         "toolkit upgrade that tokenizes data differently: see the data cache versions in "
+                         "data.build_dataset); "
                          f"{START_AFRESH}")
     if name not in run.data:
         run.data.append(name)

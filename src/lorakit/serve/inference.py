@@ -35,6 +35,7 @@ from lorakit.records.chat_templates import (
     saved_template_kwargs,
     turn_end_text,
 )
+from lorakit.records.control_text import encode_prompt
 from lorakit.records.readers import Message
 
 if TYPE_CHECKING:  # annotations only: transformers' model and tokenizer classes load with the model
@@ -554,9 +555,9 @@ class ChatGenerator:
         )
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
-        # The template writes BOS itself where the tokenizer uses one: nothing added around it,
-        # exactly as training tokenized the conversation.
-        return self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
+        # The template writes BOS itself where the tokenizer uses one: nothing added around it, and a special
+        # token's text in a message is text (records.control_text), exactly as training tokenized the conversation.
+        return encode_prompt(self.tokenizer, lambda marked, _: self.render(marked), messages)
 
     def encode_text(self, prompt: str) -> list[int]:
         """A plain-text prompt, with the tokenizer's BOS convention as in pretraining."""
