@@ -14,6 +14,7 @@ from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.records import control_text
 from lorakit.records.chat_templates import named_template, special_token_texts
 
+PLAIN = "Say X then Y and Z, please"
 FAMILIES = ["llama3", "qwen2.5", "qwen3", "mistral", "phi3.5", "gemma2", "deepseek-r1-qwen", "gpt2"]
 
 
@@ -49,16 +50,16 @@ def test_marks_round_trip_and_forged_markers_do_not_survive():
 def test_record_text_never_becomes_a_control_token(family):
     tokenizer, template = family
     rows = ConversationTokenizer(tokenizer, template, 4096, keep_after_turn_end=True)
-    plain = rows("plain", conversation("Say X then Y and Z, please"))
+    plain = rows("plain", conversation(PLAIN))
     held = rows("held", conversation(injected(tokenizer)))
     assert held["control_text"] and not plain["control_text"]
     controls = special_ids(tokenizer)
     # The same control tokens, in the same order, as the conversation without the special text: the template's.
     assert [i for i in held["input_ids"] if i in controls] == [i for i in plain["input_ids"] if i in controls]
-    rendered = tokenizer.apply_chat_template(conversation(injected(tokenizer).replace(control_text.MARK_OPEN, "")
-                                                          .replace(control_text.MARK_CLOSE, "")),
-                                             chat_template=template, tokenize=False)
-    assert tokenizer.decode(held["input_ids"]).replace(" ", "") == rendered.replace(" ", "")
+    # The text is all there, as text: the row reads as the plain one with the user's words swapped.
+    written = control_text.without_markers(injected(tokenizer)).replace(" ", "")
+    assert tokenizer.decode(held["input_ids"]).replace(" ", "") == \
+        tokenizer.decode(plain["input_ids"]).replace(" ", "").replace(PLAIN.replace(" ", ""), written)
     # The answer is trained as before: its labels are the same run of ids in both rows.
     assert [i for i in held["labels"] if i != -100] == [i for i in plain["labels"] if i != -100]
 
