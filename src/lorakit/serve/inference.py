@@ -104,7 +104,7 @@ def device_of_gpus(gpus: str) -> MappedFlag:
     return MappedFlag("device", f"cuda:{indices[0]}", "the GPU of that index among the visible ones")
 
 
-# Chinese-LLaMA-Alpaca-2's inference flags (inference_hf.py, openai_api_server.py) -> (our flag, value[, why]).
+# Chinese-LLaMA-Alpaca-2's inference flags (inference_hf.py, openai_api_server.py) -> what each means here.
 ANCHOR_INFERENCE_FLAGS: FlagTable = {
     "load_in_8bit": lambda on: MappedFlag("load_in_kbits", 8),
     "load_in_4bit": lambda on: MappedFlag("load_in_kbits", 4),
