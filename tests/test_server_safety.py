@@ -448,3 +448,15 @@ def test_fields_that_would_change_the_answer_are_refused_at_all_but_their_neutra
         assert status == 200 and neutral_reply["choices"][0]["text"] == reply["choices"][0]["text"], neutral_reply
     for param, value in REFUSED_TEXT.items():
         refused(port, {**GOOD_TEXT, param: value}, 400, param, "unsupported_value", "/v1/completions")
+
+
+def test_chat_refuses_sampling_values_that_cannot_sample():
+    """The chat CLI takes the server's bounds: a bad value is one line at start-up (exit 2), not a failed run."""
+    from lorakit.core.cli import InputError
+    from lorakit.serve.chat import ChatArguments, sampling_settings
+
+    for name, value in (("temperature", 1e-300), ("temperature", 2.5), ("repetition_penalty", 1e-300),
+                        ("repetition_penalty", 3.0)):
+        with pytest.raises(InputError, match=f"--{name} must be"):
+            sampling_settings(ChatArguments(**{name: value}))
+    assert sampling_settings(ChatArguments(temperature=0, repetition_penalty=0.5)).temperature == 0

@@ -26,6 +26,9 @@ from lorakit.core.cli import InputError, parse_args, run_cli
 from lorakit.models.arguments import note_accepted_flags, trust_remote_code_field
 from lorakit.records.readers import Message, read_records, request_of
 from lorakit.serve.inference import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
     ChatGenerator,
     Completion,
     InferenceModelArguments,
@@ -89,13 +92,17 @@ ACCEPTED_CHAT_FLAGS = {
 
 def sampling_settings(args: ChatArguments) -> SamplingSettings:
     for name, value, low in (("max_new_tokens", args.max_new_tokens, 1), ("batch_size", args.batch_size, 1),
-                             ("temperature", args.temperature, 0), ("top_k", args.top_k, 0)):
+                             ("top_k", args.top_k, 0)):
         if value < low:
             raise InputError(f"--{name} must be at least {low}, got {value}")
+    if args.temperature != 0 and not MIN_TEMPERATURE <= args.temperature <= MAX_TEMPERATURE:
+        raise InputError(f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                         f"got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise InputError(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.repetition_penalty <= 0:
-        raise InputError(f"--repetition_penalty must be positive, got {args.repetition_penalty}")
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= args.repetition_penalty <= high:
+        raise InputError(f"--repetition_penalty must be in [{low}, {high}], got {args.repetition_penalty}")
     # No per-generation seed: --seed seeds the process once (see main).
     return SamplingSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
 

@@ -120,6 +120,12 @@ def log_mapped_flags(*argument_groups: object) -> None:
             logger.info("flag mapped: %s", note)
 
 
+# Sampling values that sample finitely (the server and chat refuse others): below 0.01 a temperature scales the
+# scores to infinity; a repetition penalty far from 1 does the same to the repeated tokens' scores.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0
+REPETITION_PENALTY_RANGE = (0.5, 2.0)
+
+
 @dataclass
 class SamplingSettings:
     """How one generation samples; temperature 0 means greedy."""

@@ -60,6 +60,9 @@ from lorakit.core.cli import InputError, ReportedError, parse_args, run_cli
 from lorakit.models.arguments import trust_remote_code_field
 from lorakit.records.readers import PROMPT, Message, conversation_of
 from lorakit.serve.inference import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
     ChatGenerator,
     Completion,
     InferenceModelArguments,
@@ -169,10 +172,6 @@ def error_body(message: str, error_type: str = "invalid_request_error", param: s
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-# The least temperature above 0 (greedy): below it the scaled scores overflow to infinity and sampling fails.
-MIN_TEMPERATURE = 0.01
-
-
 class Unsupported(NamedTuple):
     """A request field whose value this server cannot honour, and why."""
 
@@ -190,10 +189,11 @@ class SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = Field(default=None, ge=0.5, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_RANGE[0],
+                                             le=REPETITION_PENALTY_RANGE[1], allow_inf_nan=False)
     n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range; torch takes it
