@@ -2,6 +2,7 @@
 win, also behind the `--local_rank=N` the DeepSpeed launcher puts first; bad files are one line."""
 
 import json
+import re
 
 import pytest
 
@@ -44,14 +45,15 @@ def test_json_file_alone(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("model_name_or_path: base\nlora_rnak: 8\n", "run.yaml: field 'lora_rnak' is not an argument of this script"),
+    ("model_name_or_path: base\nlora_rnak: 8\n",
+     "run.yaml: field 'lora_rnak' is not an argument of this script (did you mean 'lora_rank'?)"),
     ("- a\n- b\n", "run.yaml: argument file must hold a mapping"),
     ("model_name_or_path: [base\n", "run.yaml:2: argument file is not valid YAML"),
 ])
 def test_bad_files_are_one_line(tmp_path, text, message):
     path = tmp_path / "run.yaml"
     path.write_text(text)
-    with pytest.raises(InputError, match=message.replace("[", r"\[")):
+    with pytest.raises(InputError, match=re.escape(message)):
         parsed([str(path), "--output_dir", "o"])
 
 
@@ -77,3 +79,76 @@ def test_every_training_script_takes_a_file_and_overrides(tmp_path, script, laun
     model = getattr(model_args, "actor_model_name_or_path", None) or model_args.model_name_or_path
     assert (model, model_args.lora_rank, training_args.learning_rate) == ("base", 8, 3e-4)
     assert training_args.output_dir == "out" and training_args.local_rank == (0 if launcher else -1)
+
+
+# ----------------------------------------------------------------------------- unknown and abbreviated flags
+
+REPO_SCRIPTS = {"run_clm_pt_with_peft": "training", "run_sft_with_peft": "training", "run_reward": "training",
+                "run_dpo": "training", "run_ppo": "training", "estimate_memory": "training", "chat": "inference",
+                "openai_api_server": "inference", "merge_llama_with_lora": "merge", "merge_tokenizers": "merge"}
+# Per script: a prefix of one of its flags (argparse's abbreviation matching took it silently) and that flag.
+ABBREVIATED = {"estimate_memory": ("--model_name_or_pat", "--model_name_or_path"),
+               "chat": ("--base_mod", "--base_model"), "openai_api_server": ("--base_mod", "--base_model"),
+               "merge_llama_with_lora": ("--base_mod", "--base_model"),
+               "merge_tokenizers": ("--base_tok", "--base_tokenizer")}
+FLAG_CASES = [(script, case) for script in REPO_SCRIPTS for case in ("unknown", "abbreviated")]
+
+
+@pytest.mark.parametrize("script,case", FLAG_CASES, ids=[f"{script}-{case}" for script, case in FLAG_CASES])
+def test_an_unknown_or_abbreviated_flag_is_one_line_naming_the_closest(tmp_path, script, case):
+    """Every entry script, in-process through run_cli: `--bogus_flag 1` was HfArgumentParser's ValueError traceback
+    (exit 1); a prefix of a flag was taken for it without a word. Refused before anything is read or written."""
+    from helpers.commands import REPO, check_refused, run_in_process
+
+    flag, meant = ABBREVIATED.get(script, ("--learning_rat", "--learning_rate"))
+    args = ["--bogus_flag", "1"] if case == "unknown" else [flag, "1"]
+    result = run_in_process(f"{REPO}/scripts/{REPO_SCRIPTS[script]}/{script}.py",
+                            args + ["--output_dir", str(tmp_path / "out")])
+    expected = ("--bogus_flag is not an argument of this script (--help lists them)" if case == "unknown"
+                else f"{flag} is not an argument of this script (did you mean {meant}?)")
+    check_refused(result, expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_misspelled_flag_is_named_before_a_required_one_is_missed():
+    """The merge's --base_model is required: `--base_modle` is named as the mistake, not `--base_model` as missing."""
+    from lorakit.merge.lora import parse_args as merge_args
+
+    with pytest.raises(InputError, match=r"--base_modle is not an argument of this script \(did you mean "
+                                         r"--base_model\?\)"):
+        merge_args(["--base_modle", "b", "--lora_model", "l", "--output_dir", "o"])
+    with pytest.raises(InputError, match="unexpected argument 'extra'"):
+        merge_args(["--base_model", "b", "--lora_model", "l", "--output_dir", "o", "extra"])
+    # A value that looks like a flag is still a value where argparse takes it as one: a negative number.
+    args = merge_args(["--base_model", "b", "--lora_model", "l", "--output_dir", "o", "--chunk_mb", "-2"])
+    assert args.chunk_mb == -2
+
+
+def test_the_launcher_refuses_its_own_unknown_flags_and_passes_the_scripts_on():
+    from lorakit.trainers.launch import parse_launch_args
+
+    with pytest.raises(InputError, match=r"--nproc is not an argument of the launcher \(torchrun\) \(did you mean "
+                                         r"--nproc-per-node or --nproc_per_node\?\)"):
+        parse_launch_args(["--nproc", "2", "run_sft_with_peft.py"])
+    args = parse_launch_args(["--nproc_per_node", "2", "run_sft_with_peft.py", "--learning_rat", "1"])
+    assert args.training_script_args == ["--learning_rat", "1"]  # the script's own, which it refuses itself
+
+
+def test_command_line_after_a_file_is_checked_too(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG)
+    with pytest.raises(InputError, match=r"--lora_rnak is not an argument of this script \(did you mean "
+                                         r"--lora_rank\?\)"):
+        parsed([str(path), "--lora_rnak", "8"])
+
+
+def test_an_argument_file_alone_with_a_misspelled_key_is_one_line(tmp_path):
+    """The file as the single argument of a real process: one line naming the file and the closest name, exit 2."""
+    from helpers.commands import SFT_SCRIPT, check_refused, run_script
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model_name_or_path": "base", "output_dir": str(tmp_path / "out"),
+                                "learning_rat": 1e-4}))
+    check_refused(run_script([path], script=SFT_SCRIPT),
+                  f"{path}: field 'learning_rat' is not an argument of this script (did you mean 'learning_rate'?)")
+    assert not (tmp_path / "out").exists()

@@ -111,3 +111,22 @@ def test_a_diverged_two_process_run_is_one_line_and_exit_3(tmp_path, tiny_model_
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
     assert sorted(p.name for p in output.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
     assert not (output / "pt_lora_model").exists()
+
+
+def test_a_misspelled_flag_through_a_wrapper_is_one_line(tmp_path, tiny_model_dir):
+    """The user's flags pass through the wrapper and torchrun to the script, which names the mistake once; an
+    abbreviation is not taken for the flag it abbreviates (the data, broken here, is never read)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "sft.jsonl").write_text("{broken\n")
+    output = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "MODEL": str(tiny_model_dir),
+           "DATA": str(data), "OUTPUT": str(output), "MASTER_PORT": str(free_port())}
+    result = subprocess.run(["bash", os.path.join(REPO, "scripts", "training", "run_sft.sh"), "--use_cpu",
+                             "--learning_rat", "3e-4"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --learning_rat is not an argument of this script (did you mean --learning_rate?)"], \
+        result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not output.exists() and not (tmp_path / "data_cache").exists()

@@ -4,16 +4,16 @@ and field, and exit status 2, with no traceback). Kept free of heavy imports so 
 tools, which start with torch alone, and the torch-free record readers share it with the
 training scripts."""
 
+import argparse
+import difflib
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    import argparse
+from typing import Any, NamedTuple
 
 
 class ReportedError(Exception):
@@ -73,10 +73,16 @@ def parse_args(dataclass_types: type | Iterable[type], argv: Sequence[str] | Non
     from transformers import HfArgumentParser  # here, not at the top: records and merge import this module torch-free
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = HfArgumentParser(dataclass_types)
+    # No prefix abbreviations: argparse would take --learning_rat for --learning_rate without a word.
+    parser = HfArgumentParser(dataclass_types, allow_abbrev=False)
     path, command_line = split_argument_file(argv)
     file_tokens = argument_file_tokens(path, parser) if path else []
-    return parser.parse_args_into_dataclasses(args=file_tokens + bare_switch_as_empty(command_line, "--deepspeed"))
+    tokens = file_tokens + bare_switch_as_empty(command_line, "--deepspeed")
+    refuse_unknown_flags(parser, tokens)
+    *parsed, rest = parser.parse_args_into_dataclasses(args=tokens, return_remaining_strings=True)
+    if rest:
+        raise InputError(f"unexpected argument {rest[0]!r}: arguments are --name value pairs")
+    return tuple(parsed)
 
 
 def bare_switch_as_empty(argv: list[str], flag: str) -> list[str]:
@@ -88,6 +94,55 @@ def bare_switch_as_empty(argv: list[str], flag: str) -> list[str]:
         if token == flag and (index + 1 == len(argv) or argv[index + 1].startswith("--")):
             tokens.append("")
     return tokens
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools that do without HfArgumentParser (the merge tools, the demo): no prefix abbreviations,
+    and an argument it does not know is an InputError naming it and the closest known flag, not a usage dump."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+        tokens = sys.argv[1:] if args is None else [str(token) for token in args]
+        refuse_unknown_flags(self, tokens)
+        parsed, rest = self.parse_known_args(tokens, namespace)
+        if rest:
+            raise InputError(f"unexpected argument {rest[0]!r}: arguments are --name value pairs")
+        return parsed
+
+
+# argparse's own test for a token that is a value, not a flag, although it starts with "-".
+NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def refuse_unknown_flags(parser: argparse.ArgumentParser, tokens: list[str]) -> None:
+    """Refuse the first token argparse would read as a flag that parser does not have, before parsing: a misspelled
+    flag is named even where the parse would first stop on something it causes (a required flag missing). Tokens
+    after a bare "--" are values."""
+    for token in tokens:
+        if token == "--":
+            return
+        flag = token.split("=", 1)[0]
+        if (len(token) < 2 or token[0] not in parser.prefix_chars or " " in token or NEGATIVE_NUMBER.match(token)
+                or token in parser._option_string_actions or flag in parser._option_string_actions):
+            continue
+        raise unknown_flag_error(parser, flag)
+
+
+def unknown_flag_error(parser: argparse.ArgumentParser, flag: str, owner: str = "this script") -> InputError:
+    """The one line for a flag parser does not know, naming the closest it does (closest_names)."""
+    close = closest_names(flag, [option for option in parser._option_string_actions if option.startswith("--")])
+    hint = f"did you mean {' or '.join(close)}?" if close else "--help lists them"
+    return InputError(f"{flag} is not an argument of {owner} ({hint})")
+
+
+def closest_names(name: str, known: Iterable[str]) -> list[str]:
+    """The known names that name abbreviates (what argparse's prefix matching would have taken it for), shortest
+    first, at most three; else the closest by difflib, if one is close; else none."""
+    known = sorted(known, key=lambda option: (len(option), option))
+    return [option for option in known if option.startswith(name)][:3] or difflib.get_close_matches(name, known, n=1)
 
 
 class ArgumentFile(NamedTuple):
@@ -109,18 +164,20 @@ def split_argument_file(argv: list[str]) -> ArgumentFile:
     return ArgumentFile(None, list(argv))
 
 
-def argument_file_tokens(path: str, parser: "argparse.ArgumentParser") -> list[str]:
+def argument_file_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
     """The file's arguments as command-line tokens, so they go through the same parsing (types,
     choices, the old flags' mapping) as typed ones; an unknown name is refused, naming the file."""
     if path.endswith(".json"):
         values = read_json(path, "argument file")
     else:
         values = read_yaml(path, "argument file")
-    known = {action.dest for action in parser._actions}
+    known = {action.dest for action in parser._actions} - {"help"}
     tokens = []
     for name, value in values.items():
         if name not in known:
-            raise InputError(f"{path}: field '{name}' is not an argument of this script")
+            close = closest_names(str(name), known)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "--help lists them"
+            raise InputError(f"{path}: field '{name}' is not an argument of this script ({hint})")
         if value is None or value == []:
             continue  # the script's default
         if isinstance(value, dict):

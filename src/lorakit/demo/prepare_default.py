@@ -18,7 +18,6 @@ sees) a half-written result.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
 import logging
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lorakit.core.atomic import sync_tree
+from lorakit.core.cli import ArgumentParser, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def write_pretraining_corpus(out_dir: str | os.PathLike, heldout_fraction: float
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache_dir", default=".cache/demo")
     parser.add_argument("--heldout_fraction", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
@@ -243,4 +243,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

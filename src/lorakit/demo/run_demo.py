@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from lorakit.core.cli import ArgumentParser, run_cli
 from lorakit.core.repository import ROOT
 from lorakit.demo.exact_match import exact_match, generate_answers, render_prompts
 from lorakit.demo.heldout_eval import heldout_nll
@@ -639,7 +640,7 @@ def loss_summary(output_dir: Path) -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache_dir", type=Path, default=REPO / ".cache" / "demo",
                         help="model, corpus and tokenized data, reused between runs")
     parser.add_argument("--output_dir", type=Path, default=REPO / "outputs" / "demo",
@@ -704,8 +705,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry_point() -> None:
-    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
-    sys.exit(main())
+    """The command line's entry point: its script and `lorakit` command (lorakit.commands). run_cli: an unknown
+    argument is one line and exit 2."""
+    run_cli(lambda: sys.exit(main()))
 
 
 if __name__ == "__main__":

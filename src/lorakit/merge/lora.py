@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from lorakit.core.atomic import atomic_output_dir
+from lorakit.core.cli import ArgumentParser
 from lorakit.core.model_files import check_recorded_base
 from lorakit.merge.common import (
     InputError,
@@ -98,8 +99,7 @@ VERIFY_PROMPTS = (
 
 def build_parser() -> argparse.ArgumentParser:
     # argparse, not HfArgumentParser: transformers must stay out of the merge's imports.
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base_model", required=True, help="Base model directory (config.json + safetensors).")
     parser.add_argument("--lora_model", required=True,
                         help="Adapter directory, or several separated by commas, applied in that order.")

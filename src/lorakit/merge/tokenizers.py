@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lorakit.core.atomic import atomic_output_dir
+from lorakit.core.cli import ArgumentParser
 from lorakit.merge.common import (
     InputError,
     check_output_dir,
@@ -88,8 +89,7 @@ class GuaranteeError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base_tokenizer", required=True, help="Tokenizer directory to extend.")
     parser.add_argument("--output_dir", required=True, help="New directory for the merged tokenizer.")
     parser.add_argument("--train_corpus", default=None,

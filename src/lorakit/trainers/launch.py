@@ -5,6 +5,7 @@ processes exited with the same status or were stopped by torchrun after the firs
 prints the first message once and exits with that status (2 for bad input), without torchrun's
 traceback and failure report. Any other failure is torchrun's, reported in full."""
 
+import argparse
 import logging
 import os
 import signal
@@ -12,9 +13,9 @@ import sys
 from typing import NamedTuple
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import get_args_parser, run
 
-from lorakit.core.cli import LAUNCHER_REPORTS_INPUT_ERRORS
+from lorakit.core.cli import LAUNCHER_REPORTS_INPUT_ERRORS, InputError, unknown_flag_error
 
 INPUT_ERROR_STATUS = 2
 # What torchrun's agent does to the other processes once one has failed: SIGTERM, then SIGKILL after a grace time.
@@ -70,13 +71,29 @@ def reported_failure(err: ChildFailedError) -> ReportedFailure | None:
     return ReportedFailure(status, None) if status == INPUT_ERROR_STATUS else None
 
 
+def parse_launch_args(argv: list[str]) -> argparse.Namespace:
+    """torchrun's arguments, without its prefix abbreviations; a flag before the script that torchrun does not know is
+    an InputError naming the closest it does. What follows the script is the script's (it refuses its own)."""
+    parser = get_args_parser()
+    parser.allow_abbrev = False
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise unknown_flag_error(parser, unknown[0].split("=", 1)[0], owner="the launcher (torchrun)")
+    return args
+
+
 def main() -> None:
+    try:
+        args = parse_launch_args(sys.argv[1:])
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_status)
     os.environ[LAUNCHER_REPORTS_INPUT_ERRORS] = "1"
     agent_logger = logging.getLogger(AGENT_LOGGER)
     held_back = HeldBack()
     agent_logger.addFilter(held_back)
     try:
-        run(parse_args(sys.argv[1:]))
+        run(args)
     except ChildFailedError as err:
         reported = reported_failure(err)
         if reported is None:
