@@ -204,6 +204,9 @@ RECORD_CASES = {  # name: (file name, its content for a stage, expected)
                         "d.json:1: a .json data file must hold a list of records"),
     "line_not_an_object": ("d.jsonl", lambda stage: good_record(stage) + b'["q", "a"]\n',
                            "d.jsonl:2: a record must be a JSON object"),
+    # json's decoder is recursive: this was a RecursionError traceback.
+    "deep_nesting": ("d.jsonl", lambda stage: good_record(stage) + b'{"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}\n",
+                     "d.jsonl:2: lists and objects nested more than 100 levels deep"),
 }
 STAGE_CASES = [("reward", case) for case in RECORD_CASES] + [("ppo", case) for case in RECORD_CASES] + \
     [("sft", "json_not_a_list"), ("sft", "line_not_an_object")]

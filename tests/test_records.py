@@ -107,3 +107,85 @@ def test_non_finite_numbers_are_refused(tmp_path, suffix, constant):
     expected = f"^{path}:{line}: not valid JSON \\({constant} is not a number JSON allows\\)$"
     with pytest.raises(InputError, match=expected):
         list(read_records(str(path)))
+
+
+# ----------------------------------------------------------------------------- what files look like in the wild
+
+GOOD = '{"instruction": "q", "output": "a"}'
+
+
+def nested(depth: int) -> str:
+    """A record whose field "x" nests depth - 1 lists: depth levels with the record itself."""
+    return '{"instruction": "q", "output": "a", "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+@pytest.mark.parametrize("depth", [50_000, 101])
+@pytest.mark.parametrize("shape", ["jsonl", "json", "documents", "tool arguments"])
+def test_a_deeply_nested_record_is_one_line(tmp_path, shape, depth):
+    """50,000 levels: json's recursive decoder raised RecursionError, a traceback; 101 levels decode, and whatever
+    walks the record later (json.dumps, a template's tojson) would recurse that deep: both are refused, by line."""
+    from lorakit.records.readers import read_documents
+
+    record = nested(depth)
+    if shape == "tool arguments":  # sharegpt's function_call value: JSON text, decoded by the reader
+        call = '{"name": "f", "arguments": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+        turns = [{"from": "human", "value": "q"}, {"from": "function_call", "value": call},
+                 {"from": "observation", "value": "1"}, {"from": "gpt", "value": "a"}]
+        record = json.dumps({"conversations": turns})
+    path = tmp_path / f"d.{'json' if shape == 'json' else 'jsonl'}"
+    path.write_text(f"[{GOOD},\n{record}]" if shape == "json" else f"{GOOD}\n{record}\n")
+    field = r"field 'conversations\[1\]\.value': " if shape == "tool arguments" else ""
+    expected = rf"^{path}:2: {field}lists and objects nested more than 100 levels deep$"
+    with pytest.raises(InputError, match=expected):
+        if shape == "documents":
+            path.write_text(f'{{"text": "a"}}\n{record.replace("instruction", "text")}\n')
+            list(read_documents(str(path)))
+        else:
+            read_conversations(str(path))
+
+
+def test_a_record_100_levels_deep_is_read(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(nested(100) + "\n")
+    assert [line for line, _ in read_records(str(path))] == [1]
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """Windows tools write one in front of UTF-8: .jsonl's first line was refused as invalid JSON, a .json list was
+    "not a list", and a .txt corpus trained on it as part of its first document (the tokenizer corpus too)."""
+    from lorakit.merge.tokenizers import read_lines
+    from lorakit.records.readers import read_documents
+
+    bom = "\ufeff"
+    (tmp_path / "d.jsonl").write_text(f"{bom}{GOOD}\n{GOOD}\n", encoding="utf-8")
+    (tmp_path / "d.json").write_text(f"{bom}[{GOOD},\n{GOOD}]", encoding="utf-8")
+    (tmp_path / "t.txt").write_text(f"{bom}第一 文档\n第二\n", encoding="utf-8")
+    (tmp_path / "t.jsonl").write_text(f'{bom}{{"text": "第一"}}\n', encoding="utf-8")
+    for name in ("d.jsonl", "d.json"):
+        assert [line for line, _ in read_records(str(tmp_path / name))] == [1, 2]
+    assert list(read_documents(str(tmp_path / "t.txt"))) == ["第一 文档", "第二"]
+    assert list(read_documents(str(tmp_path / "t.jsonl"))) == ["第一"]
+    assert [line.text for line in read_lines([str(tmp_path / "t.txt")])] == ["第一 文档", "第二"]
+
+
+def test_lone_carriage_returns_end_lines(tmp_path):
+    """Old Mac OS line ends ("\\r" alone) made a .txt corpus one document and a .jsonl file one unreadable line. They
+    end lines, in every format, "\\r\\n" as one line end; a raw "\\r" cannot be inside a valid JSON string."""
+    from lorakit.merge.tokenizers import read_lines
+    from lorakit.records.readers import read_documents
+
+    (tmp_path / "t.txt").write_bytes("一\r二\r\n三\n\r四".encode())
+    assert list(read_documents(str(tmp_path / "t.txt"))) == ["一", "二", "三", "四"]
+    assert [(line.number, line.text) for line in read_lines([str(tmp_path / "t.txt")])] == [
+        (1, "一"), (2, "二"), (3, "三"), (5, "四")]
+    (tmp_path / "d.jsonl").write_bytes(f"{GOOD}\r{GOOD}\r\r{{broken\r".encode())
+    with pytest.raises(InputError, match=rf"^{tmp_path / 'd.jsonl'}:4: not valid JSON"):
+        list(read_records(str(tmp_path / "d.jsonl")))
+    (tmp_path / "d.jsonl").write_bytes(f"{GOOD}\r{GOOD}\r".encode())
+    assert [line for line, _ in read_records(str(tmp_path / "d.jsonl"))] == [1, 2]
+    (tmp_path / "d.json").write_bytes(f"[\r{GOOD},\r{{broken}}]".encode())
+    with pytest.raises(InputError, match=rf"^{tmp_path / 'd.json'}:3: not valid JSON"):
+        list(read_records(str(tmp_path / "d.json")))
+    (tmp_path / "bad.jsonl").write_bytes(f"{GOOD}\r".encode() + b"\xff\r")
+    with pytest.raises(InputError, match=rf"^{tmp_path / 'bad.jsonl'}:2: not valid UTF-8$"):
+        list(read_records(str(tmp_path / "bad.jsonl")))

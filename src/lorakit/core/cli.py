@@ -210,7 +210,7 @@ def read_json(path: str, what: str) -> dict[str, Any]:
     holds something other than an object, is an InputError naming the file; what says which
     file it is to the user ("config.json", "adapter_config.json")."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # -sig: a byte order mark in front is not JSON's business
             value = json.load(handle)
     except FileNotFoundError:
         raise InputError(f"{path}: {what} does not exist") from None
@@ -218,6 +218,8 @@ def read_json(path: str, what: str) -> dict[str, Any]:
         raise InputError(f"{path}: cannot read {what} ({err.strerror or err})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(f"{path}: {what} is not valid JSON ({err})") from None
+    except RecursionError:  # json's decoder is recursive
+        raise InputError(f"{path}: {what} nests lists and objects too deep to read") from None
     if not isinstance(value, dict):
         raise InputError(f"{path}: {what} is not a JSON object")
     return value

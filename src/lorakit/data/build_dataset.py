@@ -44,7 +44,8 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 # Part of every cache key: bump it whenever a change here changes the blocks produced.
-PRETRAINING_CACHE_VERSION = "pt-blocks-1"
+# 2: a byte order mark is dropped and a lone "\r" ends a document (core.text_lines).
+PRETRAINING_CACHE_VERSION = "pt-blocks-2"
 TOKENIZE_BATCH_LINES = 1000
 
 

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lorakit.core.atomic import atomic_output_dir
 from lorakit.core.cli import ArgumentParser
+from lorakit.core.text_lines import byte_lines
 from lorakit.merge.common import (
     InputError,
     check_output_dir,
@@ -143,12 +144,13 @@ class CorpusLine(NamedTuple):
 
 
 def read_lines(files: list[str]) -> Iterator[CorpusLine]:
-    """(file, line number, text) of every non-empty line; a line that is not UTF-8 is refused."""
+    """(file, line number, text) of every non-empty line ("\n", "\r\n" or a lone "\r" ends one; a byte order mark
+    is not text: core.text_lines); a line that is not UTF-8 is refused."""
     for path in files:
         with open(path, "rb") as handle:
-            for number, raw in enumerate(handle, 1):
+            for number, raw in byte_lines(handle):
                 try:
-                    text = raw.decode("utf-8").rstrip("\r\n")
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError:
                     raise InputError(f"{path}:{number}: not valid UTF-8") from None
                 if text.strip():

@@ -19,6 +19,7 @@ from glob import glob
 from typing import Any, NamedTuple, NoReturn
 
 from lorakit.core.cli import InputError
+from lorakit.core.text_lines import byte_lines, line_at, unified_line_ends
 
 ANSWER, PROMPT = "answer", "prompt"
 
@@ -66,6 +67,46 @@ def refuse_non_finite(constant: str) -> NoReturn:
     raise NonFiniteNumber(f"{constant} is not a number JSON allows")
 
 
+# Far beyond any record shape (a conversation's tool call arguments nest a few levels), far below where Python's
+# recursive json decoder, json.dumps and the chat templates' tojson give up (about 1000).
+MAX_NESTING_DEPTH = 100
+TOO_DEEP = f"lists and objects nested more than {MAX_NESTING_DEPTH} levels deep"
+
+
+def nested_too_deep(text: str, value: Any) -> bool:
+    """Whether value, decoded from text, nests lists and objects more than MAX_NESTING_DEPTH deep. A value cannot nest
+    deeper than text has opening brackets, so most records are not walked; the walk keeps its own stack."""
+    if text.count("[") + text.count("{") <= MAX_NESTING_DEPTH:
+        return False
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > MAX_NESTING_DEPTH:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def json_value(where: str, text: str, finite: bool = True) -> Any:
+    """The JSON value of text (one record's line, or a field holding JSON), refused with `where` when it is not valid
+    JSON, holds NaN or Infinity (finite), or nests deeper than MAX_NESTING_DEPTH: refused here, so nothing after
+    the reader recurses over a record without bound (json's decoder itself is recursive: RecursionError)."""
+    try:
+        value = json.loads(text, parse_constant=refuse_non_finite if finite else None)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    except NonFiniteNumber as err:
+        raise InputError(f"{where}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise InputError(f"{where}: {TOO_DEEP}") from None
+    if nested_too_deep(text, value):
+        raise InputError(f"{where}: {TOO_DEEP}")
+    return value
+
+
 class NumberedRecord(NamedTuple):
     """A record and the line it starts on."""
 
@@ -74,26 +115,19 @@ class NumberedRecord(NamedTuple):
 
 
 def read_records(path: str) -> Iterator[NumberedRecord]:
-    """(line number, record) for each record of a .jsonl file or of a .json list. Lines end at
-    "\n" only: str.splitlines() would also split at U+2028, U+2029 and U+0085, which
-    json.dumps(ensure_ascii=False) leaves raw inside strings."""
+    """(line number, record) for each record of a .jsonl file or of a .json list. Lines end at "\n", "\r\n" or a
+    lone "\r" and a byte order mark is dropped (core.text_lines); not at U+2028, U+2029 or U+0085, as
+    str.splitlines() would: json.dumps(ensure_ascii=False) leaves them raw inside strings."""
     try:
         with open(path, "rb") as handle:
             raw = handle.read()
-        text = raw.decode("utf-8")
+        text = unified_line_ends(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        raise InputError(f"{path}:{line}: not valid UTF-8") from None
+        raise InputError(f"{path}:{line_at(raw, err.start)}: not valid UTF-8") from None
     if path.endswith(".jsonl"):
         for line_number, line in enumerate(text.split("\n"), start=1):
             if line.strip():
-                try:
-                    yield NumberedRecord(line_number, json.loads(line, parse_constant=refuse_non_finite))
-                except json.JSONDecodeError as err:
-                    raise InputError(f"{path}:{line_number}: not valid JSON "
-                                     f"({err.msg} at column {err.colno})") from None
-                except NonFiniteNumber as err:
-                    raise InputError(f"{path}:{line_number}: not valid JSON ({err})") from None
+                yield NumberedRecord(line_number, json_value(f"{path}:{line_number}", line))
         return
     yield from read_json_list(path, text)
 
@@ -113,12 +147,17 @@ def read_json_list(path: str, text: str) -> Iterator[NumberedRecord]:
         if text[position] == "]":
             return
         line_number = text.count("\n", 0, position) + 1
+        start = position
         try:
             record, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as err:
             raise InputError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
         except NonFiniteNumber as err:
             raise InputError(f"{path}:{line_number}: not valid JSON ({err})") from None
+        except RecursionError:
+            raise InputError(f"{path}:{line_number}: {TOO_DEEP}") from None
+        if nested_too_deep(text[start:position], record):
+            raise InputError(f"{path}:{line_number}: {TOO_DEEP}")
         yield NumberedRecord(line_number, record)
 
 
@@ -189,12 +228,18 @@ def turn_list(where: str, record: dict[str, Any], name: str, role_key: str, cont
 
 
 def parse_json_field(where: str, field_name: str, value: Any) -> Any:
+    """A field given as JSON text (sharegpt's function_call value, tools, a call's arguments), decoded."""
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
+        decoded = json.loads(value)
     except json.JSONDecodeError as err:
         raise InputError(f"{where}: field '{field_name}': not valid JSON ({err.msg})") from None
+    except RecursionError:
+        raise InputError(f"{where}: field '{field_name}': {TOO_DEEP}") from None
+    if nested_too_deep(value, decoded):
+        raise InputError(f"{where}: field '{field_name}': {TOO_DEEP}")
+    return decoded
 
 
 def tool_call(where: str, field_name: str, call: Any) -> dict[str, Any]:
@@ -452,7 +497,7 @@ def read_documents(path: str) -> Iterator[str]:
     is_jsonl = path.endswith(".jsonl")
     count = 0
     with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
+        for line_number, raw in byte_lines(handle):  # "\n", "\r\n" or a lone "\r" ends a line; no byte order mark
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -461,10 +506,7 @@ def read_documents(path: str) -> Iterator[str]:
                 ) from None
             if not line.strip():
                 continue
-            if is_jsonl:
-                text = text_field_of(path, line_number, line)
-            else:
-                text = line.rstrip("\r\n")
+            text = text_field_of(path, line_number, line) if is_jsonl else line
             if text.strip():
                 count += 1
                 yield text
@@ -473,10 +515,7 @@ def read_documents(path: str) -> Iterator[str]:
 
 
 def text_field_of(path: str, line_number: int, line: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path}:{line_number}: not valid JSON ({err.msg} at column {err.colno})") from None
+    record = json_value(f"{path}:{line_number}", line, finite=False)  # only "text" is read: NaN elsewhere is harmless
     if "text" not in record_object(f"{path}:{line_number}", record):
         raise InputError(f"{path}:{line_number}: field 'text' is missing")
     if not isinstance(record["text"], str):
