@@ -370,6 +370,34 @@ def test_identical_pairs_are_dropped_and_counted(tiny_tokenizer_dir, tmp_path, c
     assert "dropped 2 pairs whose chosen and rejected answers are identical" in caplog.text
 
 
+def test_pairs_identical_once_cut_to_max_seq_length_are_dropped_and_counted(tiny_tokenizer_dir, tmp_path, caplog):
+    """Answers that differ only past --max_seq_length become the same token ids: nothing to score them on, so the
+    pair is dropped and counted, not trained on as if the chosen answer had lost."""
+    from lorakit.data.build_dataset import build_preference_dataset, pair_side
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
+    from lorakit.records.chat_templates import named_template
+    from lorakit.records.readers import preference_of
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    template = named_template("chatml", tokenizer)
+    whole = ConversationTokenizer(tokenizer, template, 1 << 30, keep_after_turn_end=True)
+    good = preference_of("p", GOOD_PAIR)
+    max_length = max(len(pair_side(whole, "p", good.context, answer).input_ids) for answer in good[1:3])
+    shared = "一样 的 开头 " * 40
+    far_apart = {"prompt": GOOD_PAIR["prompt"], "chosen": shared + "很好", "rejected": shared + "不好"}
+    sides = [pair_side(whole, "p", good.context, far_apart[name]).input_ids for name in ("chosen", "rejected")]
+    assert sides[0] != sides[1] and sides[0][:max_length] == sides[1][:max_length]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in [GOOD_PAIR, far_apart, GOOD_PAIR]))
+    with caplog.at_level("WARNING", logger="lorakit.data.build_dataset"):
+        pairs = build_preference_dataset([str(data)], tokenizer, template, max_length, str(tmp_path / "cache"))
+    assert len(pairs) == 2
+    assert all(chosen != rejected for chosen, rejected in zip(pairs["chosen_input_ids"], pairs["rejected_input_ids"],
+                                                               strict=True))
+    assert (f"dropped 1 of 3 pairs whose chosen and rejected token ids are identical once cut to --max_seq_length "
+            f"{max_length}" in caplog.text)
+
+
 def test_parallel_pair_tokenization_matches_one_process_and_reports_errors(tiny_tokenizer_dir, tmp_path):
     """Pairs are read and tokenized in two forked processes (shards of 256): the same rows in the
     same order; a bad record in the second process's shard is refused as from one process."""

@@ -123,6 +123,36 @@ def test_truncation_cuts_the_answer_and_drops_prompt_only_samples(tokenizer):
     assert ConversationTokenizer(tokenizer, named_template("alpaca", tokenizer), prompt_length)("t", messages) is None
 
 
+def test_answers_cut_by_max_seq_length_are_counted(tokenizer, tmp_path, caplog):
+    """A sample whose last trained answer max_length cuts loses its turn end (EOS): the model is not taught to stop
+    there. Such samples are counted in a warning; a sample cut before its last answer, whose trained answers are
+    whole, is not."""
+    template = named_template("alpaca", tokenizer)
+    long_answer = conversation_of("t", {"instruction": "q", "output": "一个很长的回答 " * 30})
+    full = ConversationTokenizer(tokenizer, template, 4096)("t", long_answer)
+    assert not full["cut_answer"]
+    length = len(full["input_ids"])
+    assert not ConversationTokenizer(tokenizer, template, length)("t", long_answer)["cut_answer"]
+    assert ConversationTokenizer(tokenizer, template, length - 1)("t", long_answer)["cut_answer"]  # EOS cut off
+    # Two turns: the cut in the second prompt leaves the first answer whole.
+    two_turns = conversation_of("t", {"instruction": "很长的问题 " * 30, "output": "好",
+                                      "history": [["问", "第一个回答"]]})
+    labels = ConversationTokenizer(tokenizer, template, 4096)("t", two_turns)["labels"]
+    first_answer_end = next(i for i in range(len(labels) - 1) if labels[i] != -100 and labels[i + 1] == -100) + 1
+    cut_in_prompt = ConversationTokenizer(tokenizer, template, first_answer_end + 5)("t", two_turns)
+    assert not cut_in_prompt["cut_answer"] and cut_in_prompt["labels"][first_answer_end - 1] != -100
+
+    data = tmp_path / "d.jsonl"
+    short = {"instruction": "q", "output": "好"}
+    fits = len(ConversationTokenizer(tokenizer, template, 4096)("t", conversation_of("t", short))["input_ids"])
+    records = [{"instruction": "q", "output": "一个很长的回答 " * 30}] * 2 + [short] * 3
+    data.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records), encoding="utf-8")
+    with caplog.at_level("WARNING", logger="lorakit.data.build_dataset"):
+        built = build_sft_dataset([str(data)], tokenizer, template, fits, str(tmp_path / "cache"))
+    assert len(built) == 5
+    assert f"2 of 5 answers cut by --max_seq_length {fits}; they lose their turn end" in caplog.text
+
+
 def test_saved_template_renders_the_training_prompt(tokenizer, tmp_path):
     messages = conversation_of("t", RECORDS["sharegpt"])
     for name in sorted(TEMPLATES):

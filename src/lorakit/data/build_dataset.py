@@ -283,37 +283,48 @@ class TokenizedShard(NamedTuple):
     rows: dict[str, list[Any]]
     dropped: int
     control_text: int = 0  # records whose text held a special token's text (encoded as text: records.control_text)
+    cut_answers: int = 0  # samples whose last answer max_length cut, so that it lost its turn end
+    identical_when_cut: int = 0  # pairs dropped: chosen and rejected became the same token ids when cut to max_length
 
 
 def tokenize_conversation_shard(conversation_tokenizer: ConversationTokenizer,
                                 sources: list[Conversation]) -> TokenizedShard:
     """Conversations -> their rows, and the samples dropped (no answer token fits)."""
-    rows, dropped, control_text = {"input_ids": [], "labels": [], "length": []}, 0, 0
+    rows, dropped, control_text, cut_answers = {"input_ids": [], "labels": [], "length": []}, 0, 0, 0
     for where, messages, tools in sources:
         sample = conversation_tokenizer(where, messages, tools)
         if sample is None:
             dropped += 1
             continue
         control_text += sample["control_text"]
+        cut_answers += sample["cut_answer"]
         rows["input_ids"].append(sample["input_ids"])
         rows["labels"].append(sample["labels"])
         rows["length"].append(len(sample["input_ids"]))
-    return TokenizedShard(rows, dropped, control_text)
+    return TokenizedShard(rows, dropped, control_text, cut_answers)
 
 
 def joined(parts: list[TokenizedShard]) -> TokenizedShard:
-    """The shards' rows, in order, and their drops, as one."""
+    """The shards' rows, in order, and their counts, as one."""
     rows = {name: [] for name in parts[0].rows} if parts else {}
     for part in parts:
         for name, values in part.rows.items():
             rows[name] += values
-    return TokenizedShard(rows, sum(part.dropped for part in parts), sum(part.control_text for part in parts))
+    counts = [sum(part[index] for part in parts) for index in range(1, len(TokenizedShard._fields))]
+    return TokenizedShard(rows, *counts)
 
 
 def report_control_text(count: int, total: int, what: str) -> None:
     if count:
         logger.warning("%d of %d %s hold a special token's text (such as an end-of-turn token) in their messages: it "
                        "is trained as plain text, as the server reads it", count, total, what)
+
+
+def report_cut_answers(count: int, total: int, max_length: int) -> None:
+    if count:
+        logger.warning("%d of %d answers cut by --max_seq_length %d; they lose their turn end (the model is not "
+                       "taught to stop after them): raise --max_seq_length or shorten those conversations", count,
+                       total, max_length)
 
 
 def build_sft_dataset(
@@ -356,10 +367,11 @@ def build_sft_dataset(
             split = None if path in unsplit_files else data_split
             sources += phase_part(read_conversations(path), split, data_phase, seed)
         with tqdm(total=len(sources), desc="Tokenizing conversations", unit="sample") as progress:
-            rows, dropped, control_text = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
-                                                            shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc,
-                                                            progress))
-        report_control_text(control_text, len(sources), "samples")
+            tokenized = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
+                                          shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc, progress))
+        rows, dropped = tokenized.rows, tokenized.dropped
+        report_control_text(tokenized.control_text, len(sources), "samples")
+        report_cut_answers(tokenized.cut_answers, len(sources), max_length)
         if dropped:
             logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d",
                            dropped, len(sources), max_length)
@@ -493,7 +505,8 @@ class DataCollatorForSupervisedDataset:
 # ----------------------------------------------------------------------------- preference pairs
 
 # 5: a special token's text in a record is encoded as text (records.control_text).
-PREFERENCE_CACHE_VERSION = "pairs-5"
+# 6: pairs whose chosen and rejected token ids are the same once cut to max_length are dropped.
+PREFERENCE_CACHE_VERSION = "pairs-6"
 
 
 def build_preference_dataset(
@@ -530,12 +543,16 @@ def build_preference_dataset(
     def build(tmp_dir: str) -> None:
         records = [item for path in files for item in phase_part(records_of(path), data_split, data_phase, seed)]
         with tqdm(total=len(records), desc="Tokenizing pairs", unit="pair") as progress:
-            rows, identical, control_text = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
-                                                              shards_of(records, num_proc, ROWS_PER_SHARD), num_proc,
-                                                              progress))
-        report_control_text(control_text, len(records), "pairs")
-        if identical:
-            logger.warning("dropped %d pairs whose chosen and rejected answers are identical", identical)
+            tokenized = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
+                                          shards_of(records, num_proc, ROWS_PER_SHARD), num_proc, progress))
+        rows = tokenized.rows
+        report_control_text(tokenized.control_text, len(records), "pairs")
+        if tokenized.dropped:
+            logger.warning("dropped %d pairs whose chosen and rejected answers are identical", tokenized.dropped)
+        if tokenized.identical_when_cut:
+            logger.warning("dropped %d of %d pairs whose chosen and rejected token ids are identical once cut to "
+                           "--max_seq_length %d (the answers differ only past it): nothing to score them on",
+                           tokenized.identical_when_cut, len(records), max_length)
         if not rows.get("margin"):
             raise InputError(f"no preference pair left in {', '.join(files)}")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
@@ -547,23 +564,27 @@ def build_preference_dataset(
 
 def tokenize_pair_shard(conversation_tokenizer: ConversationTokenizer,
                         records: list[tuple[str, Any]]) -> TokenizedShard:
-    """[(where, record)] of preference pairs -> their rows, and the pairs dropped (identical answers)."""
+    """[(where, record)] of preference pairs -> their rows, and the pairs dropped: identical answers, and answers
+    whose token ids are identical once cut to max_length."""
     rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "chosen_answer_start": [],
                        "rejected_answer_start": [], "margin": [], "length": []}, 0
-    control_text = 0
+    control_text = identical_when_cut = 0
     for where, record in records:
         context, chosen, rejected, margin = preference_of(where, record)
         if chosen.strip() == rejected.strip():
             identical += 1
             continue
         pair = [pair_side(conversation_tokenizer, where, context, answer) for answer in (chosen, rejected)]
+        if pair[0].input_ids == pair[1].input_ids:
+            identical_when_cut += 1
+            continue
         for side, tokenized in zip(("chosen", "rejected"), pair, strict=True):
             rows[f"{side}_input_ids"].append(tokenized.input_ids)
             rows[f"{side}_answer_start"].append(tokenized.answer_start)
         rows["margin"].append(margin)
         rows["length"].append(max(len(side.input_ids) for side in pair))
         control_text += any(side.control_text for side in pair)
-    return TokenizedShard(rows, identical, control_text)
+    return TokenizedShard(rows, identical, control_text, identical_when_cut=identical_when_cut)
 
 
 class PairSide(NamedTuple):

@@ -221,7 +221,8 @@ class ConversationTokenizer:
 
     def __call__(self, where: str, messages: list[Message], tools: Tools | None = None) -> dict[str, Any] | None:
         """{"input_ids", "labels", "control_text": whether the record's text held a special token's text (encoded
-        as text: records.control_text)}, or None when no answer token fits in max_length."""
+        as text: records.control_text), "cut_answer": whether max_length cut into the last answer kept, which so
+        loses its turn end}, or None when no answer token fits in max_length."""
         messages, tools, marked = marked_conversation(self.tokenizer, messages, tools)
         segments = self.segments(where, messages, tools)
         segments, protected = unmarked_segments(segments) if marked else UnmarkedSegments(segments, [])
@@ -229,11 +230,13 @@ class ConversationTokenizer:
             input_ids, labels = self.tokenize_whole(segments, protected)
         else:
             input_ids, labels = self.tokenize_by_segment(segments, protected)
-        # Keep the prompt's head and cut the answer; a sample left without an answer token is dropped.
+        # Keep the prompt's head and cut the answer; a sample left without an answer token is dropped. The cut falls
+        # inside an answer where trained tokens lie on both sides of it (answers never touch: a prompt lies between).
+        cut_answer = len(labels) > self.max_length and -100 not in labels[self.max_length - 1 : self.max_length + 1]
         input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
         if all(label == -100 for label in labels):
             return None
-        return {"input_ids": input_ids, "labels": labels, "control_text": marked}
+        return {"input_ids": input_ids, "labels": labels, "control_text": marked, "cut_answer": cut_answer}
 
     def prompt_ids(self, where: str, messages: list[Message], tools: Tools | None = None) -> list[int]:
         """The ids of the inference prompt of messages (the generation prompt after them), as serving encodes it."""
