@@ -12,6 +12,7 @@ cannot be checked from here: the refusal says to remove it if that run is gone."
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -90,6 +91,23 @@ def guard(path: str) -> Iterator[None]:
         yield
 
 
+def link_or_create(source: str, target: str) -> None:
+    """Hard-link source to target, failing with FileExistsError when target exists. A filesystem without hard links
+    gets an exclusive create (O_EXCL) with source's content, which a reader may see half-written for a moment:
+    such a lock reads as held by an unknown run."""
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        raise
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        with open(source, "rb") as handle:
+            content = handle.read()
+        with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as handle:
+            handle.write(content)
+
+
 class OutputLock:
     """The lock of one output directory for one node rank, held for a `with` block."""
 
@@ -112,7 +130,7 @@ class OutputLock:
         try:
             for _ in range(3):  # a holder that ends between our link and our read: try again
                 try:
-                    os.link(own, self.path)
+                    link_or_create(own, self.path)
                     return None
                 except FileExistsError:
                     holder = read_holder(self.path)
