@@ -103,12 +103,12 @@ class HashEveryFile:
     whole, and keeps nothing (FingerprintMemo's interface, so build_pretraining_blocks runs unchanged)."""
 
     def __init__(self, cache_root: str):
-        from lorakit.data import cache as data_cache
+        from lorakit.core import fingerprints
 
-        self.data_cache = data_cache
+        self.fingerprints = fingerprints
 
     def __call__(self, path: str) -> str:
-        return self.data_cache.file_fingerprint(path)  # looked up at each call: the counting wrapper sees it
+        return self.fingerprints.file_fingerprint(path)  # looked up at each call: the counting wrapper sees it
 
     def save_into(self, entry_dir: str) -> None:
         pass
@@ -175,13 +175,15 @@ def child_rank(fingerprints: str, metrics_dir: str, script_args: list) -> None:
     metrics_dir/rank<RANK>.json."""
     from transformers import TrainingArguments
 
+    from lorakit.core import fingerprints as file_fingerprints
     from lorakit.data import build_dataset
     from lorakit.data import cache as data_cache
     from lorakit.trainers import pt as run_clm_pt_with_peft
 
     figures = {"rank": int(os.environ.get("RANK", "0")), "fingerprint_s": 0.0, "hashing_s": 0.0, "files_hashed": 0,
                "hashed_bytes": 0}
-    data_cache.file_fingerprint = counted_hashing(data_cache.file_fingerprint, figures)
+    # The memo (lorakit.core.fingerprints) calls its module's file_fingerprint: the one to count.
+    file_fingerprints.file_fingerprint = counted_hashing(file_fingerprints.file_fingerprint, figures)
     memo_class = HashEveryFile if fingerprints == HASH_EVERY_FILE else build_dataset.FingerprintMemo
     build_dataset.FingerprintMemo = timed_fingerprints(memo_class, figures)
     run_clm_pt_with_peft.build_pretraining_blocks = timed_data_phase(run_clm_pt_with_peft.build_pretraining_blocks,

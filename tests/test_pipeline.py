@@ -14,22 +14,9 @@ import pytest
 import yaml
 
 from helpers.commands import REPO, assert_ok, check_refused, run_in_process, script_env
-from helpers.corpora import CHINESE, ENGLISH, generated_corpus, write_lines
+from helpers.corpora import generated_corpus, write_lines
 from helpers.merge_tools import TOLERANCE
-
-PIPELINE = os.path.join(REPO, "scripts", "run_pipeline.py")
-STEPS = {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "learning_rate": 3e-3, "lora_rank": 8,
-         "lora_alpha": 16, "lora_dropout": 0.0, "seed": 42, "torch_dtype": "float32", "report_to": "none"}
-
-
-def words(rng, low, high):
-    return " ".join(rng.choice(ENGLISH + CHINESE) for _ in range(rng.randint(low, high)))
-
-
-def write_jsonl(path, records) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), encoding="utf-8")
-    return str(path)
+from helpers.pipeline_runs import PIPELINE, STEPS, actions, run_pipeline, words, write_config, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -73,26 +60,6 @@ def chain_config(data, model_dir, output_dir) -> dict:
             {"stage": "chat", "turns": ["今天 天气", "the river"], "max_new_tokens": 8},
         ],
     }
-
-
-def write_config(path, config) -> str:
-    path.write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
-    return str(path)
-
-
-def run_pipeline(config_path, *arguments, timeout=900):
-    return subprocess.run([sys.executable, PIPELINE, str(config_path), *map(str, arguments)], cwd=REPO,
-                          env=script_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def actions(result) -> dict:
-    """{stage name: skip | resume | run} from the pipeline's own lines."""
-    found = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("pipeline: stage '"):
-            name = line.split("'")[1]
-            found[name] = line.split("): ")[1].split(" ")[0]
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +160,8 @@ def test_killed_during_sft_a_rerun_skips_what_finished_resumes_sft_and_ends_with
         shutil.copytree(source / name, out / name)
         shutil.copy(source / ".pipeline" / f"{name}.json", out / ".pipeline" / f"{name}.json")
     until_final = ["--stages", "vocabulary,pretraining,pt_merged,sft,reward,ppo,final"]
-    crash = {"PYTHONPATH": KILL_JOB, "KILL_JOB_AFTER_SAVE": "2", "KILL_JOB_OUTPUT": "sft"}
+    crash = {"PYTHONPATH": os.pathsep.join(filter(None, [KILL_JOB, os.environ.get("PYTHONPATH")])),
+             "KILL_JOB_AFTER_SAVE": "2", "KILL_JOB_OUTPUT": "sft"}
     killed = subprocess.run([sys.executable, PIPELINE, path, *until_final], cwd=REPO, capture_output=True,
                             text=True, env={**script_env(), **crash}, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
@@ -230,6 +198,9 @@ BAD_CONFIGS = {
     "bad deployment": (lambda c: c["deployment"].update(mode="cluster"), "deployment.mode 'cluster'"),
     "merge with nothing to merge": (lambda c: c["stages"].insert(3, {"stage": "merge", "name": "again"}),
                                     "nothing to merge"),
+    # A stage named logs would clear OUTPUT/logs/, every stage's log, on its first run.
+    "the logs directory as a stage name": (lambda c: c["stages"][3].update(name="logs"),
+                                           "stage name 'logs' is reserved"),
 }
 
 

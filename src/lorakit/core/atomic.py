@@ -78,3 +78,21 @@ def atomic_output_dir(output_dir: str) -> Iterator[str]:
         sync_path(parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only still there after a failure
+
+
+def replace_directory(built: str, target: str) -> None:
+    """Put the complete directory built in target's place (both on one filesystem): built is synced to disk, the
+    old target (if any) renamed aside, built renamed to target, the parents synced, then the old one deleted. A
+    crash in between leaves target whole or absent, never a mix of the two; the pipeline replaces a stage's
+    output with its rerun this way."""
+    sync_tree(built)
+    parent = os.path.dirname(os.path.abspath(target))
+    aside = None
+    if os.path.lexists(target):
+        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.replaced-", dir=parent)
+        os.rename(target, aside)  # over the empty directory mkdtemp made
+    os.rename(built, target)
+    sync_path(parent)
+    sync_path(os.path.dirname(os.path.abspath(built)))
+    if aside is not None:
+        shutil.rmtree(aside)

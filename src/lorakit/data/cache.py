@@ -3,7 +3,8 @@ fingerprints, the tokenizer, the template, lengths, a code version), built once 
 process into a temporary directory, then renamed into place (atomic: a crash never leaves a
 half-written entry that a later run would load). The inputs' fingerprints are memoized in the
 cache root by each file's stat signature (FingerprintMemo), so a warm start stats the corpus
-instead of reading it on every rank."""
+instead of reading it on every rank (the memo itself lives in lorakit.core.fingerprints, which
+the pipeline's stage hashes share)."""
 
 import hashlib
 import json
@@ -11,13 +12,20 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from datasets import Dataset, load_from_disk
 
-from lorakit.core.atomic import sync_path, sync_tree, write_json_atomically
+from lorakit.core.atomic import sync_path, sync_tree
+from lorakit.core.fingerprints import (  # noqa: F401 (offered here too: the data layer's callers and tests use them)
+    FINGERPRINT_MEMO_NAME,
+    RACY_SECONDS,
+    FingerprintMemo,
+    file_fingerprint,
+    read_fingerprint_memo,
+    stat_signature,
+)
 from lorakit.data.run_record import note_data
 
 if TYPE_CHECKING:
@@ -27,86 +35,6 @@ logger = logging.getLogger(__name__)
 
 # A cache entry's check (build_or_load_cached): raises on a dataset the run cannot use (too small to hold out a share).
 DatasetCheck = Callable[[Dataset], object]
-
-
-def file_fingerprint(path: str) -> str:
-    """Content hash: a file edited in place (same size, even same mtime) still changes the key."""
-    digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# git's "racily clean" rule: a file changed this recently may change again within the same timestamp tick (a
-# coarse filesystem clock) without its ctime moving, so its fingerprint is not memoized yet.
-RACY_SECONDS = 2.0
-# In each cache entry: the fingerprints of the files its key covers, by stat signature.
-FINGERPRINT_MEMO_NAME = "file-fingerprints.json"
-
-
-def stat_signature(path: str) -> list[str | int]:
-    """What moves whenever the file's content may have changed. ctime is set by the kernel on every write and
-    cannot be set back by the user (os.utime restores mtime only), so an in-place edit of the same size with the
-    old mtime put back still changes the signature; inode and device catch a file replaced by another."""
-    info = os.stat(path)
-    return [os.path.abspath(path), info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
-
-
-def read_fingerprint_memo(path: str) -> dict[str, str]:
-    """{stat signature as JSON: content fingerprint}; a missing or unreadable memo is an empty one."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            memo = json.load(handle)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(memo, dict):
-        return {}
-    return {key: value for key, value in memo.items() if key.startswith('["') and isinstance(value, str)}
-
-
-class FingerprintMemo:
-    """file_fingerprint of data files, memoized by stat signature in the cache entries they keyed (each entry
-    holds its files' fingerprints, so the memo goes with the entry and the cache root holds entries only). The
-    first process of a node (the local main process, which main_process_first lets go first) reads each file
-    once; the node's other ranks, and later runs on unchanged files, only stat them. A file that changed while
-    it was read, or within RACY_SECONDS, is hashed again next time."""
-
-    def __init__(self, cache_root: str) -> None:
-        self.known: dict[str, str] = {}
-        if os.path.isdir(cache_root):
-            for name in sorted(os.listdir(cache_root)):
-                if not name.startswith("."):
-                    self.known.update(read_fingerprint_memo(os.path.join(cache_root, name, FINGERPRINT_MEMO_NAME)))
-        self.settled: dict[str, str] = {}
-
-    def __call__(self, path: str) -> str:
-        started_ns = time.time_ns()
-        signature = stat_signature(path)
-        key = json.dumps(signature)
-        fingerprint = self.known.get(key)
-        if fingerprint is None:
-            fingerprint = file_fingerprint(path)
-            if signature[3] >= started_ns - RACY_SECONDS * 1e9 or stat_signature(path) != signature:
-                return fingerprint
-        self.settled[key] = fingerprint
-        return fingerprint
-
-    def save_into(self, entry_dir: str) -> None:
-        """Add the settled fingerprints to entry_dir's memo (a temporary file renamed: a concurrent reader sees the
-        old memo or the new one), unless it holds them already; a read-only cache keeps serving its entries."""
-        memo_path = os.path.join(entry_dir, FINGERPRINT_MEMO_NAME)
-        stored = read_fingerprint_memo(memo_path)
-        paths = {json.loads(key)[0] for key in self.settled}
-        # One signature per file: an earlier version's goes (a copy of the same files elsewhere keeps its own).
-        memo = {key: value for key, value in stored.items() if json.loads(key)[0] not in paths}
-        memo.update(self.settled)
-        if memo == stored:
-            return
-        try:
-            write_json_atomically(memo_path, memo, indent=None)
-        except OSError as err:
-            logger.info("data file fingerprints not memoized in %s: %s", entry_dir, err)
 
 
 def tokenizer_fingerprint(tokenizer: "PreTrainedTokenizerBase") -> str:

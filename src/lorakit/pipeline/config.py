@@ -3,6 +3,7 @@
     base_model: path/to/base            # required: the model every stage chains from
     tokenizer: path/to/tokenizer        # optional (default: the base model's)
     output_dir: outputs/pipeline        # required: stage outputs go to OUTPUT/<stage name>/
+                                        # (logs in OUTPUT/logs/, markers in OUTPUT/.pipeline/)
     deployment:                         # optional
       mode: single_node                 # single_gpu | single_node | multi_node
       nproc_per_node: 8                 # default: the GPUs visible (1 without one)
@@ -11,7 +12,7 @@
     training_flags: {bf16: true}        # optional: flags of every training stage (a stage's own win)
     stages:                             # run in this order
       - stage: pretraining              # vocabulary | pretraining | sft | reward | ppo | dpo | merge | chat
-        name: pretraining               # optional (default: the kind); OUTPUT/<name>/, unique
+        name: pretraining               # optional (default: the kind); OUTPUT/<name>/, unique, not logs
         dataset_dir: data/pt            # any flag of that stage's script, without the dashes
       - stage: chat
         turns: ["你好"]                  # chat only: what the scripted chat check says
@@ -36,6 +37,8 @@ DEPLOYMENT_DEFAULTS = {"mode": "single_node", "nproc_per_node": None, "nnodes": 
                        "master_addr": "127.0.0.1", "master_port": 29500, "deepspeed": None}
 # Keys of a stage entry that are the pipeline's, not flags of the stage's script.
 PIPELINE_STAGE_KEYS = {"stage", "name", "turns"}
+# Directories of output_dir that are the pipeline's own: a stage of that name would delete or mix with them.
+RESERVED_NAMES = ("logs", ".pipeline")
 
 
 @dataclass
@@ -139,7 +142,10 @@ def stages_of(raw: Any, training_flags: dict[str, Any], path: str) -> list[Stage
         if kind not in STAGE_KINDS:
             raise InputError(f"{where}: unknown stage '{kind}' (the stages are: {', '.join(STAGE_KINDS)})")
         name = str(entry.get("name") or kind)
-        if name in names or "/" in name or name.startswith("."):
+        if name in RESERVED_NAMES:
+            raise InputError(f"{where}: stage name '{name}' is reserved: the pipeline keeps its logs in "
+                             "output_dir/logs/ and its markers in output_dir/.pipeline/; give the stage another 'name'")
+        if name in names or "/" in name or name.startswith(".") or name in (os.curdir, os.pardir):
             raise InputError(f"{where}: stage name '{name}' is used twice or is not a directory name; "
                              "give each stage of the same kind its own 'name'")
         names.add(name)

@@ -9,20 +9,28 @@ script (under torchrun for the training stages), chained on the previous stage's
     python scripts/run_pipeline.py my.yaml --from_stage reward   # rerun reward and what follows
     python scripts/run_pipeline.py my.yaml --stages sft,reward
 
-A rerun skips completed stages, resumes an interrupted one from its checkpoint and reruns a
-stage whose config changed with every stage after it. The config format: lorakit.pipeline.config.
+A rerun skips completed stages, resumes an interrupted one from its checkpoint and reruns a stage
+whose config, data files or input models changed with every stage after it; a rerun of a completed stage
+replaces its output only when it succeeds. One run at a time per output directory (and node): a second is
+refused at once, naming the first. The config format: lorakit.pipeline.config; the rerun rules:
+lorakit.pipeline.markers; SIGTERM and SIGINT: lorakit.pipeline.process.
 """
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from lorakit.core.cli import InputError, run_cli
-from lorakit.pipeline.config import load_config
-from lorakit.pipeline.runner import StageFailed, check_selection_inputs, decide, inputs_of, run_stage
-from lorakit.pipeline.stages import PlannedStage, plan_stages
+from lorakit.core.fingerprints import FingerprintMemo
+from lorakit.pipeline.config import PipelineConfig, load_config
+from lorakit.pipeline.lock import OutputLock
+from lorakit.pipeline.markers import MARKER_DIR, check_selection_inputs, decide, inputs_of
+from lorakit.pipeline.process import FORWARDING
+from lorakit.pipeline.runner import RunContext, command_in, run_stage
+from lorakit.pipeline.stages import PlannedStage, hash_contents, plan_stages
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -59,43 +67,76 @@ def select(planned: list[PlannedStage], args: argparse.Namespace) -> Selection:
     return Selection([stage for stage in planned if stage.config.name in wanted] if wanted else planned, None)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    config = load_config(args.config, args.overrides)
-    planned = plan_stages(config, args.python)
-    selected, forced = select(planned, args)
-    if len(selected) < len(planned):
-        check_selection_inputs(planned, selected, config.output_dir)
+def refuse_linked_stage_dirs(selected: list[PlannedStage]) -> None:
+    """A stage's directory is replaced whole by its rerun, and cleared before a first run: through a symbolic link
+    that would replace the link (or delete nothing). Refused; output_dir itself may be a link."""
+    for stage in selected:
+        if os.path.islink(stage.out_dir):
+            raise InputError(f"{stage.out_dir} is a symbolic link (to {os.readlink(stage.out_dir)}): the pipeline "
+                             "replaces a stage's directory whole and does not follow links out of output_dir; make "
+                             "output_dir itself the link, or put a directory in its place")
+
+
+class StageReport(NamedTuple):
+    name: str
+    action: str  # skipped | run | resume
+    seconds: float
+
+
+def run_stages(planned: list[PlannedStage], selected: list[PlannedStage], forced: str | None,
+               config: PipelineConfig, run: RunContext | None) -> list[StageReport]:
+    """Decide and run each selected stage in order (run None: a dry run, which prints and runs nothing)."""
     rerun_reason = f"--from_stage {forced}" if forced else None
     report = []
     for stage in selected:
         inputs = inputs_of(planned, stage, config.output_dir)
         decision = decide(stage, config.output_dir, inputs, rerun_reason)
         name = stage.config.name
-        print(f"pipeline: stage '{name}' ({stage.config.kind}): {decision.action} -- {decision.reason}", flush=True)
+        where = (f"; builds in {decision.build_dir}, which replaces {stage.out_dir} when it succeeds"
+                 if decision.action == "run" and decision.build_dir != stage.out_dir else "")
+        print(f"pipeline: stage '{name}' ({stage.config.kind}): {decision.action} -- {decision.reason}{where}",
+              flush=True)
         if decision.action == "skip":
-            report.append((name, "skipped", 0.0))
+            report.append(StageReport(name, "skipped", 0.0))
             continue
-        print(f"pipeline: $ {shlex.join(stage.command)}", flush=True)
+        print(f"pipeline: $ {shlex.join(command_in(stage, decision.build_dir))}", flush=True)
         rerun_reason = "an earlier stage runs first"
-        if not args.dry_run:
-            report.append((name, decision.action, run_stage(stage, config.output_dir, decision, inputs,
-                                                            config.deployment.node_rank)))
+        if run is not None:
+            report.append(StageReport(name, decision.action, run_stage(stage, decision, inputs, run)))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    lock = OutputLock(config.output_dir, config.deployment.node_rank)
     if not args.dry_run:
-        print("pipeline: done. " + "; ".join(f"{name} {action} {seconds:.0f}s" for name, action, seconds in report))
-
-
-def run() -> None:
-    try:
-        main()
-    except StageFailed as failure:
-        print(f"error: {failure}", file=sys.stderr, flush=True)
-        sys.exit(2 if failure.status == 2 else 1)
+        lock.check_free()  # at once, before planning imports every stage's script
+    planned = plan_stages(config, args.python)
+    fingerprints = os.path.join(config.output_dir, MARKER_DIR, "fingerprints")
+    memo = FingerprintMemo(fingerprints)
+    hash_contents(planned, config, memo)
+    selected, forced = select(planned, args)
+    if len(selected) < len(planned):
+        check_selection_inputs(planned, selected, config.output_dir)
+    refuse_linked_stage_dirs(selected)
+    if args.dry_run:
+        run_stages(planned, selected, forced, config, None)
+        return
+    with lock, FORWARDING.installed():
+        memo_dir = os.path.join(fingerprints, f"node-{config.deployment.node_rank}")
+        os.makedirs(memo_dir, exist_ok=True)
+        memo.save_into(memo_dir)
+        run = RunContext(config.output_dir, config.deployment.node_rank, lock.token)
+        report = run_stages(planned, selected, forced, config, run)
+    print("pipeline: done. " + "; ".join(f"{name} {action} {seconds:.0f}s" for name, action, seconds in report))
 
 
 def entry_point() -> None:
-    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
-    run_cli(run)
+    """The command line's entry point: its script and `lorakit` command (lorakit.commands). A stage that fails
+    ends the pipeline with its exit status (lorakit.pipeline.runner.StageFailed); SIGTERM or SIGINT with 128 + its
+    number, after the stage's processes ended."""
+    run_cli(main)
 
 
 if __name__ == "__main__":

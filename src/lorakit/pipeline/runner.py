@@ -1,183 +1,208 @@
-"""Running planned stages: which to skip, resume or run afresh, and the markers that decide it.
+"""Running a planned stage as its markers decided (lorakit.pipeline.markers): in OUTPUT/<stage>/, or for a rerun
+beside a complete output in OUTPUT/.pipeline/build/<stage>/, which replaces the output once the script exits 0.
+Every stage after one that ran runs afresh: it starts from new weights.
 
-OUTPUT/.pipeline/<stage>.json records the stage's config hash when it starts and is marked
-complete only after its script exited 0, so a crash anywhere leaves it incomplete:
-- complete with the same hash: skipped;
-- started with the same hash and a training stage with a complete checkpoint-N: rerun with the
-  same command, which resumes from the checkpoint (the scripts resume by themselves);
-- otherwise (new, changed config, nothing to resume): its output directory is cleared and it runs.
-Once a stage has run, every later stage runs afresh: it starts from new weights.
+A stage that fails leaves its exit status and the reason in its marker: the pipeline then exits with the same
+status (the conventions' 1 to 4; a crash's signal as 1), and a later run resumes it only after status 1.
 
-With several nodes, every node runs the pipeline with its deployment.node_rank; training stages
-join one torchrun job, the one-process stages (vocabulary, merge, chat) run on node 0 while the
-others wait for their markers. OUTPUT must be a filesystem all nodes share."""
+With several nodes, every node runs the pipeline with its deployment.node_rank; training stages join one torchrun
+job, the one-process stages (vocabulary, merge, chat) run on node 0 while the others wait for their markers. Node 0
+alone writes markers and moves directories; the others poll its marker every POLL_SECONDS until the stage is
+complete or node 0 recorded its failure (they then exit with that status and reason), and give up once node 0's
+run has been gone (no lock) for NODE_ZERO_GRACE_SECONDS. OUTPUT must be a filesystem all nodes share."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
-import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
-from lorakit.core.atomic import write_json_atomically
-from lorakit.core.cli import InputError
-from lorakit.core.model_files import complete_checkpoints
+from lorakit.core.atomic import replace_directory
+from lorakit.core.cli import ReportedError
+from lorakit.pipeline.lock import lock_path
+from lorakit.pipeline.markers import (
+    MARKER_VERSION,
+    Decision,
+    Marker,
+    attempt_of,
+    completed,
+    is_complete,
+    product_files,
+    read_marker,
+    write_stage_marker,
+)
+from lorakit.pipeline.process import FORWARDING, Stopped, stream
 from lorakit.pipeline.stages import PlannedStage
 
-MARKER_DIR = ".pipeline"
 LOG_DIR = "logs"
-WAIT_SECONDS = 10
+POLL_SECONDS = 2
+NODE_ZERO_GRACE_SECONDS = 60
 
 
-class StageFailed(Exception):
-    def __init__(self, name: str, status: int, log: str, resumable: bool = False) -> None:
-        then = "; a rerun resumes it from its last checkpoint" if resumable else ""
-        super().__init__(f"stage '{name}' exited with status {status}; its log: {log}{then}")
+class StageFailed(ReportedError):
+    """A stage's script failed: the launcher exits with its status (1 to 4; anything else, a signal's, as 1)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
         self.status = status
+        self.exit_status = status if status in (1, 2, 3, 4) else 1
 
 
-@dataclass
-class Decision:
-    action: str  # skip | resume | run
-    reason: str
+def failure_message(name: str, status: int, output: str, log: str, resumable: bool) -> str:
+    """What failed, with the script's own last `error:` line (its one-line refusal) when it printed one."""
+    errors = [line.strip() for line in output.splitlines() if line.startswith("error: ")]
+    said = f" ({errors[-1]})" if errors else ""
+    then = "; a rerun resumes it from its last checkpoint" if resumable else ""
+    return f"stage '{name}' exited with status {status}{said}; its log: {log}{then}"
 
 
-def marker_path(output_dir: str, name: str) -> str:
-    return os.path.join(output_dir, MARKER_DIR, f"{name}.json")
+class RunContext(NamedTuple):
+    """What every stage of one launcher run shares."""
+
+    output_dir: str
+    node_rank: int
+    session: str  # this run's id (its lock's token), in the markers it writes
 
 
-def read_marker(output_dir: str, name: str) -> dict[str, Any] | None:
-    try:
-        with open(marker_path(output_dir, name), encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, json.JSONDecodeError):
-        return None  # no marker, or one cut short: the stage did not complete
+def command_in(stage: PlannedStage, build_dir: str) -> list[str]:
+    """The stage's command writing into build_dir instead of its output directory."""
+    command = list(stage.command)
+    if build_dir != stage.out_dir and "--output_dir" in command:
+        command[command.index("--output_dir") + 1] = build_dir
+    return command
 
 
-def write_stage_marker(output_dir: str, name: str, record: dict[str, Any]) -> None:
-    write_json_atomically(marker_path(output_dir, name), record, make_parents=True)  # whole or absent
-
-
-def inputs_of(planned: list[PlannedStage], stage: PlannedStage, output_dir: str) -> dict[str, str | None]:
-    """{earlier stage: the run id of its completed run}: what this stage starts from."""
-    earlier = planned[:planned.index(stage)]
-    return {other.config.name: (read_marker(output_dir, other.config.name) or {}).get("run_id") for other in earlier}
-
-
-def decide(stage: PlannedStage, output_dir: str, inputs: dict[str, str | None], rerun_reason: str | None) -> Decision:
-    """rerun_reason: why this stage must run afresh whatever its marker says, or None."""
-    marker = read_marker(output_dir, stage.config.name)
-    if rerun_reason:
-        return Decision("run", rerun_reason)
-    if marker is None:
-        return Decision("run", "not run yet")
-    if marker.get("config_hash") != stage.config_hash:
-        return Decision("run", "its config or an earlier stage's changed")
-    if marker.get("inputs") != inputs:
-        return Decision("run", "an earlier stage ran again since")
-    if marker.get("complete") and os.path.isdir(stage.out_dir):
-        return Decision("skip", "complete")
-    if stage.distributed and complete_checkpoints(stage.out_dir):
-        return Decision("resume", "interrupted; resumes from its last checkpoint")
-    return Decision("run", "interrupted before its first checkpoint")
-
-
-def run_stage(stage: PlannedStage, output_dir: str, decision: Decision, inputs: dict[str, str | None],
-              node_rank: int) -> float:
+def run_stage(stage: PlannedStage, decision: Decision, inputs: dict[str, str | None], run: RunContext) -> float:
     """Run one stage (its output streamed to the console and OUTPUT/logs/<stage>.log); seconds taken."""
     name = stage.config.name
-    if node_rank > 0 and not stage.distributed:
-        return wait_for_node_zero(stage, output_dir)
-    marker = {"config_hash": stage.config_hash, "inputs": inputs, "complete": False, "run_id": uuid.uuid4().hex,
-              "command": shlex.join(stage.command)}
-    if node_rank == 0:
-        if decision.action == "run":
-            shutil.rmtree(stage.out_dir, ignore_errors=True)
-        else:  # a resume continues the run it was
-            marker["run_id"] = read_marker(output_dir, name)["run_id"]
-        write_stage_marker(output_dir, name, marker)
-    log_path = os.path.join(output_dir, LOG_DIR, f"{name}.log")
+    if run.node_rank > 0:
+        seen = Seen.of(read_marker(run.output_dir, name))
+        seconds = run_on_this_node(stage, decision, run) if stage.distributed else 0.0
+        return seconds + wait_for_node_zero(stage, inputs, seen, run.output_dir)
+    command = shlex.join(command_in(stage, decision.build_dir))
+    attempt = {"version": MARKER_VERSION, "config_hash": stage.config_hash, "flags_hash": stage.flags_hash,
+               "inputs": inputs, "complete": False, "run_id": uuid.uuid4().hex, "command": command,
+               "build_dir": os.path.relpath(decision.build_dir, run.output_dir), "session": run.session}
+    marker = read_marker(run.output_dir, name)
+    if decision.action == "run":
+        shutil.rmtree(decision.build_dir, ignore_errors=True)  # never a link: the launcher refused those
+    else:  # a resume continues the run it was
+        attempt["run_id"] = attempt_of(marker)["run_id"]
+    old = completed(marker) if decision.build_dir != stage.out_dir else None
+    write_stage_marker(run.output_dir, name, {**old, "attempt": attempt} if old else attempt)
+    try:
+        seconds = run_on_this_node(stage, decision, run)
+        if decision.build_dir != stage.out_dir:
+            replace_directory(decision.build_dir, stage.out_dir)
+    except (StageFailed, Stopped) as failure:
+        record_failure(run.output_dir, name, failure, run.session)
+        raise
+    finished = {key: value for key, value in attempt.items() if key != "build_dir"}
+    write_stage_marker(run.output_dir, name, {**finished, "complete": True, "seconds": seconds,
+                                              "products": product_files(stage, run.output_dir)})
+    return seconds
+
+
+def run_on_this_node(stage: PlannedStage, decision: Decision, run: RunContext) -> float:
+    """The stage's script on this node, into decision.build_dir; raises StageFailed or Stopped when it fails."""
+    name, command = stage.config.name, command_in(stage, decision.build_dir)
+    log_path = os.path.join(run.output_dir, LOG_DIR, f"{name}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     started = time.time()
     with open(log_path, "ab") as log:
-        log.write(f"$ {shlex.join(stage.command)}\n".encode())
-        status, output = stream(stage.command, stage.stdin, log)
+        log.write(f"$ {shlex.join(command)}\n".encode())
+        status, output = stream(command, stage.stdin, log)
+    if FORWARDING.signum is not None:
+        raise Stopped(FORWARDING.signum, name)
     if status != 0:
-        raise StageFailed(name, status, log_path, resumable=stage.distributed and status != 2)
+        resumable = stage.distributed and status not in (2, 3, 4)
+        raise StageFailed(failure_message(name, status, output, log_path, resumable), status)
     if stage.config.kind == "chat":
-        write_transcript(stage, output)
-    if node_rank == 0:
-        write_stage_marker(output_dir, name, {**marker, "complete": True, "seconds": time.time() - started})
+        write_transcript(stage, output, decision.build_dir)
     return time.time() - started
 
 
-class StageOutput(NamedTuple):
-    """How a stage's process ended, and everything it wrote to stdout and stderr."""
-
-    status: int
-    output: str
-
-
-def stream(command: list[str], stdin: str | None, log: BinaryIO) -> StageOutput:
-    """Run command, copying its output as it comes (progress bars included) to stdout and log."""
-    process = subprocess.Popen(command, stdin=subprocess.PIPE if stdin is not None else None,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if stdin is not None:
-        process.stdin.write(stdin.encode())
-        process.stdin.close()
-    output = bytearray()
-    while True:
-        chunk = os.read(process.stdout.fileno(), 65536)
-        if not chunk:
-            break
-        output += chunk
-        log.write(chunk)
-        sys.stdout.buffer.write(chunk)
-        sys.stdout.flush()
-    return StageOutput(process.wait(), output.decode(errors="replace"))
+def record_failure(output_dir: str, name: str, failure: StageFailed | Stopped, session: str) -> None:
+    """Node 0's word on a failed stage, in its attempt's record: what the other nodes wait for, and what decides
+    whether a later run may resume it (markers.refuse_after_final_status)."""
+    marker = read_marker(output_dir, name) or {}
+    status = failure.status if isinstance(failure, StageFailed) else failure.exit_status
+    failed = {"status": status, "reason": str(failure), "at": time.time(), "id": uuid.uuid4().hex, "session": session}
+    if marker.get("complete") and marker.get("attempt"):
+        marker = {**marker, "attempt": {**marker["attempt"], "failed": failed}}
+    elif not marker.get("complete"):
+        marker = {**marker, "failed": failed}
+    write_stage_marker(output_dir, name, marker)
 
 
-def write_transcript(stage: PlannedStage, output: str) -> None:
+def write_transcript(stage: PlannedStage, output: str, directory: str) -> None:
     """The chat check: chat.py answered every scripted turn (an "Assistant:" reply each); the
     transcript is kept. An empty reply is the model's, not a failure of the path: it is said."""
     replies = [reply.strip() for reply in output.split("User: ")[1:]]
     turns = stage.config.turns
     if len(replies) < len(turns) or not all(reply.startswith("Assistant:") for reply in replies[:len(turns)]):
-        raise StageFailed(stage.config.name, 1, "the chat did not answer every turn:\n" + output[-2000:])
+        raise StageFailed(f"stage '{stage.config.name}': the chat did not answer every turn:\n" + output[-2000:], 1)
     # strict=False: a reply beyond the turns is chat's last prompt at the end of its input, not an answer.
     for turn, reply in zip(turns, replies, strict=False):
         if reply == "Assistant:":
             print(f"pipeline: the chat check's model gave an empty answer to {turn!r}", flush=True)
-    os.makedirs(stage.out_dir, exist_ok=True)
+    os.makedirs(directory, exist_ok=True)
     transcript = "\n".join(f"User: {turn}\n{reply}" for turn, reply in zip(turns, replies, strict=False))
-    with open(os.path.join(stage.out_dir, "transcript.txt"), "w", encoding="utf-8") as handle:
+    with open(os.path.join(directory, "transcript.txt"), "w", encoding="utf-8") as handle:
         handle.write(transcript + "\n")
 
 
-def wait_for_node_zero(stage: PlannedStage, output_dir: str) -> float:
-    started = time.time()
-    print(f"pipeline: node 0 runs stage '{stage.config.name}'; waiting for its marker", flush=True)
+# ----------------------------------------------------------------------------- the other nodes
+
+
+class Seen(NamedTuple):
+    """A stage's marker as another node found it before node 0 ran the stage: what is not news."""
+
+    complete_run: str | None  # the run id of the complete output then
+    failure: str | None  # the id of the failure recorded then
+
+    @classmethod
+    def of(cls, marker: Marker | None) -> Seen:
+        failed = (attempt_of(marker) or {}).get("failed") or {}
+        return cls((completed(marker) or {}).get("run_id"), failed.get("id"))
+
+
+def node_zero_finished(marker: Marker | None, stage: PlannedStage, inputs: dict[str, str | None], seen: Seen,
+                       output_dir: str) -> bool:
+    """Complete with this config, inputs and products, and by a run other than the one already there (a stage
+    that runs again with the same hashes, --from_stage, finishes with a new run id)."""
+    return (is_complete(marker, stage, output_dir) and marker.get("inputs") == inputs
+            and marker.get("run_id") != seen.complete_run)
+
+
+def new_failure(marker: Marker | None, stage: PlannedStage, seen: Seen) -> dict[str, Any] | None:
+    attempt = attempt_of(marker) or {}
+    failed = attempt.get("failed")
+    if failed and failed.get("id") != seen.failure and attempt.get("config_hash") == stage.config_hash:
+        return failed
+    return None
+
+
+def wait_for_node_zero(stage: PlannedStage, inputs: dict[str, str | None], seen: Seen, output_dir: str) -> float:
+    """Until node 0 completes the stage (seconds waited), or recorded its failure, or is gone (StageFailed)."""
+    name, started, gone_since = stage.config.name, time.time(), None
+    print(f"pipeline: node 0 runs stage '{name}'; waiting for its marker", flush=True)
     while True:
-        marker = read_marker(output_dir, stage.config.name)
-        if marker and marker.get("complete") and marker.get("config_hash") == stage.config_hash:
+        marker = read_marker(output_dir, name)
+        if node_zero_finished(marker, stage, inputs, seen, output_dir):
             return time.time() - started
-        time.sleep(WAIT_SECONDS)
-
-
-def check_selection_inputs(planned: list[PlannedStage], selected: list[PlannedStage], output_dir: str) -> None:
-    """A selected stage starts from what the stages before it wrote: those left out must be complete."""
-    last = max(planned.index(stage) for stage in selected)
-    for stage in planned[:last]:
-        if stage in selected:
-            continue
-        marker = read_marker(output_dir, stage.config.name)
-        if not (marker and marker.get("complete") and marker.get("config_hash") == stage.config_hash):
-            raise InputError(f"stage '{stage.config.name}' has not completed with this config, and a selected "
-                             "stage starts from its output: select it too")
+        failed = new_failure(marker, stage, seen)
+        if failed:
+            raise StageFailed(f"node 0: {failed.get('reason', 'stage ' + repr(name) + ' failed')}", failed["status"])
+        if os.path.exists(lock_path(output_dir, 0)):
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.time()
+        elif time.time() - gone_since > NODE_ZERO_GRACE_SECONDS:
+            last = ((attempt_of(marker) or {}).get("failed") or {}).get("reason")
+            raise StageFailed(f"stage '{name}' is not complete and node 0's pipeline is not running (no "
+                              f"{lock_path(output_dir, 0)})" + (f"; its last run failed: {last}" if last else ""), 1)
+        time.sleep(POLL_SECONDS)

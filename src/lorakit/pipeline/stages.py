@@ -14,7 +14,8 @@ import hashlib
 import importlib
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -86,9 +87,12 @@ class PlannedStage:
     config: StageConfig
     out_dir: str
     command: list[str]
-    config_hash: str  # this stage's flags and every earlier stage's hash
+    flags_hash: str  # this stage's flags and every earlier stage's flags hash (the base model's path included)
     distributed: bool
     stdin: str | None = None  # the chat stage's scripted turns
+    product_dirs: list[str] = field(default_factory=list)  # what the next stages read, under out_dir
+    input_paths: list[str] = field(default_factory=list)  # the data files and models its own flags name
+    config_hash: str = ""  # flags_hash and the contents of every input path so far (hash_contents)
 
 
 def plan_stages(config: PipelineConfig, python: str) -> list[PlannedStage]:
@@ -116,8 +120,57 @@ def plan_stages(config: PipelineConfig, python: str) -> list[PlannedStage]:
         command = [python, *launcher_arguments(config.deployment)] if script.distributed else [python]
         command += [script_path(script.path), *argv_of(flags, hf_parser(stage.kind))]
         stdin = "".join(turn + "\n" for turn in stage.turns) + "/quit\n" if stage.kind == "chat" else None
-        planned.append(PlannedStage(stage, out_dir, command, upstream_hash, script.distributed, stdin))
+        planned.append(PlannedStage(stage, out_dir, command, upstream_hash, script.distributed, stdin,
+                                    product_dirs_of(stage, out_dir), paths_named(stage.flags)))
     return planned
+
+
+def product_dirs_of(stage: StageConfig, out_dir: str) -> list[str]:
+    """The directories of out_dir the next stages read: a training stage's adapter (its whole model when trained
+    in full), the tokenizer, merged model or transcript the other stages write at its top."""
+    if stage.kind in ADAPTER_DIRS and not stage.flags.get("full_finetuning"):
+        return [os.path.join(out_dir, ADAPTER_DIRS[stage.kind])]
+    return [out_dir]
+
+
+def paths_named(flags: dict[str, Any]) -> list[str]:
+    """The files and directories flags name (PATH_FLAGS; comma lists split), in order."""
+    paths = []
+    for flag, value in flags.items():
+        if flag in PATH_FLAGS + ("tokenizer",) and value not in (None, "", []):
+            values = value if isinstance(value, list) else str(value).split(",")
+            paths += [path for path in (str(item).strip() for item in values) if path]
+    return paths
+
+
+def hash_contents(planned: list[PlannedStage], config: PipelineConfig, fingerprint: Callable[[str], str]) -> None:
+    """Fill in each stage's config_hash: its flags hash and the contents of the base model, the tokenizer and every
+    data file and model the stages up to it name, so an edited record or a model replaced in place reruns the
+    stage that reads it and every stage after it. fingerprint: a file's content hash (a FingerprintMemo, which
+    reads a file once and then only stats it until it changes)."""
+    contents = digest(contents_of(paths_named({"base_model": config.base_model, "tokenizer": config.tokenizer}),
+                                  fingerprint))
+    for stage in planned:
+        contents = digest({"upstream": contents, "files": contents_of(stage.input_paths, fingerprint)})
+        stage.config_hash = digest({"flags": stage.flags_hash, "contents": contents})
+
+
+def contents_of(paths: list[str], fingerprint: Callable[[str], str]) -> dict[str, Any]:
+    """{path: its fingerprint, or for a directory {file under it: fingerprint}}; hidden files and directories
+    (.git, .cache) are left out, and so is anything missing (the plan refused it already)."""
+    contents: dict[str, Any] = {}
+    for path in paths:
+        if os.path.isfile(path):
+            contents[path] = fingerprint(path)
+        elif os.path.isdir(path):
+            files = {}
+            for root, directories, names in os.walk(path, followlinks=True):
+                directories[:] = sorted(name for name in directories if not name.startswith("."))
+                for name in sorted(name for name in names if not name.startswith(".")):
+                    if os.path.isfile(os.path.join(root, name)):  # not a dangling link
+                        files[os.path.relpath(os.path.join(root, name), path)] = fingerprint(os.path.join(root, name))
+            contents[path] = files
+    return contents
 
 
 def digest(value: Any) -> str:

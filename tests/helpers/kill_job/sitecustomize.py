@@ -2,8 +2,9 @@
 stages under torchrun). With this directory on PYTHONPATH, Python imports this file at start in
 every process of the job; with KILL_JOB_AFTER_SAVE=N and KILL_JOB_OUTPUT=NAME set, the rank-0
 training process whose output_dir is named NAME, right after checkpoint-N (and its adapter copy)
-is on disk, SIGKILLs its parent's process group -- the pipeline and torchrun, as when a node dies --
-and then itself (torchrun starts each worker in a session of its own)."""
+is on disk, SIGKILLs the process groups of its grandparent and parent -- the pipeline and torchrun (the pipeline
+starts each stage in a session of its own), as when a node dies -- and then itself (torchrun starts each worker in
+a session of its own)."""
 
 import importlib.abc
 import os
@@ -13,8 +14,15 @@ import sys
 KILL_AFTER_SAVE = os.environ.get("KILL_JOB_AFTER_SAVE")
 
 
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        return int(handle.read().rsplit(")", 1)[1].split()[1])
+
+
 def kill_the_job() -> None:
-    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+    torchrun = os.getppid()
+    os.killpg(os.getpgid(parent_of(torchrun)), signal.SIGKILL)
+    os.killpg(os.getpgid(torchrun), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
