@@ -152,3 +152,15 @@ def test_an_argument_file_alone_with_a_misspelled_key_is_one_line(tmp_path):
     check_refused(run_script([path], script=SFT_SCRIPT),
                   f"{path}: field 'learning_rat' is not an argument of this script (did you mean 'learning_rate'?)")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_pipeline_launcher_refuses_unknown_and_abbreviated_flags():
+    """The launcher's own flags follow the same rule (its overrides are key=value, never flags)."""
+    from lorakit.pipeline.launcher import parse_args as pipeline_args
+
+    with pytest.raises(InputError, match=r"--dry_rn is not an argument of this script \(did you mean --dry_run\?\)"):
+        pipeline_args(["pipeline.yaml", "--dry_rn"])
+    with pytest.raises(InputError, match=r"--from_st is not an argument of this script \(did you mean --from_stage"):
+        pipeline_args(["pipeline.yaml", "--from_st", "sft"])
+    args = pipeline_args(["pipeline.yaml", "--dry_run", "sft.learning_rate=1e-4"])
+    assert args.dry_run and args.overrides == ["sft.learning_rate=1e-4"]

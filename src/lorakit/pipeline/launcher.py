@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from lorakit.core.cli import InputError, run_cli
+from lorakit.core.cli import ArgumentParser, InputError, refuse_unknown_flags, run_cli
 from lorakit.core.fingerprints import FingerprintMemo
 from lorakit.pipeline.config import PipelineConfig, load_config
 from lorakit.pipeline.lock import OutputLock
@@ -34,14 +34,16 @@ from lorakit.pipeline.stages import PlannedStage, hash_contents, plan_stages
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="The pipeline's YAML file.")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. sft.learning_rate=1e-4 (the value as YAML).")
     parser.add_argument("--dry_run", action="store_true", help="Print what each stage would do and its command.")
     parser.add_argument("--stages", default=None, help="Only these stages (names, comma-separated).")
     parser.add_argument("--from_stage", default=None, help="Rerun this stage and every stage after it.")
     parser.add_argument("--python", default=sys.executable, help="The interpreter the stages run with.")
-    return parser.parse_intermixed_args(argv)  # overrides may come after the options
+    tokens = sys.argv[1:] if argv is None else list(argv)
+    refuse_unknown_flags(parser, tokens)  # one line naming the closest flag; no abbreviations (allow_abbrev=False)
+    return parser.parse_intermixed_args(tokens)  # overrides may come after the options
 
 
 class Selection(NamedTuple):

@@ -9,6 +9,7 @@ argument parser), missing files, and a stage whose input no earlier stage produc
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import importlib
@@ -236,7 +237,9 @@ def check_flags(stage: StageConfig, script: Script, where: str) -> None:
                              "and a changed config reruns the stage")
     unknown = sorted(set(stage.flags) - known_flags(stage.kind))
     if unknown:
-        raise InputError(f"{where}: '{unknown[0]}' is not a flag of {script.path} (see its --help)")
+        close = difflib.get_close_matches(unknown[0], sorted(known_flags(stage.kind)), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "see its --help"
+        raise InputError(f"{where}: '{unknown[0]}' is not a flag of {script.path} ({hint})")
 
 
 def check_paths(config_path: str, where: str, flags: dict[str, Any]) -> None:
