@@ -79,6 +79,7 @@ class ConversationTokenizer:
         if tokenizer.eos_token is None:
             raise InputError("the tokenizer has no eos_token: answers could not end")
         self.turn_end, self.turn_end_is_special = turn_end_text(tokenizer, template, self.template_kwargs)
+        self.specials = special_token_texts(tokenizer)  # what a record's text may not turn into (control_text)
         self.notes = {}  # what the template does differently from inference, counted once per build
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: Tools | None = None,
@@ -223,7 +224,7 @@ class ConversationTokenizer:
         """{"input_ids", "labels", "control_text": whether the record's text held a special token's text (encoded
         as text: records.control_text), "cut_answer": whether max_length cut into the last answer kept, which so
         loses its turn end}, or None when no answer token fits in max_length."""
-        messages, tools, marked = marked_conversation(self.tokenizer, messages, tools)
+        messages, tools, marked = marked_conversation(self.specials, messages, tools)
         segments = self.segments(where, messages, tools)
         segments, protected = unmarked_segments(segments) if marked else UnmarkedSegments(segments, [])
         if getattr(self.tokenizer, "is_fast", False):
@@ -240,7 +241,7 @@ class ConversationTokenizer:
 
     def prompt_ids(self, where: str, messages: list[Message], tools: Tools | None = None) -> list[int]:
         """The ids of the inference prompt of messages (the generation prompt after them), as serving encodes it."""
-        return encode_prompt(self.tokenizer, lambda rendered_messages, rendered_tools: self.render(
+        return encode_prompt(self.tokenizer, self.specials, lambda rendered_messages, rendered_tools: self.render(
             rendered_messages, add_generation_prompt=True, tools=rendered_tools, where=where), messages, tools)
 
     def answer_end_id(self) -> int:

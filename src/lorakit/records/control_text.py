@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lorakit.core.cli import InputError
-from lorakit.records.chat_templates import special_token_texts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -172,18 +171,19 @@ class MarkedConversation(NamedTuple):
     marked: bool
 
 
-def marked_conversation(tokenizer: "PreTrainedTokenizerBase", messages: list[dict[str, Any]],
+def marked_conversation(specials: list[str], messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None) -> MarkedConversation:
-    specials = special_token_texts(tokenizer)
+    """specials: the tokenizer's special texts (chat_templates.special_token_texts), found once per tokenizer by the
+    caller: finding them walks the tokenizer's added tokens, which costs a sixth of tokenizing a conversation."""
     if not holds_special_text([messages, tools], specials):
         return MarkedConversation(messages, tools, False)
     return MarkedConversation(mark(messages, specials), mark(tools, specials) if tools else tools, True)
 
 
-def encode_prompt(tokenizer: "PreTrainedTokenizerBase", render: Render, messages: list[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_prompt(tokenizer: "PreTrainedTokenizerBase", specials: list[str], render: Render,
+                  messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The ids of a conversation's prompt as render makes it: what serving encodes and what PPO's prompts are; the
-    template's own tokens are tokens, the messages' texts are text."""
-    messages, tools, marked = marked_conversation(tokenizer, messages, tools)
+    template's own tokens are tokens, the messages' texts are text (specials: as marked_conversation takes them)."""
+    messages, tools, marked = marked_conversation(specials, messages, tools)
     text, protected = unmark(render(messages, tools)) if marked else (render(messages, tools), [])
     return encode_protected(tokenizer, text, protected).input_ids

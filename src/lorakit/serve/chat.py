@@ -35,12 +35,8 @@ from lorakit.serve.inference import (
     PromptTooLong,
     SamplingSettings,
     TextDeltaStreamer,
-    chat_template_of,
-    context_limit,
-    inference_tokenizer,
-    load_for_inference,
+    load_generator,
     log_mapped_flags,
-    template_kwargs_of,
     trim_history,
 )
 
@@ -236,16 +232,7 @@ def main() -> None:
                              "choose another name or remove it")
         records = read_prompt_records(chat_args.data_file, chat_args.system_prompt)
     # The data, the tokenizer and its template are checked before the weights are loaded.
-    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
-                                    trust_remote_code=chat_args.trust_remote_code,
-                                    tokenizer_path=model_args.tokenizer_path)
-    template = chat_template_of(tokenizer, model_args.template)
-    model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
-                                          model_args.load_in_kbits, model_args.dtype, tokenizer,
-                                          trust_remote_code=chat_args.trust_remote_code,
-                                          tokenizer_path=model_args.tokenizer_path, device=model_args.device)
-    generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
-                              template_kwargs_of(model_args))
+    generator = load_generator(model_args, chat_args.trust_remote_code)
     logger.info("sampling: %s", asdict(settings))
     if chat_args.seed is not None:
         set_seed(chat_args.seed)  # once: each turn then continues the same random stream

@@ -33,6 +33,7 @@ from lorakit.records.chat_templates import (
     named_template,
     parse_template_kwargs,
     saved_template_kwargs,
+    special_token_texts,
     turn_end_text,
 )
 from lorakit.records.control_text import encode_prompt
@@ -538,6 +539,7 @@ class ChatGenerator:
         self.context_tokens = context_tokens
         self.turn_end = template_turn_end(tokenizer, template, self.template_kwargs) if template else ""
         self.eos_ids = self.eos_token_ids()
+        self.specials = special_token_texts(tokenizer)  # what a message's text may not turn into (control_text)
         # Padding is masked out by the attention mask, so any id serves; EOS when there is no pad.
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
@@ -563,7 +565,7 @@ class ChatGenerator:
     def encode_chat(self, messages: list[Message]) -> list[int]:
         # The template writes BOS itself where the tokenizer uses one: nothing added around it, and a special
         # token's text in a message is text (records.control_text), exactly as training tokenized the conversation.
-        return encode_prompt(self.tokenizer, lambda marked, _: self.render(marked), messages)
+        return encode_prompt(self.tokenizer, self.specials, lambda marked, _: self.render(marked), messages)
 
     def encode_text(self, prompt: str) -> list[int]:
         """A plain-text prompt, with the tokenizer's BOS convention as in pretraining."""
@@ -626,3 +628,16 @@ class ChatGenerator:
         else:  # cancelled
             finish_reason = "stop"
         return Completion(text, finish_reason, prompt_tokens, len(generated))
+
+
+def load_generator(model_args: InferenceModelArguments, trust_remote_code: bool) -> ChatGenerator:
+    """What chat and the server serve: the tokenizer and its chat template checked first (a bad one is refused
+    before any weight is read), then the model, within --max_context_tokens."""
+    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model, trust_remote_code=trust_remote_code,
+                                    tokenizer_path=model_args.tokenizer_path)
+    template = chat_template_of(tokenizer, model_args.template)
+    model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model, model_args.load_in_kbits,
+                                          model_args.dtype, tokenizer, trust_remote_code=trust_remote_code,
+                                          tokenizer_path=model_args.tokenizer_path, device=model_args.device)
+    return ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
+                         template_kwargs_of(model_args))

@@ -69,12 +69,8 @@ from lorakit.serve.inference import (
     NonFiniteScores,
     SamplingSettings,
     TextDeltaStreamer,
-    chat_template_of,
-    context_limit,
-    inference_tokenizer,
-    load_for_inference,
+    load_generator,
     log_mapped_flags,
-    template_kwargs_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -873,16 +869,7 @@ def main() -> None:
                         level=logging.INFO, stream=sys.stderr, force=True)
     log_mapped_flags(model_args)
     api_key = api_key_of(server_args)
-    tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model,
-                                    trust_remote_code=server_args.trust_remote_code,
-                                    tokenizer_path=model_args.tokenizer_path)
-    template = chat_template_of(tokenizer, model_args.template)
-    model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model,
-                                          model_args.load_in_kbits, model_args.dtype, tokenizer,
-                                          trust_remote_code=server_args.trust_remote_code,
-                                          tokenizer_path=model_args.tokenizer_path, device=model_args.device)
-    generator = ChatGenerator(model, tokenizer, template, context_limit(model, model_args.max_context_tokens),
-                              template_kwargs_of(model_args))
+    generator = load_generator(model_args, server_args.trust_remote_code)
     name = server_args.model_name or os.path.basename(os.path.normpath(model_args.lora_model or model_args.base_model))
     service = CompletionService(generator, name, server_args.default_max_tokens, limits, server_args.max_tokens_limit)
     allowed_hosts = allowed_hosts_of(server_args.host, server_args.allowed_hosts)
