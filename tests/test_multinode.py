@@ -1,6 +1,6 @@
 """Two "nodes" on one machine: two torchrun launchers (--nnodes 2, one process each, gloo) rendezvousing on
 127.0.0.1, as users launch a job on two machines. Each node has its own data cache (node-local disk); the
-output directory is shared, as the README's multi-node section requires."""
+output directory is shared, as docs/nodes-and-memory.md (several nodes) requires."""
 
 import json
 import os

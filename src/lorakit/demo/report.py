@@ -39,7 +39,7 @@ def render_report(results: list[dict[str, Any]], quick: bool, failed: str | None
 
 
 def render_summary(by_stage: dict[str, Figures]) -> list[str]:
-    """One row per measured figure: the table the README copies."""
+    """One row per measured figure: the table docs/demo.md copies."""
     rows = []
     vocab = by_stage.get("vocabulary extension")
     if vocab:

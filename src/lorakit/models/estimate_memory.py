@@ -5,7 +5,7 @@ DeepSpeed's own estimators, for the user's model and GPU count; reads only confi
     python scripts/training/estimate_memory.py --model_name_or_path /models/llama-2-13b-hf \
         --num_gpus 8 --lora_rank 64 --modules_to_save embed_tokens,lm_head --load_in_kbits 16
     python scripts/training/estimate_memory.py --model_shape llama2-70b --load_in_kbits 4
-    python scripts/training/estimate_memory.py --fit_table     # the README's table
+    python scripts/training/estimate_memory.py --fit_table     # the table in docs/nodes-and-memory.md
 
 The model is built on the meta device (no weights, no memory) and the LoRA attached by the
 training scripts' own attach_lora (models.adapters), so the trainable count is exactly the one training logs.
@@ -128,9 +128,9 @@ class EstimateArguments:
     max_seq_length: int = field(default=1024, metadata={"help": "Tokens per sequence (--block_size in pt)."})
     fit_table: bool = field(
         default=False,
-        metadata={"help": "Print the README's markdown table instead: every --model_shape, LoRA in bf16 and "
-                          "QLoRA 4-bit, the fewest GPUs and shipped config that fit 24/40/80 GB cards "
-                          "(--num_gpus and --num_nodes are not used)."})
+        metadata={"help": "Print the markdown table of docs/nodes-and-memory.md instead: every --model_shape, "
+                          "LoRA in bf16 and QLoRA 4-bit, the fewest GPUs and shipped config that fit 24/40/80 GB "
+                          "cards (--num_gpus and --num_nodes are not used)."})
 
 
 @dataclass
@@ -462,7 +462,7 @@ def fit_cell(counts: ParameterCounts, config: "PreTrainedConfig", args: Estimate
 
 
 def fit_table_lines(args: EstimateArguments) -> list[str]:
-    """The README's markdown table: every public shape, LoRA on a 16-bit base and QLoRA 4-bit."""
+    """The markdown table of docs/nodes-and-memory.md: every public shape, LoRA on a 16-bit base and QLoRA 4-bit."""
     cards = " | ".join(f"{card} GB cards" for card in CARDS_GIB)
     lines = [f"| Model | Method | Trainable | Frozen base | {cards} |", "|---|---|---|---|" + "---|" * len(CARDS_GIB)]
     for shape in PUBLIC_SHAPES:
