@@ -146,7 +146,7 @@ def value_of(parsed: tuple, name: str):
 
 
 def ds_config(name: str) -> str:
-    return os.path.join(REPO, "ds_configs", name)
+    return os.path.realpath(os.path.join(REPO, "ds_configs", name))  # the package's file, which ds_configs/ links to
 
 
 DEEPSPEED_CHAT_MAPPED = [

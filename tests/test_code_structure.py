@@ -5,11 +5,16 @@ the import path anywhere, and no function longer than a screen."""
 import ast
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.commands import script_env
+from helpers.corpora import generated_corpus, write_lines
+from helpers.pipeline_runs import write_config
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "src" / "lorakit"
@@ -76,8 +81,13 @@ def upward_imports(package_root: Path) -> list:
     return wrong
 
 
+# Directories of the package that hold data, not code (lorakit.core.package_data).
+DATA_DIRECTORIES = {"ds_configs", "__pycache__"}
+
+
 def test_every_package_directory_is_a_known_layer():
-    directories = {path.name for path in PACKAGE.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    directories = {path.name for path in PACKAGE.iterdir() if path.is_dir() and path.name not in DATA_DIRECTORIES}
+    assert not list((PACKAGE / "ds_configs").glob("*.py"))
     assert directories == set(STACK) | set(APART), sorted(directories)
 
 
@@ -171,6 +181,51 @@ def test_console_script_lists_and_runs_the_commands():
     assert unknown.returncode == 2 and unknown.stderr.startswith("error: lorakit has no command 'sfft'")
     merge_help = run_python("-m", "lorakit", "merge", "--help")
     assert merge_help.returncode == 0 and "--lora_model" in merge_help.stdout, merge_help.stderr[-2000:]
+
+
+# What a plain (not editable) install of the package reads from the package alone: its configs and its commands.
+INSTALLED_CHECK = """
+import os, lorakit
+from lorakit.core.cli import parse_args
+from lorakit.core.package_data import DS_CONFIGS
+from lorakit.models.arguments import ModelArguments
+from lorakit.trainers.sft import SFTArguments, SFTDataArguments
+argv = ["--model_name_or_path", "m", "--output_dir", "o", "--use_cpu", "--zero_stage", "3", "--offload"]
+*_, training = parse_args((ModelArguments, SFTDataArguments, SFTArguments), argv)
+print(lorakit.__file__, DS_CONFIGS, training.deepspeed, *sorted(os.listdir(DS_CONFIGS)))
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_install_runs_outside_the_repository(tmp_path, tiny_model_dir):
+    """`pip install .` (not editable) into a folder, run from a directory with no repository around it: the
+    package's DeepSpeed configs come from the package, and the pipeline runs its stage as `python -m lorakit`
+    (there is no scripts/ folder to run)."""
+    source, site, elsewhere = tmp_path / "source", tmp_path / "site", tmp_path / "elsewhere"
+    shutil.copytree(PACKAGE.parent, source / "src")  # with the repository's build inputs, nothing else
+    for name in ("pyproject.toml", "requirements.txt", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              "--no-index", "--target", str(site), str(source)], capture_output=True, text=True)
+    assert install.returncode == 0, install.stderr[-2000:]
+    elsewhere.mkdir()
+    env = {**script_env(), "PYTHONPATH": str(site)}
+    checked = subprocess.run([sys.executable, "-c", INSTALLED_CHECK], cwd=elsewhere, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    package, configs, chosen, *shipped = checked.stdout.split()
+    assert package.startswith(str(site)) and configs == str(site / "lorakit" / "ds_configs")
+    assert chosen == os.path.join(configs, "ds_zero3_offload.json")
+    assert shipped == sorted(os.listdir(REPO / "ds_configs"))
+
+    corpus = write_lines(elsewhere / "corpus.txt", generated_corpus(1500, seed=3))
+    config = {"base_model": tiny_model_dir, "output_dir": "out", "deployment": {"mode": "single_node"},
+              "stages": [{"stage": "vocabulary", "train_corpus": corpus, "vocab_size": 400, "num_threads": 1}]}
+    ran = subprocess.run([sys.executable, "-m", "lorakit", "pipeline", write_config(elsewhere / "p.yaml", config)],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "-m lorakit merge-tokenizers" in ran.stdout
+    assert (elsewhere / "out" / "vocabulary" / "tokenizer_config.json").is_file()
 
 
 def loaded_modules(*imports: str) -> set:

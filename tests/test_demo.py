@@ -150,3 +150,13 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
             assert (DID_NOT[stage] in markdown) == (not improved), stage
     plot = out / "loss.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_the_demo_outside_the_repository_root_says_where_to_run_it(tmp_path):
+    """Its config and the paths it names are relative to the repository's root: elsewhere, one line and exit 2,
+    nothing written."""
+    result = subprocess.run([sys.executable, DEMO, "--quick"], cwd=tmp_path, capture_output=True, text=True)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "configs/pipeline/demo.yaml is not in" in lines[0] and "the demo runs in the repository's root" in lines[0]
+    assert os.listdir(tmp_path) == []

@@ -260,11 +260,16 @@ def test_the_shipped_example_configs_parse_and_dry_run_into_the_expected_command
     assert_ok(result)
     commands = [line for line in result.stdout.splitlines() if line.startswith("pipeline: $ ")]
     assert len(commands) == len(config["stages"]) and set(actions(result).values()) == {"run"}
-    training = [command for command in commands if "launch.py" in command]
+    training = [command for command in commands if "-m lorakit launch" in command]
     assert training and all(expected in command for command in training
                             for expected in EXPECTED_EXAMPLE_COMMANDS[name])
     for written in (".pipeline", "logs"):  # a dry run writes nothing
         assert not os.path.exists(os.path.join(config["output_dir"], written))
+
+
+def command_name(words: list) -> str:
+    """The toolkit command a stage's command line runs: the word after its last `-m lorakit`."""
+    return words[max(i for i, word in enumerate(words) if word == "lorakit") + 1]
 
 
 def test_dpo_stage_folds_the_sft_adapter_and_leaves_both_adapters_to_the_merge(chain_data, tiny_model_dir, tmp_path):
@@ -286,8 +291,7 @@ def test_dpo_stage_folds_the_sft_adapter_and_leaves_both_adapters_to_the_merge(c
     flags = [{word: command[i + 1] for i, word in enumerate(command[:-1]) if word.startswith("--")}
              for command in commands]
     sft_adapter, dpo_adapter = str(out / "sft" / "sft_lora_model"), str(out / "dpo" / "dpo_lora_model")
-    assert [os.path.basename(next(w for w in c if w.endswith(".py") and "launch" not in w)) for c in commands] == [
-        "run_sft_with_peft.py", "run_dpo.py", "merge_llama_with_lora.py", "chat.py"]
+    assert [command_name(c) for c in commands] == ["sft", "dpo", "merge", "chat"]
     assert flags[1]["--model_name_or_path"] == tiny_model_dir and flags[1]["--peft_path"] == sft_adapter
     assert flags[1]["--output_dir"] == str(out / "dpo") and flags[1]["--loss_type"] == "ipo"
     assert "--use_cpu" in commands[1] and "--nproc_per_node" in commands[1]

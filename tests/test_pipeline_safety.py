@@ -286,7 +286,8 @@ def test_sigterm_to_the_launcher_ends_the_stage_and_its_processes(tiny_model_dir
 
 
 def sft_worker(pids) -> bool:
-    return any("run_sft_with_peft.py" in command_line(pid) and "launch.py" not in command_line(pid) for pid in pids)
+    # a worker runs `python -u -m lorakit sft ...`; its launcher `python -m lorakit launch ... -m lorakit sft ...`
+    return any("lorakit sft" in command_line(pid) and "lorakit launch" not in command_line(pid) for pid in pids)
 
 
 def command_line(pid) -> str:

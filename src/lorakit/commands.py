@@ -40,6 +40,17 @@ COMMANDS = {
 }
 
 
+# How a process runs a toolkit command: `python -m lorakit NAME ARGS...` (the console script's code, lorakit.__main__),
+# the same code as the command's script, and found wherever the package is installed: a plain `pip install .` has
+# no scripts/ folder. Also what torchrun's workers run (`torchrun ... -m lorakit NAME ARGS...`).
+RUN_AS_MODULE = ["-m", "lorakit"]
+
+
+def command_line(python: str, name: str) -> list[str]:
+    """The process command line that runs command NAME with the interpreter PYTHON (its arguments to follow)."""
+    return [python, *RUN_AS_MODULE, name]
+
+
 def module_of_script(script: str) -> str:
     """The package module behind an entry script, named by its path or file name."""
     name = os.path.basename(script)

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lorakit.core.cli import ArgumentParser, run_cli
-from lorakit.core.repository import ROOT
+from lorakit.commands import command_line
+from lorakit.core.cli import ArgumentParser, InputError, run_cli
 from lorakit.demo.exact_match import exact_match, generate_answers, render_prompts
 from lorakit.demo.heldout_eval import heldout_nll
 from lorakit.demo.prepare_default import CORPUS_FILE, prepare_model, sentiment_reviews, write_pretraining_corpus
@@ -51,9 +51,9 @@ from lorakit.pipeline.stages import PlannedStage, plan_stages
 if TYPE_CHECKING:  # the models load lazily, inside the stages that score them
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-REPO = Path(ROOT)  # the demo runs the repository's own scripts and configs
-PIPELINE = REPO / "scripts" / "run_pipeline.py"
-DEMO_CONFIG = REPO / "configs" / "pipeline" / "demo.yaml"
+# The demo runs in the repository's root (`make demo`): its config and the paths the config names (.cache/demo,
+# outputs/demo) are relative to it.
+DEMO_CONFIG = Path("configs") / "pipeline" / "demo.yaml"
 
 logger = logging.getLogger("demo")
 
@@ -336,7 +336,7 @@ def ppo_second_seed(demo: Demo) -> Figures:
     shutil.rmtree(out, ignore_errors=True)  # this run's own output: a rerun of the demo trains it again
     command = with_flag(planned.command, "output_dir", str(out)) + ["--seed", str(PPO_SECOND_SEED)]
     logger.info("running: %s", shlex.join(command))
-    if subprocess.run(command, cwd=REPO).returncode != 0:
+    if subprocess.run(command).returncode != 0:
         raise StageError(f"PPO with --seed {PPO_SECOND_SEED} failed")
     return {"seed": PPO_SECOND_SEED, "kl_last": last_logged(log_history(out), "kl"),
             **heldout_reward(demo, out / "ppo_lora_model")}
@@ -361,7 +361,7 @@ def dpo(demo: Demo) -> Figures:
     out = Path(planned.out_dir)
     shutil.rmtree(out, ignore_errors=True)  # this run's own output: a rerun of the demo trains it again
     logger.info("running: %s", shlex.join(planned.command))
-    if subprocess.run(planned.command, cwd=REPO).returncode != 0:
+    if subprocess.run(planned.command).returncode != 0:
         raise StageError("the DPO stage failed")
     flags, results = planned.config.flags, read_stage_result(out / "eval_results.json")
     logger.info("DPO: held-out implicit-reward accuracy 0.5 -> %.3f on %d pairs", results["eval_rewards/accuracies"],
@@ -594,11 +594,11 @@ def reward_scorer(demo: Demo) -> RewardScorer:
 def run_pipeline(demo: Demo) -> None:
     """Run demo.yaml through the pipeline launcher, as a user would (its output, progress bars
     included, streamed); stages that completed with the same config are skipped."""
-    command = [sys.executable, str(PIPELINE), str(DEMO_CONFIG), *demo.overrides()]
+    command = [*command_line(sys.executable, "pipeline"), str(DEMO_CONFIG), *demo.overrides()]
     logger.info("running: %s", shlex.join(command))
-    result = subprocess.run(command, cwd=REPO)
+    result = subprocess.run(command)
     if result.returncode != 0:
-        raise StageError(f"run_pipeline.py exited with status {result.returncode}")
+        raise StageError(f"the pipeline (scripts/run_pipeline.py) exited with status {result.returncode}")
 
 
 def read_stage_result(path: Path) -> dict[str, Any]:
@@ -641,9 +641,9 @@ def loss_summary(output_dir: Path) -> dict[str, float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache_dir", type=Path, default=REPO / ".cache" / "demo",
+    parser.add_argument("--cache_dir", type=Path, default=Path.cwd() / ".cache" / "demo",
                         help="model, corpus and tokenized data, reused between runs")
-    parser.add_argument("--output_dir", type=Path, default=REPO / "outputs" / "demo",
+    parser.add_argument("--output_dir", type=Path, default=Path.cwd() / "outputs" / "demo",
                         help="adapters, checkpoints, report.md and loss.png")
     parser.add_argument("--quick", action="store_true", help="the same stages with tiny settings")
     return parser.parse_args(argv)
@@ -678,6 +678,9 @@ def run_stages(demo: Demo) -> StageResults:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not DEMO_CONFIG.is_file():
+        raise InputError(f"{DEMO_CONFIG} is not in {Path.cwd()}: the demo runs in the repository's root "
+                         "(`make demo` there)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     plan = QUICK if args.quick else FULL
     demo = Demo(plan=plan, cache_dir=args.cache_dir.resolve(), output_dir=args.output_dir.resolve())

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from lorakit.core.cli import InputError, parse_args, read_json, run_cli
-from lorakit.core.repository import DS_CONFIGS
+from lorakit.core.package_data import DS_CONFIGS
 from lorakit.models.chunked_loss import positions_per_chunk
 
 if TYPE_CHECKING:  # transformers, peft and bitsandbytes load only inside the functions that build the model

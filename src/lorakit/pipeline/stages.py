@@ -1,5 +1,6 @@
 """What each stage of the pipeline runs, and how stages chain: every stage's command is the
-stage's own script with the flags a user would type, the inputs filled in from what earlier
+stage's own command (`python -m lorakit sft ...`, the code of scripts/training/run_sft_with_peft.py) with the
+flags a user would type, the inputs filled in from what earlier
 stages produced (vocabulary -> tokenizer, pretraining/SFT/PPO -> an adapter on the current
 model, DPO -> its adapter after the one it started from, merge -> a new current model, reward ->
 the reward adapter PPO scores with).
@@ -20,13 +21,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from lorakit.commands import COMMANDS
+from lorakit.commands import COMMANDS, RUN_AS_MODULE, command_line
 from lorakit.core.cli import InputError
-from lorakit.core.repository import script_path
 from lorakit.pipeline.config import Deployment, PipelineConfig, StageConfig
-
-# The stages run the repository's entry scripts: the commands a user types.
-LAUNCHER = script_path(COMMANDS["launch"].script)
 
 
 @dataclass(frozen=True)
@@ -118,8 +115,7 @@ def plan_stages(config: PipelineConfig, python: str) -> list[PlannedStage]:
             flags["deepspeed"] = config.deployment.deepspeed
         upstream_hash = digest({"kind": stage.kind, "flags": stage.flags, "turns": stage.turns,
                                 "upstream": upstream_hash})
-        command = [python, *launcher_arguments(config.deployment)] if script.distributed else [python]
-        command += [script_path(script.path), *argv_of(flags, hf_parser(stage.kind))]
+        command = stage_program(python, script, config.deployment) + argv_of(flags, hf_parser(stage.kind))
         stdin = "".join(turn + "\n" for turn in stage.turns) + "/quit\n" if stage.kind == "chat" else None
         planned.append(PlannedStage(stage, out_dir, command, upstream_hash, script.distributed, stdin,
                                     product_dirs_of(stage, out_dir), paths_named(stage.flags)))
@@ -178,9 +174,17 @@ def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def stage_program(python: str, script: Script, deployment: Deployment) -> list[str]:
+    """The command line up to the stage's flags: the stage's command, under the launcher (torchrun keeping exit 2)
+    with the deployment's processes when it is distributed."""
+    if not script.distributed:
+        return command_line(python, script.command)
+    return [*command_line(python, "launch"), *launcher_arguments(deployment), *RUN_AS_MODULE, script.command]
+
+
 def launcher_arguments(deployment: Deployment) -> list[str]:
-    """torchrun's options for the deployment, through our launch.py (torchrun keeping exit 2)."""
-    arguments = [LAUNCHER, "--nproc_per_node", str(deployment.nproc_per_node)]
+    """torchrun's options for the deployment."""
+    arguments = ["--nproc_per_node", str(deployment.nproc_per_node)]
     if deployment.mode == "multi_node":
         return arguments + ["--nnodes", str(deployment.nnodes), "--node_rank", str(deployment.node_rank),
                             "--master_addr", deployment.master_addr, "--master_port", str(deployment.master_port)]

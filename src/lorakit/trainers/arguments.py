@@ -9,7 +9,7 @@ import torch
 from transformers import TrainingArguments
 
 from lorakit.core.cli import InputError
-from lorakit.core.repository import DS_CONFIGS
+from lorakit.core.package_data import DS_CONFIGS
 from lorakit.data.build_dataset import ConversationDataArguments
 from lorakit.models.arguments import FlagTable, MappedFlag, ModelArguments, map_flags, note_accepted_flags
 
@@ -156,7 +156,7 @@ def map_zero_stage(args: ToolkitTrainingArguments) -> None:
             raise InputError(f"{given}: ds_configs/ ships no DeepSpeed config for it (ZeRO-2 without offload, ZeRO-3 "
                              "with or without); write one and pass it with --deepspeed")
         config = os.path.join(DS_CONFIGS, name)
-        if args.deepspeed and os.path.abspath(args.deepspeed) != config:
+        if args.deepspeed and os.path.realpath(args.deepspeed) != os.path.realpath(config):
             raise InputError(f"{given} and --deepspeed {args.deepspeed} both given: {given} means --deepspeed "
                              f"{config}; give only one")
         args.deepspeed = config

@@ -27,10 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import EvalPrediction, PreTrainedConfig, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
-from lorakit.commands import COMMANDS
+from lorakit.commands import command_line
 from lorakit.core.cli import InputError, ReportedError, in_process_group, leave_process_group, run_cli
 from lorakit.core.model_files import checkpoint_shapes
-from lorakit.core.repository import script_path
 from lorakit.data.build_dataset import (
     DataCollatorForPreferencePairs,
     build_preference_dataset,
@@ -51,9 +50,6 @@ if TYPE_CHECKING:
     from lorakit.trainers.dpo import DPOArguments
 
 logger = logging.getLogger(__name__)
-
-MERGE_TOOL = script_path(COMMANDS["merge"].script)
-
 
 @dataclass
 class RewardDataArguments(DeepSpeedChatDataArguments):
@@ -164,8 +160,8 @@ def save_merged(model_args: ModelArguments, training_args: RewardArguments) -> N
     if os.path.isdir(target):
         logger.info("removing %s: merged from an earlier run's adapter", target)
         shutil.rmtree(target)
-    command = [sys.executable, MERGE_TOOL, "--base_model", model_args.model_name_or_path, "--lora_model", adapter,
-               "--output_dir", target]
+    command = [*command_line(sys.executable, "merge"), "--base_model", model_args.model_name_or_path,
+               "--lora_model", adapter, "--output_dir", target]
     logger.info("merging in a separate process: %s", shlex.join(command))
     # Not a rank: its refusal goes to stderr, where it is read here, not to a launcher's per-rank error file.
     env = {name: value for name, value in os.environ.items() if name != "TORCHELASTIC_ERROR_FILE"}
