@@ -1,6 +1,6 @@
 """The README and docs/: a README a newcomer finishes (at most 300 lines), every relative link resolving to a file
-and, where it names one, to a heading of that file; every scripts/ path they name existing; every docs page
-reachable from the README or the docs index. Reads files only: fast, no subprocess."""
+and, where it names one, to a heading of that file; every scripts/, tests/ and benchmarks/ file they name
+existing; every docs page reachable from the README or the docs index. Reads files only: fast, no subprocess."""
 
 import re
 from pathlib import Path
@@ -16,7 +16,9 @@ MAX_README_LINES = 300
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
-SCRIPT_PATH = re.compile(r"(?<![\w/.-])scripts/[\w/.-]*?\.(?:py|sh)\b")
+# A file of the repository's code that a page names: a script, a test (the tests mirror the package's folders, so
+# a move shows here) or a benchmark.
+CODE_PATH = re.compile(r"(?<![\w/.-])(?:scripts|tests|benchmarks)/[\w/.-]*?\.(?:py|sh)\b")
 
 
 def page_id(path: Path) -> str:
@@ -72,10 +74,10 @@ def test_every_relative_link_resolves_to_a_file_and_a_heading(path):
 
 
 @pytest.mark.parametrize("path", PAGES, ids=page_id)
-def test_every_script_named_exists(path):
-    named = set(SCRIPT_PATH.findall(path.read_text(encoding="utf-8")))
+def test_every_script_test_and_benchmark_named_exists(path):
+    named = set(CODE_PATH.findall(path.read_text(encoding="utf-8")))
     missing = sorted(p for p in named if not (REPO / p).is_file())
-    assert not missing, f"{page_id(path)} names scripts that do not exist: {missing}"
+    assert not missing, f"{page_id(path)} names files that do not exist: {missing}"
 
 
 def test_every_docs_page_is_linked_from_the_readme_or_the_index():
@@ -95,6 +97,8 @@ def test_the_checks_themselves_see_links_anchors_and_scripts():
     assert slug("PPO's memory at a large vocabulary") == "ppos-memory-at-a-large-vocabulary"
     assert "docs/pipeline.md" in relative_links(README)
     assert "supported-models" in anchors(README)
-    sample = "run `python scripts/training/run_ppo.py` or scripts/training/run_pt.sh; not `[B, T](x)`"
-    assert SCRIPT_PATH.findall(sample) == ["scripts/training/run_ppo.py", "scripts/training/run_pt.sh"]
+    sample = ("run `python scripts/training/run_ppo.py` or scripts/training/run_pt.sh; not `[B, T](x)`; "
+              "`tests/rl/test_ppo.py::test_x`, `benchmarks/bench_sft.py` (a link, ../tests/x.py, is checked above)")
+    assert CODE_PATH.findall(sample) == ["scripts/training/run_ppo.py", "scripts/training/run_pt.sh",
+                                           "tests/rl/test_ppo.py", "benchmarks/bench_sft.py"]
     assert LINK.findall(prose(sample)) == []

@@ -32,3 +32,22 @@ def write_lines(path, lines) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
+
+
+# A well-formed preference pair: the good line beside a bad one in the refusal tests of the reward and DPO stages.
+GOOD_PAIR = {"prompt": "写一条好评", "chosen": "很好 很好", "rejected": "不好"}
+
+
+def marker_pairs(count, seed):
+    """Chosen answers carry the marker word 好评; rejected ones do not: learnable from one token."""
+    rng = random.Random(seed)
+    words = ENGLISH + [w for w in CHINESE if w != "很好"]
+
+    def sentence():
+        return " ".join(rng.choice(words) for _ in range(rng.randint(4, 9)))
+
+    pairs = []
+    for _ in range(count):
+        answer, other = sentence(), sentence()
+        pairs.append({"prompt": sentence(), "chosen": f"{answer} 很好", "rejected": other})
+    return pairs

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server in this process, for the server tests (tests/test_server_limits.py,
-tests/test_server_safety.py):
+"""The OpenAI-compatible server in this process, for the server tests (tests/serve/test_server_limits.py,
+tests/serve/test_server_safety.py):
 
     launch(args)          main() with args as users start it, the server made, not run: (app, its config, the run)
     serving(app)          app served by uvicorn from a thread of this process: yields (port, the server's thread)

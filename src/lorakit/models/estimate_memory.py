@@ -88,7 +88,7 @@ BNB_4BIT_CODE_BYTES = 16 * FP32_BYTES
 
 # Activation bytes per token of one Llama decoder layer with all-linear LoRA (dropout on) in
 # 16-bit, as autograd keeps them for backward (counted with torch.autograd.graph.saved_tensors_hooks
-# on Llama layers of several shapes, sdpa attention; tests/test_estimate_memory.py re-measures it):
+# on Llama layers of several shapes, sdpa attention; tests/models/test_estimate_memory.py re-measures it):
 # 60 per hidden unit, 14 per MLP unit, 4 per key/value unit, 4 per head (fp32 logsumexp), 28 per
 # LoRA rank, 8 more.
 LAYER_BYTES_PER = {"hidden": 60, "intermediate": 14, "kv": 4, "heads": 4, "rank": 28, "fixed": 8}

@@ -62,7 +62,7 @@ def stored_tensors(model_dir) -> dict:
 
 def test_merged_reward_model_is_saved_in_the_base_dtype(bf16_model_dir, tokenizer, reward_adapter_dir, tmp_path):
     """The stage's merge (the streaming merge tool, in a child process; its scores are checked against base +
-    adapter in tests/test_reward.py) keeps a bfloat16 base's dtype, score head included."""
+    adapter in tests/trainers/test_reward.py) keeps a bfloat16 base's dtype, score head included."""
     from lorakit.trainers.reward import save_merged
 
     assert stored_dtypes(bf16_model_dir) == {"BF16"}

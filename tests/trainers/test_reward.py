@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from helpers.commands import REPO, TRAINING, assert_ok, check_refused, refuse, run_script
-from helpers.corpora import CHINESE, ENGLISH
+from helpers.corpora import CHINESE, ENGLISH, GOOD_PAIR, marker_pairs
 from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history
 from helpers.tiny_runs import tiny_sft_args
@@ -110,21 +110,6 @@ def test_shared_prefix_rows_give_the_scores_and_gradients_of_separate_rows(atten
     for name, grad in grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4)
     assert shared_tokens < 0.8 * tokens
-
-
-def marker_pairs(count, seed):
-    """Chosen answers carry the marker word 好评; rejected ones do not: learnable from one token."""
-    rng = random.Random(seed)
-    words = ENGLISH + [w for w in CHINESE if w != "很好"]
-
-    def sentence():
-        return " ".join(rng.choice(words) for _ in range(rng.randint(4, 9)))
-
-    pairs = []
-    for _ in range(count):
-        answer, other = sentence(), sentence()
-        pairs.append({"prompt": sentence(), "chosen": f"{answer} 很好", "rejected": other})
-    return pairs
 
 
 @pytest.fixture(scope="module")
@@ -319,9 +304,6 @@ def test_reward_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_l
 def test_reward_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(reward_resume):
     reward_resume.check_process_after_end_kill()
     reward_resume.check_bit_identical("rm_lora_model", run_name="ended")
-
-
-GOOD_PAIR = {"prompt": "写一条好评", "chosen": "很好 很好", "rejected": "不好"}
 
 
 @pytest.mark.parametrize("case,bad,expected", [

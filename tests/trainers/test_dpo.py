@@ -10,11 +10,11 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers.commands import REPO, TRAINING, assert_ok, check_refused, refuse, run_in_process, run_script
+from helpers.corpora import GOOD_PAIR, marker_pairs
 from helpers.kill_points import resume_proof
 from helpers.merge_tools import TOLERANCE
 from helpers.run_outputs import adapter_weights, log_history
 from helpers.tiny_runs import small_chunks_wrapper, tiny_sft_args
-from test_reward import GOOD_PAIR, marker_pairs
 
 DPO_SCRIPT = os.path.join(TRAINING, "run_dpo.py")
 MERGE_SCRIPT = os.path.join(REPO, "scripts", "merge", "merge_llama_with_lora.py")
