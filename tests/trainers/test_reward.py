@@ -238,7 +238,7 @@ def test_merged_reward_model_scores_as_base_plus_adapter_and_a_failed_merge_publ
         save_merged(ModelArguments(model_name_or_path=tiny_model_dir), stage_args)
     message = str(failure.value)  # the merge's own reason (its one line on stderr) and how to redo it
     assert re.search(rf"rm_merged_model: merging .* failed \(exit status 2: {re.escape(str(weights))}: ", message)
-    assert failure.value.exit_status == 1 and "merge_llama_with_lora.py --base_model" in message
+    assert failure.value.exit_status == 1 and "-m lorakit merge --base_model" in message
     assert sorted(os.listdir(out)) == ["rm_lora_model"]
 
 
