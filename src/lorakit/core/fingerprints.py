@@ -91,3 +91,50 @@ class FingerprintMemo:
             write_json_atomically(memo_path, memo, indent=None)
         except OSError as err:
             logger.info("file fingerprints not memoized in %s: %s", entry_dir, err)
+
+
+# ----------------------------------------------------------------------------- a model's or adapter's weights
+
+# The files of a model or adapter directory that hold weights: what its fingerprint reads (config and tokenizer
+# files are not weights; a run's identity records the config separately and its data keys cover the tokenizer).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# The memo entry (a directory under a memo root) where weight fingerprints are kept: a run's data cache holds one,
+# so that each node reads a base once (its own --data_cache_dir); the merge and the servers use a user-wide one.
+WEIGHTS_MEMO_ENTRY = "weight-fingerprints"
+
+
+def weight_files(directory: str) -> list[str]:
+    """The weight files directly in directory, by name."""
+    return sorted(name for name in os.listdir(directory)
+                  if name.endswith(WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(directory, name)))
+
+
+def weights_fingerprint(directory: str, memo: FingerprintMemo | None = None) -> str | None:
+    """One content hash of every weight file of a model or adapter directory (each file's blake2b, memoized by its
+    stat signature: read once, then stat-ed, until it changes), with its name; None for a directory holding none.
+    The same weights re-saved in another layout (shards, dtype, .bin vs .safetensors) hash differently."""
+    names = weight_files(directory)
+    if not names:
+        return None
+    fingerprint = memo or file_fingerprint
+    digest = hashlib.blake2b(digest_size=16)
+    for name in names:
+        digest.update(f"{name} {fingerprint(os.path.join(directory, name))}\n".encode())
+    return digest.hexdigest()
+
+
+def user_memo_root() -> str:
+    """Where the merge and the servers memoize weight fingerprints: $LORAKIT_FINGERPRINT_CACHE, else
+    ~/.cache/lorakit."""
+    return os.environ.get("LORAKIT_FINGERPRINT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lorakit")
+
+
+def save_weights_memo(memo: FingerprintMemo, root: str) -> None:
+    """memo's settled fingerprints into root's weights entry; a root that cannot be written keeps nothing."""
+    entry = os.path.join(root, WEIGHTS_MEMO_ENTRY)
+    try:
+        os.makedirs(entry, exist_ok=True)
+    except OSError as err:
+        logger.info("weight fingerprints not memoized in %s: %s", entry, err)
+        return
+    memo.save_into(entry)

@@ -13,6 +13,7 @@ import struct
 from typing import Any, NamedTuple
 
 from lorakit.core.cli import InputError, read_json
+from lorakit.core.fingerprints import FingerprintMemo, weights_fingerprint
 
 # What makes a directory a tokenizer: the vocabulary itself, in the fast (tokenizer.json),
 # SentencePiece (tokenizer.model) or GPT-2 byte-level BPE (vocab.json + merges.txt) form. A
@@ -293,3 +294,34 @@ def check_adapter_fits_base(adapter_dir: str, base_dir: str, flag: str) -> None:
         if problem:
             raise InputError(f"{weights}: the {flag} adapter does not fit the base {base_dir}: {problem} "
                              "(an adapter for another model?)")
+
+
+# ----------------------------------------------------------------------------- which base an adapter was trained on
+
+# Written beside every adapter the toolkit saves (trainers.checkpoints.save_adapter): the base it was trained on, by
+# path and by its weights' fingerprint (core.fingerprints.weights_fingerprint). Merge and serving compare it.
+BASE_RECORD = "lorakit_base.json"
+
+
+def check_adapter_base(adapter_dir: str, base_dir: str, flag: str, memo: FingerprintMemo | None = None,
+                       allow_other_base: bool = False) -> str | None:
+    """Refuse an adapter whose BASE_RECORD names other base weights than base_dir's (one line naming both);
+    return a warning line instead where that cannot be checked (an adapter made elsewhere records no base) or
+    where allow_other_base lets it pass; None when the weights are the recorded ones."""
+    record_path = os.path.join(adapter_dir, BASE_RECORD)
+    if not os.path.isdir(base_dir):
+        return None  # not a local directory: nothing to fingerprint
+    if not os.path.isfile(record_path):
+        return (f"{adapter_dir}: the {flag} adapter records no base (one made elsewhere: TRL, LLaMA-Factory, the "
+                f"hub?): not checked that it was trained on {base_dir}")
+    record = read_json(record_path, BASE_RECORD)
+    recorded = record.get("weights") if isinstance(record, dict) else None
+    current = weights_fingerprint(base_dir, memo)
+    if recorded is None or current is None or recorded == current:
+        return None
+    problem = (f"{adapter_dir}: the {flag} adapter was trained on {record.get('base_model_name_or_path')} (weights "
+               f"{recorded}), not on the base {base_dir} (weights {current}): another base of the same shape, or the "
+               "same weights re-saved in another layout (shards, dtype), which counts as different")
+    if allow_other_base:
+        return f"{problem}; --allow_other_base: used anyway"
+    raise InputError(f"{problem}; pass --allow_other_base to use it anyway")

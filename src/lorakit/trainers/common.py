@@ -19,9 +19,9 @@ from lorakit.models.arguments import ModelArguments
 from lorakit.models.loader import check_load_plan, check_model_inputs, load_model_config, load_tokenizer
 from lorakit.trainers.arguments import ToolkitTrainingArguments, map_half_weights_on_cpu
 from lorakit.trainers.checkpoints import (
+    identify_run,
     rank_zero_decides,
     resumable_checkpoint_data,
-    run_identity,
     start_writing,
 )
 
@@ -62,9 +62,12 @@ def setup_logging(training_args: TrainingArguments) -> None:
 def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> str | None:
     """Where training starts, read from this process's disk: an explicit --resume_from_checkpoint wins;
     otherwise the last complete checkpoint in output_dir (incomplete ones are skipped, each named in the log);
-    a non-empty output_dir without one is refused unless --overwrite_output_dir."""
+    a non-empty output_dir without one is refused unless --overwrite_output_dir. --resume_from_checkpoint false
+    never resumes: an output_dir that is not empty is refused unless --overwrite_output_dir."""
     output_dir = training_args.output_dir
     requested = training_args.resume_from_checkpoint
+    if requested and requested.lower() == "false":
+        return start_without_resuming(training_args)
     if requested and requested.lower() not in ("true", "false"):
         if not os.path.isfile(os.path.join(requested, "trainer_state.json")):
             raise InputError(f"{requested}: --resume_from_checkpoint is not a complete checkpoint "
@@ -95,6 +98,20 @@ def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> str | N
     )
 
 
+def start_without_resuming(training_args: ToolkitTrainingArguments) -> None:
+    """--resume_from_checkpoint false: a fresh start, into an empty output_dir or with --overwrite_output_dir."""
+    output_dir = training_args.output_dir
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir) or training_args.overwrite_output_dir:
+        if training_args.overwrite_output_dir and checkpoint_states(output_dir):
+            logger.info("--resume_from_checkpoint false --overwrite_output_dir: training from scratch (the checkpoints "
+                        "in %s are removed when training starts)", output_dir)
+        return None
+    held = [os.path.basename(path) for _, path, _ in checkpoint_states(output_dir)]
+    raise InputError(f"{output_dir}: --resume_from_checkpoint false, but --output_dir is not empty"
+                     + (f" (it holds {', '.join(held)})" if held else "")
+                     + "; pass --overwrite_output_dir to train afresh into it, or choose another directory")
+
+
 def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments, model_args: ModelArguments,
                               data_args: Any) -> str | None:
     """Decide, before anything is written, where training starts: rank 0 chooses (choose_resume_checkpoint) for
@@ -102,7 +119,7 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments, model_arg
     seed, shape-changing settings, processes) differs from this one, is refused on every rank. Begins this
     process's run record, against which the data read next is checked when resuming."""
     checkpoint = rank_zero_decides(lambda: choose_resume_checkpoint(training_args))
-    identity = run_identity(model_args, data_args, training_args)
+    identity = identify_run(model_args, data_args, training_args)
     checkpoint_data = resumable_checkpoint_data(checkpoint, identity) if checkpoint else None
     begin_run(identity, checkpoint, checkpoint_data)
     return checkpoint
