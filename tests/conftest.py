@@ -6,10 +6,18 @@ scripts, their exit contract), tiny_runs.py, corpora.py, run_outputs.py, merge_t
 the resume probes step_probe.py (installed by run_and_kill.py), kill_points.py and forked_runs.py."""
 
 import json
+import os
 
 import pytest
 
 from helpers.corpora import NEW_WORDS, generated_corpus, repetitive_corpus, write_lines
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fingerprint_memo_of_the_session(tmp_path_factory):
+    """Merge and serving memoize weight fingerprints user-wide (core.fingerprints.user_memo_root): the tests keep
+    theirs in the session's temporary directory (a subprocess inherits the variable)."""
+    os.environ.setdefault("LORAKIT_FINGERPRINT_CACHE", str(tmp_path_factory.mktemp("fingerprint_memo")))
 
 
 @pytest.fixture(scope="session")

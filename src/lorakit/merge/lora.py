@@ -52,7 +52,8 @@ import torch
 
 from lorakit.core.atomic import atomic_output_dir
 from lorakit.core.cli import ArgumentParser
-from lorakit.core.model_files import check_recorded_base
+from lorakit.core.fingerprints import FingerprintMemo, save_weights_memo, user_memo_root
+from lorakit.core.model_files import check_adapter_base, check_recorded_base
 from lorakit.merge.common import (
     InputError,
     check_output_dir,
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Compare the merged model's logits with base+adapters in peft (needs both models in RAM).")
     parser.add_argument("--verify_tolerance", type=float, default=1e-3,
                         help="Largest accepted logit difference against peft's merge (rounded to the written dtype).")
+    parser.add_argument("--allow_other_base", action="store_true",
+                        help="Merge an adapter whose recorded base (lorakit_base.json) has other weights than "
+                             "--base_model's (refused otherwise).")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="--verify: run the Python code the model directories ship (config.json auto_map) to "
                              "load them. The merge itself only copies that code; trust the directories first.")
@@ -933,6 +937,7 @@ def main(argv: list[str] | None = None) -> None:
         raise InputError(f"{args.base_model}: --verify loads the model with transformers, which needs the model's "
                          "own Python code (config.json auto_map): add --trust_remote_code if you trust that directory")
     adapters = [read_adapter(path) for path in adapter_paths]
+    check_adapter_bases(args.base_model, adapter_paths, args.allow_other_base)
     # Before any buffer exists: parsing a large tokenizer.json is the other transient peak.
     tokenizer_dir, tokenizer_names = choose_tokenizer(args.base_model, adapter_paths)
     tokens = tokenizer_size(tokenizer_dir) if tokenizer_names else None
@@ -957,6 +962,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"merged {len(adapters)} adapter(s) into {args.output_dir}: {len(layout)} file(s), "
           f"{total / 1e6:.1f} MB, vocab {plan.vocab_rows}, {merge_seconds:.1f}s, peak RSS {peak_mb:.0f} MiB",
           flush=True)
+
+
+def check_adapter_bases(base_model: str, adapter_paths: list[str], allow_other_base: bool) -> None:
+    """The first adapter must have been trained on --base_model's weights (core.model_files.check_adapter_base; its
+    fingerprint memoized user-wide, so a base is read once). A later adapter was trained on the merge of the earlier
+    ones into the base, which no file here holds: it is not checked."""
+    memo = FingerprintMemo(user_memo_root())
+    warning = check_adapter_base(adapter_paths[0], base_model, "--lora_model", memo, allow_other_base)
+    if warning:
+        logger.warning(warning)
+    save_weights_memo(memo, user_memo_root())
+    if len(adapter_paths) > 1:
+        logger.info("adapters after the first (%s) are not checked against a base: each was trained on the merge of "
+                    "the ones before it", ", ".join(adapter_paths[1:]))
 
 
 class CheckedArguments(NamedTuple):

@@ -25,7 +25,8 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from lorakit.core.cli import InputError, ReportedError
-from lorakit.core.model_files import check_adapter_fits_base, checkpoint_shapes, has_tokenizer
+from lorakit.core.fingerprints import FingerprintMemo, save_weights_memo, user_memo_root
+from lorakit.core.model_files import check_adapter_base, check_adapter_fits_base, checkpoint_shapes, has_tokenizer
 from lorakit.models.arguments import DTYPES, FlagTable, MappedFlag, ModelArguments, map_flags
 from lorakit.models.loader import load_model, load_model_config, load_tokenizer
 from lorakit.records.chat_templates import (
@@ -73,6 +74,11 @@ class InferenceModelArguments:
     tokenizer_path: str | None = field(
         default=None,
         metadata={"help": "Tokenizer directory; default: --lora_model's if it saved one, else --base_model's."},
+    )
+    allow_other_base: bool = field(
+        default=False,
+        metadata={"help": "Serve --lora_model although its recorded base (lorakit_base.json) has other weights than "
+                          "--base_model's (refused otherwise)."},
     )
     device: str | None = field(
         default=None, metadata={"help": "cpu, cuda or cuda:N; default: the first GPU if there is one, else the CPU."}
@@ -630,11 +636,25 @@ class ChatGenerator:
         return Completion(text, finish_reason, prompt_tokens, len(generated))
 
 
+def check_served_adapter(model_args: InferenceModelArguments) -> None:
+    """--lora_model must have been trained on --base_model's weights (core.model_files.check_adapter_base, the
+    fingerprint memoized user-wide: a base is read once); one made elsewhere records none: a warning."""
+    if not model_args.lora_model:
+        return
+    memo = FingerprintMemo(user_memo_root())
+    warning = check_adapter_base(model_args.lora_model, model_args.base_model, "--lora_model", memo,
+                                 model_args.allow_other_base)
+    if warning:
+        logger.warning(warning)
+    save_weights_memo(memo, user_memo_root())
+
+
 def load_generator(model_args: InferenceModelArguments, trust_remote_code: bool) -> ChatGenerator:
     """What chat and the server serve: the tokenizer and its chat template checked first (a bad one is refused
     before any weight is read), then the model, within --max_context_tokens."""
     tokenizer = inference_tokenizer(model_args.base_model, model_args.lora_model, trust_remote_code=trust_remote_code,
                                     tokenizer_path=model_args.tokenizer_path)
+    check_served_adapter(model_args)
     template = chat_template_of(tokenizer, model_args.template)
     model, tokenizer = load_for_inference(model_args.base_model, model_args.lora_model, model_args.load_in_kbits,
                                           model_args.dtype, tokenizer, trust_remote_code=trust_remote_code,
