@@ -7,6 +7,8 @@ another base; a checkpoint of the earlier marker format resumes with one line na
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +21,7 @@ from helpers.commands import (
     options_to_argv,
     run_in_process,
     run_script,
+    script_env,
 )
 from helpers.tiny_runs import tiny_pt_args
 
@@ -329,6 +332,36 @@ def test_a_checkpoint_of_the_earlier_format_resumes_with_one_line_naming_what_wa
     assert len(lines) == 1 and "--model_name_or_path weights" in lines[0] and "--deepspeed" in lines[0]
     assert f"resuming from {out / 'checkpoint-4'}" in result.stdout
     assert json.loads((out / "checkpoint-6" / MARKER).read_text())["identity_version"] == 2
+
+
+# The last commit before issue 29: its code writes the earlier marker format.
+BEFORE_ISSUE_29 = "9dfcade"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_by_the_code_before_issue_29_resumes_with_its_warning(tiny_model_dir, pretrain_dir,
+                                                                                  tmp_path):
+    """The real thing behind as_written_before_issue_29: the package of commit BEFORE_ISSUE_29 (from git) writes
+    the checkpoint, this code resumes it."""
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(f"git -C {REPO} archive {BEFORE_ISSUE_29} src | tar -x -C {old}", shell=True,
+                             capture_output=True, text=True)
+    if archive.returncode != 0:
+        pytest.skip(f"commit {BEFORE_ISSUE_29} is not in this clone: {archive.stderr.strip()}")
+    args = tiny_pt_args(tiny_model_dir, pretrain_dir, tmp_path / "out", tmp_path / "cache", **RUN)
+    written = subprocess.run([sys.executable, PT_SCRIPT, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                             env={**script_env(), "PYTHONPATH": str(old / "src")})
+    assert_ok(written)
+    marker = json.loads((tmp_path / "out" / "checkpoint-4" / MARKER).read_text())
+    assert "identity_version" not in marker and "hashes" not in marker
+    assert {f"--{flag}" for flag in FLAGS_BEFORE_ISSUE_29} >= {
+        name for name in marker["identity"] if not name.startswith("--model_name_or_path") and name != "processes"}
+    result = run_in_process(PT_SCRIPT, tiny_pt_args(tiny_model_dir, pretrain_dir, tmp_path / "out",
+                                                    tmp_path / "cache", **{**RUN, "max_steps": 6, "save_steps": 3}))
+    assert_ok(result)
+    lines = [line for line in result.stdout.splitlines() if "written by an earlier version of the toolkit" in line]
+    assert len(lines) == 1 and "--model_name_or_path weights" in lines[0]
 
 
 # ----------------------------------------------------------------------------- an adapter on another base
