@@ -74,7 +74,8 @@ def checkpoint_weight_names(model_dir: str) -> list[str]:
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Written last into checkpoint-N, once every rank's files and the adapter copy are on disk (trainers.checkpoints):
-# the run identity and every file of the checkpoint with its size. A checkpoint without it was cut short.
+# the run identity and every file of the checkpoint with its size (checked here) and content hash (checked by the
+# resume: trainers.checkpoints.content_problem). A checkpoint without it was cut short.
 COMPLETION_MARKER = "checkpoint_complete.json"
 
 

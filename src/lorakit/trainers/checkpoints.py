@@ -1,13 +1,17 @@
 """What makes a checkpoint resumable, for every stage: a completion marker (core.model_files.COMPLETION_MARKER) written
-last into checkpoint-N, once every rank's files and the adapter copy are on disk and synced, holding the identity
-of the run that wrote it and the size of each of its files; the choice of a checkpoint to resume from, made once
-(rank 0) for every rank; and the refusal of a checkpoint that another run wrote (model, data, seed or a
-shape-changing setting differ) or that some rank cannot read.
+last into checkpoint-N, once every rank's files and the adapter copy are on disk and synced and its trainable weights
+are found finite, holding the identity of the run that wrote it and the size and content hash of each of its files;
+the choice of a checkpoint to resume from, made once (rank 0) for every rank, its files' hashes verified once per
+node; and the refusal of a checkpoint that another run wrote (models, data, seed, a shape-, order-, optimizer-,
+precision- or objective-defining setting differ) or that some rank cannot read.
 
-A run's identity is its models (path and config file fingerprint), the settings in RUN_DEFINING_FLAGS, the number
-of processes, and its data: the names of the data cache entries it reads (data.cache.build_or_load_cached calls
-data.run_record.note_data with each, PPO with its prompts' fingerprint). A resumed run refuses an entry its
-checkpoint was not trained on before reading or building it, so a refusal leaves the cache as it was."""
+A run's identity is its models (path, config file fingerprint and weights fingerprint, the weights read once per node
+and then only stat-ed: core.fingerprints), the settings in RUN_DEFINING_FLAGS and OBJECTIVE_FLAGS, the DeepSpeed
+config's stage, offload and precision, the number of processes, and its data: the names of the data cache entries it
+reads (data.cache.build_or_load_cached calls data.run_record.note_data with each, PPO with its prompts' fingerprint).
+A resumed run refuses an entry its checkpoint was not trained on before reading or building it, so a refusal leaves
+the cache as it was. A marker of an earlier identity_version resumes with one line naming what it could not check.
+Every adapter saved records its base's weights fingerprint (core.model_files.BASE_RECORD) for merge and serving."""
 
 import hashlib
 import json
