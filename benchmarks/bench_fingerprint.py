@@ -10,7 +10,7 @@ repeated random block: hashing cost does not depend on the content) in a tempora
                run saved, and weights_fingerprint again: each shard is only stat-ed (its stat signature is in the
                memo). Target: under a second for 14 GB.
 
-The directory is removed at the end (also on failure). Run alone (`flock` on a shared machine):
+The directory is removed at the end (also on failure). Run alone (another CPU-heavy job distorts the first run):
 
     python benchmarks/bench_fingerprint.py --size_gb 14
 """

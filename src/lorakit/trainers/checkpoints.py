@@ -410,8 +410,6 @@ def save_pending_memo() -> None:
         save_weights_memo(memo, root)
 
 
-
-
 def start_writing(args: "ToolkitTrainingArguments", resume_checkpoint: str | None) -> None:
     """The last refusal (a resumed run reading less data than its checkpoint's), then --overwrite_output_dir's
     removal of the earlier run's checkpoints: only now, after every refusal, as training starts to write."""
