@@ -25,7 +25,7 @@ from helpers.commands import (
     run_in_process,
     script_env,
 )
-from helpers.run_outputs import adapter_weights
+from helpers.run_outputs import adapter_weights, snapshot
 from helpers.tiny_runs import tiny_pt_args
 
 PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
@@ -51,18 +51,6 @@ def straight(tiny_model_dir, pretrain_dir, tmp_path_factory):
 def copy_of_straight(straight, tmp_path):
     root, _ = straight
     return shutil.copytree(root / "straight", tmp_path / "out")
-
-
-def snapshot(*directories) -> dict:
-    """{path: (size, mtime)} of every file and directory below the directories: equal before and after a run
-    that wrote nothing."""
-    found = {}
-    for directory in directories:
-        for path, names, files in os.walk(directory):
-            for name in names + files:
-                stat = os.stat(os.path.join(path, name))
-                found[os.path.join(path, name)] = (stat.st_size, stat.st_mtime_ns)
-    return found
 
 
 class SimulatedCrash(Exception):

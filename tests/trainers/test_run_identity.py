@@ -23,6 +23,7 @@ from helpers.commands import (
     run_script,
     script_env,
 )
+from helpers.run_outputs import snapshot
 from helpers.tiny_runs import tiny_pt_args
 
 PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
@@ -50,17 +51,6 @@ def scale_weights(directory, factor: float = 1.01) -> None:
         if name.endswith(".safetensors"):
             path = os.path.join(directory, name)
             save_file({key: value * factor for key, value in load_file(path).items()}, path, metadata={"format": "pt"})
-
-
-def snapshot(*directories) -> dict:
-    """{path: (size, mtime)} of everything below the directories: equal before and after a run that wrote nothing."""
-    found = {}
-    for directory in directories:
-        for path, names, files in os.walk(directory):
-            for name in names + files:
-                stat = os.stat(os.path.join(path, name))
-                found[os.path.join(path, name)] = (stat.st_size, stat.st_mtime_ns)
-    return found
 
 
 def check_refused_writing_nothing(script, args, expected, *directories):
