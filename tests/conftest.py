@@ -20,6 +20,16 @@ def fingerprint_memo_of_the_session(tmp_path_factory):
     os.environ.setdefault("LORAKIT_FINGERPRINT_CACHE", str(tmp_path_factory.mktemp("fingerprint_memo")))
 
 
+@pytest.fixture(autouse=True)
+def no_run_recorded_yet():
+    """A process runs one training run (data.run_record.current_run); the tests run many in this process
+    (run_in_process) and call the data layer directly: each test starts with none recorded, so a run resumed by an
+    earlier test does not refuse this test's data."""
+    from lorakit.data import run_record
+
+    run_record.begin_run({})
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     import sentencepiece as spm

@@ -188,5 +188,6 @@ def test_prepare_data_only_builds_the_cache_a_launch_then_hits(tiny_model_dir, t
         trained = run_in_process(SFT_SCRIPT, tiny_sft_args(tiny_model_dir, out, cache, **options))
     assert_ok(trained)
     assert "supervised samples: cache hit" in trained.stdout and "packed rows: cache hit" in trained.stdout
-    assert reads == [] and sorted(os.listdir(cache)) == sorted(entries)
+    # no data entry built: only the memo of the base's weight fingerprints (the run identity's) is new
+    assert reads == [] and sorted(os.listdir(cache)) == sorted([*entries, fingerprints.WEIGHTS_MEMO_ENTRY])
     assert os.path.isdir(out / "sft_lora_model")
