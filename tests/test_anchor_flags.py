@@ -183,7 +183,7 @@ DEEPSPEED_CHAT_MAPPED = [
      {"deepspeed": ds_config("ds_zero3_offload.json")}, "--critic_zero_stage 3 -> --zero_stage 3"),
     ("ppo", ["--actor_lora_dim", "64", "--critic_lora_dim", "64"], {"lora_rank": 64},
      "--actor_lora_dim 64 -> --lora_rank 64"),
-    ("ppo", ["--enable_hybrid_engine"], {}, "--enable_hybrid_engine accepted"),
+    ("ppo", ["--enable_hybrid_engine"], {}, "--enable_hybrid_engine -> rollouts decode"),
     ("ppo", ["--num_padding_at_beginning", "1", "--only_optimize_lora"], {}, "--num_padding_at_beginning 1 accepted"),
     ("ppo", ["--model_name_or_path", "a", "--per_device_train_batch_size", "4", "--learning_rate", "1e-5"],
      {"per_device_training_batch_size": 4, "actor_learning_rate": 1e-5},

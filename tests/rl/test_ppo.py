@@ -135,14 +135,15 @@ def test_held_out_reward_rises_while_kl_stays_bounded(tiny_model_dir, reward_ada
 
 @pytest.fixture(scope="module")
 def short_runs(tiny_model_dir, reward_adapter, prompt_file, pretrain_dir, tmp_path_factory):
-    """Two iterations in each placement, and the shared one again with ptx mixing and with
-    gradient checkpointing."""
+    """Two iterations in each placement, and the shared one again with ptx mixing, with
+    gradient checkpointing, and with the hybrid engine (merged decode) and the sampler correction."""
     root = tmp_path_factory.mktemp("ppo_short")
     runs = {
         "shared": {"shared_base": "true"},
         "separate": {"shared_base": "false"},
         "ptx": {"unsupervised_dataset_dir": pretrain_dir, "unsup_coef": 0.5, "data_cache_dir": root / "cache"},
         "checkpointed": {"gradient_checkpointing": True},
+        "hybrid": {"enable_hybrid_engine": True, "sampler_correction": True},
     }
     for name, extra in runs.items():
         result = run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, root / name, **extra),
@@ -161,6 +162,22 @@ def test_shared_base_and_separate_models_give_the_same_iterations(short_runs):
     assert_same_steps(shared, separate, tolerance=1e-4)
     # Both write the actor adapter in the same layout, trained alike.
     assert max_difference(short_runs["shared"] / "ppo_lora_model", short_runs["separate"] / "ppo_lora_model") < 1e-5
+
+
+@pytest.mark.slow
+def test_each_iterations_first_update_starts_at_ratio_one_and_the_sampler_gap_is_logged(short_runs):
+    """One optimizer step per iteration (8 rows, one micro-batch, one epoch): each step is its iteration's first
+    update, whose old log-probs came from the training forward, so its ratio is 1 (approx_kl, the mean of
+    0.5 log^2 ratio, is below 1e-13: |log ratio| <~ 1e-6 per token; nothing clipped), whichever engine sampled.
+    The merged decode samples what the unmerged one does; the correction's weights are ~1 in fp32."""
+    for name in ("shared", "separate", "hybrid"):
+        for entry in step_logs(short_runs[name]):
+            assert entry["approx_kl"] < 1e-13 and entry["policy_clipfrac"] == 0, (name, entry)
+            assert entry["sampler_gap/logprob_abs"] < 1e-5 and 0 <= entry["sampler_gap/kl"] < 1e-9, (name, entry)
+    hybrid = step_logs(short_runs["hybrid"])
+    assert all(abs(e["sampler_correction/weight_mean"] - 1) < 1e-5 for e in hybrid), hybrid
+    assert "sampler_correction/weight_mean" not in step_logs(short_runs["shared"])[0]
+    assert_same_steps(step_logs(short_runs["shared"]), hybrid, tolerance=1e-4)
 
 
 @pytest.mark.slow
@@ -240,7 +257,9 @@ def test_zero3_generation_gathers_the_actor_once_per_batch_and_samples_what_per_
         assert batch["same_tokens"] and batch["logprob_diff"] <= 1e-5 and batch["entropy_diff"] <= 1e-5, batch
 
 
-RESUMED = {"max_steps": 4, "save_strategy": "steps", "save_steps": 1, "enable_ema": True, "ema_beta": 0.5,
+# The hybrid engine (merged decode) on: its restore by copy keeps the resumed run bit-identical.
+RESUMED = {"enable_hybrid_engine": True, "max_steps": 4, "save_strategy": "steps", "save_steps": 1, "enable_ema": True,
+           "ema_beta": 0.5,
            "target_kl": 0.01, "kl_horizon": 100, "per_device_generation_batch_size": 4, "generation_batches": 2,
            "per_device_training_batch_size": 4, "gradient_accumulation_steps": 2}
 
@@ -528,6 +547,8 @@ def test_training_and_evaluation_measure_reward_and_kl_alike():
     assert train["response_length"] == pytest.approx(8 / 3) and train["eos_fraction"] == pytest.approx(2 / 3)
     assert train["value_mean"] == pytest.approx(0.5) and train["entropy"] == pytest.approx(1.0)
     assert train["kl_coef"] == 0.1
+    # Sampled and old log-probs are the same numbers here: no gap between sampler and trainer.
+    assert train["sampler_gap/logprob_abs"] == 0 and train["sampler_gap/kl"] == 0
     # The last row only pads evaluation's batch: weighted out, the means are the first two rows'.
     first_two = evaluation_metrics(experience, torch.tensor([1.0, 1.0, 0.0]), "cpu", "held_out")
     assert first_two["held_out_reward_mean"] == pytest.approx((2.05 + 5) / 2)

@@ -24,6 +24,8 @@ from lorakit.rl.ppo_math import (
     masked_whiten,
     penalised_scores,
     policy_loss,
+    sampler_correction_weights,
+    sampler_gap,
     value_loss,
 )
 
@@ -109,6 +111,32 @@ def test_policy_loss_without_clipping_is_the_plain_ratio_objective():
     close(approx_kl, 0.5 * (0.01 + 0.01 + 0.0) / 3)
     loss.backward()
     close(logprobs.grad, [[-e01 / 3, -2 * em01 / 3, 1 / 3]])  # d(-A*ratio)/dlogp = -A*ratio
+
+
+def test_sampler_gap_is_the_mean_logprob_difference_and_the_k3_kl_estimate():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.3, 7.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    same = sampler_gap(trainer, trainer.clone(), mask)
+    assert same.logprob_abs == 0 and same.kl == 0 and same.count == 5
+    sampler = trainer + torch.tensor([[0.1, -0.2, 0.0], [0.0, 0.3, -5.0]])  # the padding's junk is not counted
+    gap = sampler_gap(trainer, sampler, mask)
+    close(gap.logprob_abs / gap.count, 0.6 / 5)
+    # k3 = (r - 1) - log r, r = pi_train / pi_sampler = e^(trainer - sampler)
+    k3 = sum(math.exp(d) - 1 - d for d in (-0.1, 0.2, 0.0, 0.0, -0.3))
+    close(gap.kl / gap.count, k3 / 5)
+    assert gap.kl > 0
+
+
+def test_sampler_correction_weighs_each_token_by_its_capped_ratio():
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    sampler = torch.tensor([[-1.0, -1.5, -3.0]])
+    weights = sampler_correction_weights(old, sampler, cap=2.0)
+    close(weights, [[1.0, math.exp(0.5), 2.0]])  # e^2 capped at 2
+    logprobs = old.clone().requires_grad_()
+    advantages = torch.tensor([[1.0, 2.0, -1.0]])
+    loss, clipfrac, approx_kl = policy_loss(logprobs, old, advantages, torch.ones(1, 3), 0.2, weights)
+    close(loss, (-1.0 - 2.0 * math.exp(0.5) + 2.0) / 3)  # ratio 1: each token's -A, weighted
+    close(approx_kl, 0.0)
 
 
 def test_policy_loss_clips_only_where_the_clip_is_pessimistic():

@@ -11,37 +11,27 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.integrations import is_deepspeed_zero3_enabled
 
-from lorakit.models.zero3 import (
-    free_memory_bytes,
-    full_size_bytes,
-    gathered_for_generation,
-    is_zero3_partitioned,
-    on_every_rank,
-)
 from lorakit.rl.ppo_math import (
     advantages_and_returns,
-    entropy_from_logits,
     kl_penalty_rewards,
     last_position,
-    logprobs_from_logits,
     masked_mean,
     penalised_scores,
+    sampler_gap,
 )
+from lorakit.rl.rollout import SampledBatch, rollout_engine
 
 if TYPE_CHECKING:
     from datasets import Dataset
-    from transformers import PreTrainedModel
 
     from lorakit.rl.policy import PPOPolicy
     from lorakit.rl.ppo import PPOArguments
@@ -49,8 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # What the Trainer's compute_loss reads of each micro-batch (plus prompt_length and ptx_input_ids).
-TRAINING_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "old_values", "advantages",
-                   "returns")
+TRAINING_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "sampler_logprobs", "old_values",
+                   "advantages", "returns")
 
 # One micro-batch for the Trainer: TRAINING_FIELDS' tensors, the int prompt_length, and ptx_input_ids.
 MicroBatch = dict[str, torch.Tensor | int]
@@ -97,7 +87,8 @@ class Experience:
     prompt_length   int           P
     response_mask   [B, A] float  1 on real answer tokens (through the answer-end token)
     has_eos         [B] bool      the answer ended (else it was cut at --max_answer_seq_len)
-    old_logprobs    [B, A] float  actor's log-probs at sampling time
+    old_logprobs    [B, A] float  actor's log-probs before the update, from the training forward (the old policy)
+    sampler_logprobs [B, A] float the sampler's log-probs of the same tokens (the rollout engine's)
     ref_logprobs    [B, A] float  reference model's log-probs
     old_values      [B, A] float  critic's values at sampling time
     entropy         [B, A] float  actor's next-token entropy
@@ -114,6 +105,7 @@ class Experience:
     response_mask: torch.Tensor
     has_eos: torch.Tensor
     old_logprobs: torch.Tensor
+    sampler_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
     old_values: torch.Tensor
     entropy: torch.Tensor
@@ -130,10 +122,12 @@ class Experience:
         return batch
 
 
-def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, args: "PPOArguments") -> Experience:
+def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, args: "PPOArguments",
+                     sampler_logprobs: torch.Tensor | None = None) -> Experience:
     """The experience of a scored rollout: per-token KL-penalised rewards with the (penalised,
     clipped) score at each answer's end, then whitened GAE advantages and returns. args supplies
-    missing_eos_penalty, clip_reward_value, gamma and lam (the run's PPOArguments)."""
+    missing_eos_penalty, clip_reward_value, gamma and lam (the run's PPOArguments). rollout.logprobs
+    are the old policy's; sampler_logprobs (default: the same) the sampler's."""
     mask = rollout.response_mask
     scores = penalised_scores(scored.scores, rollout.has_eos, args.missing_eos_penalty)
     rewards, kl = kl_penalty_rewards(rollout.logprobs, scored.ref_logprobs, scores, mask, kl_coef,
@@ -142,6 +136,7 @@ def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, ar
     return Experience(
         input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, prompt_length=rollout.prompt_length,
         response_mask=mask, has_eos=rollout.has_eos, old_logprobs=rollout.logprobs,
+        sampler_logprobs=rollout.logprobs if sampler_logprobs is None else sampler_logprobs,
         ref_logprobs=scored.ref_logprobs, old_values=scored.values, entropy=rollout.entropy, scores=scores, kl=kl,
         rewards=rewards, advantages=advantages, returns=returns)
 
@@ -269,76 +264,6 @@ class PhaseTimes:
         return drained
 
 
-class TokenStatistics(NamedTuple):
-    """Of each sampled answer token, [B, A]: the actor's log-prob, and the entropy of the distribution it came from."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-
-
-class SampledBatch(NamedTuple):
-    """One generation batch's answer ids with their TokenStatistics, each [rows, answer width] on the CPU."""
-
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-
-
-class SampledTokenStatistics(LogitsProcessor):
-    """The log-prob of each token generate() samples and the entropy of the distribution it was drawn
-    from, computed step by step from the model's own logits of that step over the temperature: the
-    values the whole [B, A, V] stack of output_logits=True would give, for the memory of one step.
-
-    A forward hook on the generating model (recording()) keeps the last forward's logits at the last
-    position (raw: before any processor, as output_logits returns them); generate() calls this
-    processor once per sampled step, after that forward, with the ids so far, whose last column is the
-    token sampled at the step before. Steps generate() runs past the end (synced ZeRO-3 ranks, a
-    deferred stop check) are cut by finish()."""
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
-        self.latest = None  # [B, V] float32: the last forward's logits at its last position
-        self.pending = None  # [B, V]: the previous step's scaled logits, until its token is known
-        self.logprobs: list[torch.Tensor] = []
-        self.entropies: list[torch.Tensor] = []
-
-    @contextmanager
-    def recording(self, model: torch.nn.Module) -> Iterator["SampledTokenStatistics"]:
-        handle = model.register_forward_hook(self.capture)
-        try:
-            yield self
-        finally:
-            handle.remove()
-
-    def capture(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # A copy: a view would keep the whole prefill logits alive.
-        self.latest = output.logits[:, -1].to(dtype=torch.float32, copy=True)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        self.resolve(input_ids[:, -1])
-        logits = self.latest if self.temperature == 1.0 else self.latest / self.temperature
-        self.entropies.append(entropy_from_logits(logits[:, None])[:, 0])
-        self.pending = logits
-        return scores
-
-    def resolve(self, tokens: torch.Tensor) -> None:
-        if self.pending is not None:
-            self.logprobs.append(logprobs_from_logits(self.pending[:, None], tokens[:, None])[:, 0])
-            self.pending = None
-
-    def finish(self, answers: torch.Tensor) -> TokenStatistics:
-        """(log-probs, entropy), each [B, A], of the answers [B, A] generate() returned."""
-        width = answers.shape[1]
-        if len(self.logprobs) < width:
-            self.resolve(answers[:, len(self.logprobs)])
-        return TokenStatistics(torch.stack(self.logprobs[:width], dim=1), torch.stack(self.entropies[:width], dim=1))
-
-
-# --generation_gather auto gathers the actor once per generation batch when its whole weights take at most
-# this share of what the device has free: the rest is left to the KV cache, the logits and the other roles.
-GENERATION_GATHER_SHARE = 0.5
-
-
 class ExperienceMaker:
     """Experience from prompts with the four roles of a PPOPolicy: sampling by the actor, then no-grad
     passes of the reference, critic and reward model, then reward shaping and advantages
@@ -351,82 +276,41 @@ class ExperienceMaker:
         self.model, self.args = model, args
         self.pad_id, self.answer_end_id = pad_id, answer_end_id
         self.after_turn_end_ids, self.max_answer_len = list(after_turn_end_ids), max_answer_len
-        self.deepspeed_engine = deepspeed_engine or (lambda: None)
-        self.actor_fits_device = None  # --generation_gather auto's choice, made once (all ranks agree)
-        self.logged_gather_modes: set[tuple[str, bool]] = set()
+        self.engine = rollout_engine(model, args, pad_id, answer_end_id, max_answer_len,
+                                     deepspeed_engine or (lambda: None))
 
-    def make(self, prompt_rows: list[list[int]], seed: int, kl_coef: float,
-             times: PhaseTimes | None = None) -> Experience:
-        """Sample answers to prompt_rows (token ids) with the given seed, score and shape them;
-        the phases' seconds go to times as time_generation and time_scoring."""
+    def make(self, prompt_rows: list[list[int]], seed: int, kl_coef: float, times: PhaseTimes | None = None,
+             row_chunks: list[torch.Tensor] | None = None) -> Experience:
+        """Sample answers to prompt_rows (token ids) with the given seed, take the old policy's log-probs
+        from the training forward (old_logprobs, over row_chunks), score and shape them; the phases'
+        seconds go to times as time_generation and time_scoring."""
         times = times or PhaseTimes("time_generation", "time_scoring")
         self.model.eval()
         with times.timing("time_generation"), torch.no_grad():
-            rollout = self.generate(prompt_rows, seed)
+            sampled = self.generate(prompt_rows, seed)
         with times.timing("time_scoring"):
-            return shape_experience(rollout, self.score(rollout), kl_coef, self.args)
+            rollout = replace(sampled, logprobs=self.old_logprobs(sampled, row_chunks))
+            return shape_experience(rollout, self.score(rollout), kl_coef, self.args, sampled.logprobs)
 
-    def generation_config(self) -> GenerationConfig:
-        args = self.args
-        # Every sampling setting explicit: generate() fills unset ones from the checkpoint's
-        # generation_config (a repetition penalty, top_k=50), which PPO's log-probs would not see.
-        return GenerationConfig(
-            do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=1,
-            repetition_penalty=1.0, max_new_tokens=self.max_answer_len, min_new_tokens=1,
-            eos_token_id=self.answer_end_id, pad_token_id=self.pad_id, use_cache=True,
-        )
-
-    def gathers_once_per_batch(self, generator: "PreTrainedModel") -> bool:
-        """Whether one generation batch runs on the actor's weights gathered once (ZeRO-3, --generation_gather
-        per_batch, or auto where the whole actor fits: GENERATION_GATHER_SHARE of the device's free memory)
-        rather than layer by layer at every token. Outside ZeRO-3 nothing is partitioned: False."""
-        engine = self.deepspeed_engine()
-        if engine is None or not is_zero3_partitioned(generator.parameters()):
-            return False
-        mode, size = self.args.generation_gather, full_size_bytes(generator.parameters())
-        if mode == "auto" and self.actor_fits_device is None:
-            free = free_memory_bytes(self.args.device)
-            self.actor_fits_device = on_every_rank(size <= GENERATION_GATHER_SHARE * free, self.args.device)
-        once = mode == "per_batch" or (mode == "auto" and self.actor_fits_device)
-        if (mode, once) not in self.logged_gather_modes:
-            self.logged_gather_modes.add((mode, once))
-            if once:
-                logger.info("generation under ZeRO-3: parameters gathered once per batch (%.3g GB)", size / 1e9)
-            else:
-                why = "the model does not fit one device" if mode == "auto" else "--generation_gather per_layer"
-                logger.info("generation under ZeRO-3: parameters gathered per layer, every token: %s (%.3g GB "
-                            "whole)", why, size / 1e9)
-        return once
+    @torch.no_grad()
+    def old_logprobs(self, rollout: Rollout, row_chunks: list[torch.Tensor] | None) -> torch.Tensor:
+        """The old policy's log-probs [B, A]: the actor's from the training forward (the policy's
+        forward with values=False, no gradients, the precision the Trainer wrapped it in), over the
+        micro-batches of rows the first update sees (row_chunks; default: rows in order, in
+        per_device_training_batch_size), so that update's ratio is 1 whatever the sampler's numerics."""
+        size, device = rollout.input_ids.shape[0], rollout.input_ids.device
+        chunks = row_chunks or list(torch.arange(size).split(self.args.per_device_training_batch_size))
+        logprobs = torch.zeros_like(rollout.logprobs)
+        for rows in chunks:
+            rows = rows.to(device)
+            outputs = self.model(input_ids=rollout.input_ids[rows], attention_mask=rollout.attention_mask[rows],
+                                 prompt_length=rollout.prompt_length, values=False)
+            logprobs[rows] = outputs["logprobs"].float() * rollout.response_mask[rows]
+        return logprobs
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SampledBatch:
-        """One generation batch: (answer ids, log-probs, entropy), each [rows, answer width] on the CPU,
-        log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token, over the
-        temperature: recorded step by step (SampledTokenStatistics), or without --chunked_loss from the
-        stack of every step's logits, [rows, answer width, vocabulary] float32. Under ZeRO-3 the actor's
-        weights are gathered once for the batch (gathers_once_per_batch), or else layer by layer at
-        every step, every rank stepping until all are done (synced_gpus)."""
-        generator, prompt_width = self.model.generator(), prompt_ids.shape[1]
-        once = self.gathers_once_per_batch(generator)
-        options = {"input_ids": prompt_ids, "attention_mask": prompt_mask, "return_dict_in_generate": True,
-                   "generation_config": self.generation_config(),
-                   "synced_gpus": not once and is_deepspeed_zero3_enabled() and self.args.world_size > 1}
-        with gathered_for_generation(self.deepspeed_engine(), generator) if once else nullcontext():
-            return self.sample_with(generator, options, prompt_width)
-
-    def sample_with(self, generator: "PreTrainedModel", options: dict[str, Any], prompt_width: int) -> SampledBatch:
-        if self.args.chunked_loss:
-            with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
-                output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))
-            tokens = output.sequences[:, prompt_width:]
-            logprobs, entropy = statistics.finish(tokens)
-        else:
-            output = generator.generate(**options, output_logits=True)
-            tokens = output.sequences[:, prompt_width:]
-            logits = torch.stack(output.logits, dim=1).float()
-            if self.args.temperature != 1.0:
-                logits = logits / self.args.temperature
-            logprobs, entropy = logprobs_from_logits(logits, tokens), entropy_from_logits(logits)
-        return SampledBatch(tokens.cpu(), logprobs.cpu(), entropy.cpu())
+        """One generation batch from the rollout engine (a seam of its own: tests/helpers probe it)."""
+        return self.engine.sample(prompt_ids, prompt_mask)
 
     def generate(self, prompt_rows: list[list[int]], seed: int) -> Rollout:
         """Answers sampled by the current actor (KV cache on, in batches of
@@ -509,7 +393,8 @@ def experience_metrics(experience: Experience, device: torch.device,
     """The statistics of an experience, means over all processes' rows (weighted by row_weights [B],
     default 1): reward_mean and reward_std of the sequence reward (sum of the per-token rewards:
     clipped penalised score minus kl_coef x KL), score_mean (the penalised score), kl (sequence KL
-    to the reference), response_length, eos_fraction, value_mean, entropy (per real token). The one
+    to the reference), response_length, eos_fraction, value_mean, entropy (per real token), and
+    sampler_gap/logprob_abs and sampler_gap/kl (per real token, ppo_math.sampler_gap). The one
     definition training and evaluation both log."""
     mask = experience.response_mask
     weights = torch.ones(mask.shape[0], device=mask.device) if row_weights is None else row_weights.to(mask.device)
@@ -522,6 +407,9 @@ def experience_metrics(experience: Experience, device: torch.device,
         stats.add(name, (values * weights).sum().item(), weights.sum().item())
     token_weights = mask * weights[:, None]
     stats.add("entropy", (experience.entropy * token_weights).sum().item(), token_weights.sum().item())
+    gap = sampler_gap(experience.old_logprobs, experience.sampler_logprobs, token_weights)
+    stats.add("sampler_gap/logprob_abs", gap.logprob_abs, gap.count)
+    stats.add("sampler_gap/kl", gap.kl, gap.count)
     metrics = stats.reduced(device)
     metrics["reward_std"] = math.sqrt(max(metrics.pop("reward_sq") - metrics["reward_mean"] ** 2, 0.0))
     return metrics
@@ -541,6 +429,14 @@ def evaluation_metrics(experience: Experience, row_weights: torch.Tensor, device
 # -- the Trainer's stream of micro-batches -------------------------------------------
 
 
+def epoch_chunks(size: int, iteration: int, epoch: int, args: "PPOArguments") -> list[torch.Tensor]:
+    """The rows [chunk] long of each micro-batch of one PPO epoch over an iteration's size rows: a seeded order
+    per (iteration, rank, epoch), in per_device_training_batch_size rows."""
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(
+        derived_seed(args.seed, iteration, args.process_index, 2, epoch)))
+    return list(order.split(args.per_device_training_batch_size))
+
+
 def micro_batches(experience: Experience, iteration: int, args: "PPOArguments",
                   ptx_blocks: "Dataset | None") -> list[MicroBatch]:
     """The Trainer's inputs of one iteration: --ppo_epochs passes over the experience, each in its
@@ -548,9 +444,7 @@ def micro_batches(experience: Experience, iteration: int, args: "PPOArguments",
     each with ptx_input_ids [rows, block] from the ptx blocks' own seeded stream when there are any."""
     batches, size = [], experience.input_ids.shape[0]
     for epoch in range(args.ppo_epochs):
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(
-            derived_seed(args.seed, iteration, args.process_index, 2, epoch)))
-        batches.extend(experience.training_rows(chunk) for chunk in order.split(args.per_device_training_batch_size))
+        batches.extend(experience.training_rows(chunk) for chunk in epoch_chunks(size, iteration, epoch, args))
     if ptx_blocks is not None:
         rows = args.per_device_training_batch_size
         start = (iteration * args.world_size + args.process_index) * len(batches) * rows

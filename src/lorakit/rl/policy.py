@@ -149,11 +149,17 @@ class PPOPolicy(torch.nn.Module):
         return {name: torch.cat(values)[inverse] for name, values in parts.items()}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-                ptx_input_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The training pass: the actor's log-probs of the answer tokens and the critic's values."""
-        outputs = self.over_length_groups(input_ids, attention_mask, prompt_length, lambda ids, mask, width: {
-            "logprobs": self.answer_logprobs("actor", ids, mask, width),
-            "values": self.answer_values(ids, mask, width)})
+                ptx_input_ids: torch.Tensor | None = None, values: bool = True) -> dict[str, torch.Tensor]:
+        """The training pass: the actor's log-probs of the answer tokens and (values=True) the critic's values.
+        values=False is the experience's no-grad pass for the old policy's log-probs: the same computation."""
+
+        def passes(ids: torch.Tensor, mask: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+            result = {"logprobs": self.answer_logprobs("actor", ids, mask, width)}
+            if values:
+                result["values"] = self.answer_values(ids, mask, width)
+            return result
+
+        outputs = self.over_length_groups(input_ids, attention_mask, prompt_length, passes)
         if ptx_input_ids is not None:
             outputs["ptx_loss"] = self.ptx_loss(ptx_input_ids)
         return outputs

@@ -214,8 +214,24 @@ class PPOArguments(CausalLMTrainingArguments):
     actor_zero_stage: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
     critic_zero_stage: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
     enable_hybrid_engine: bool = field(
-        default=False, metadata={"help": "DeepSpeed-Chat: accepted; the actor generates with its training weights."}
+        default=False,
+        metadata={"help": "DeepSpeed-Chat's flag: the rollout engine decodes on the actor's adapter merged into the "
+                          "base weights (restored bit for bit after each rollout; costs a copy of the targeted base "
+                          "weights during it). ZeRO-3, a quantized base and DoRA decode unmerged."},
     )
+    rollout_engine: str = field(
+        default="auto",
+        metadata={"help": "What samples the rollouts (rl.rollout): eager (the actor's generate()); auto: eager (a "
+                          "compiled decode for CUDA is not built yet).", "choices": ["auto", "eager"]},
+    )
+    sampler_correction: bool = field(
+        default=False,
+        metadata={"help": "Truncated importance sampling: weigh each answer token's policy loss by "
+                          "min(pi_old / pi_sampler, --sampler_correction_cap), for when the sampler's numerics "
+                          "drift from the training forward's (see sampler_gap/* in the logs)."},
+    )
+    sampler_correction_cap: float = field(
+        default=2.0, metadata={"help": "The cap of --sampler_correction's per-token weight."})
     generation_gather: str = field(
         default="auto",
         metadata={"help": "ZeRO-3: gather the actor's weights once per generation batch (per_batch), or layer by "
@@ -230,6 +246,11 @@ class PPOArguments(CausalLMTrainingArguments):
         # batch size and learning rate from them and --zero_stage picks the config.
         notes = []
         map_flags(self, PPO_TRAINER_FLAGS, notes)
+        if self.enable_hybrid_engine:
+            notes.append("--enable_hybrid_engine -> rollouts decode on the actor's adapter merged into the base "
+                         "weights")
+        if self.sampler_correction_cap <= 0:
+            raise InputError(f"--sampler_correction_cap {self.sampler_correction_cap}: give a positive cap")
         for trainer_flag, ppo_flag, default in (("per_device_train_batch_size", "per_device_training_batch_size", 8),
                                                 ("learning_rate", "actor_learning_rate", 1e-4)):
             value = default if getattr(self, ppo_flag) is None else getattr(self, ppo_flag)

@@ -183,7 +183,7 @@ def advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor, mask: to
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cliprange: float) -> PolicyLoss:
+                mask: torch.Tensor, cliprange: float, token_weights: torch.Tensor | None = None) -> PolicyLoss:
     """PPO's clipped surrogate (Schulman et al. 2017) as a loss, averaged over real tokens.
 
     ratio = pi/pi_old; the loss takes max(-A * ratio, -A * clip(ratio, 1-c, 1+c)) per token, the
@@ -192,17 +192,48 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     Returns (loss, clipfrac, approx_kl): clipfrac is the share of real tokens whose clipped term
     was the one used (the ratio left the range in the direction the advantage favours), and
     approx_kl = mean 0.5 * (log pi - log pi_old)^2, an estimate of KL(pi_old || pi) that is
-    never negative; both are diagnostics, detached from the graph."""
+    never negative; both are diagnostics, detached from the graph. token_weights [B, A] (detached,
+    e.g. sampler_correction_weights) multiply each token's term before the mean."""
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    per_token = torch.max(unclipped, clipped)
+    loss = masked_mean(per_token if token_weights is None else per_token * token_weights, mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
         approx_kl = masked_mean(0.5 * log_ratio ** 2, mask)
     return PolicyLoss(loss, clipfrac, approx_kl)
+
+
+class SamplerGap(NamedTuple):
+    """sampler_gap's sums over the sampled tokens (divide by count for the means logged as sampler_gap/*)."""
+
+    logprob_abs: float
+    kl: float
+    count: float
+
+
+def sampler_gap(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> SamplerGap:
+    """How far the sampler's numbers are from the training forward's, over the sampled tokens (mask [B, A] 1 on
+    them; the log-probs [B, A]), the one definition every RL method logs: the sum of |log pi_train - log
+    pi_sampler|, and of KL(sampler || trainer) estimated on the sampler's own tokens with Schulman's k3 estimator,
+    (r - 1) - log r with r = pi_train / pi_sampler (unbiased for samples drawn from the sampler, never negative).
+    Both are 0 when the two agree; a rollout engine whose weights drift from the trained ones shows at once."""
+    mask = mask.to(torch.float32)
+    delta = (trainer_logprobs.float() - sampler_logprobs.float()) * mask
+    k3 = (torch.exp(delta) - 1.0 - delta) * mask
+    return SamplerGap(delta.abs().sum().item(), k3.sum().item(), mask.sum().item())
+
+
+def sampler_correction_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                               cap: float) -> torch.Tensor:
+    """Truncated importance sampling (as TRL's and verl's): each sampled token's weight min(pi_old / pi_sampler,
+    cap), detached, for a policy loss whose old policy is the training forward's while the tokens came from the
+    sampler. [B, A] float32."""
+    with torch.no_grad():
+        return torch.exp(old_logprobs.float() - sampler_logprobs.float()).clamp(max=cap)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

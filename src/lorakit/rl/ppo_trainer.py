@@ -23,6 +23,7 @@ from lorakit.rl.experience import (
     PhaseTimes,
     SumStats,
     derived_seed,
+    epoch_chunks,
     evaluation_metrics,
     evaluation_prompt_rows,
     iteration_prompt_rows,
@@ -35,7 +36,13 @@ from lorakit.rl.ppo_checkpoint import (
     save_trainable_weights,
     write_ppo_state,
 )
-from lorakit.rl.ppo_math import make_kl_controller, policy_loss, value_loss
+from lorakit.rl.ppo_math import (
+    make_kl_controller,
+    masked_mean,
+    policy_loss,
+    sampler_correction_weights,
+    value_loss,
+)
 from lorakit.trainers.causal_lm import ResumableTrainer
 
 if TYPE_CHECKING:
@@ -112,7 +119,8 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         args, kl_coef = self.args, self.kl_ctl.value
         rows = iteration_prompt_rows(self.prompts, iteration, args)
         seed = derived_seed(args.seed, iteration, args.process_index, 1)
-        experience = self.maker.make(rows, seed, kl_coef, self.times)
+        experience = self.maker.make(rows, seed, kl_coef, self.times,
+                                     epoch_chunks(len(rows), iteration, 0, args))
         self.experience_stats = training_metrics(experience, kl_coef, args.device)
         self.kl_ctl.update(self.experience_stats["kl"], len(rows) * args.world_size)
         if args.print_answers and iteration % args.print_answers_interval == 0 and args.should_log:
@@ -130,15 +138,21 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
                      ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         prompt_length=inputs["prompt_length"], ptx_input_ids=inputs.get("ptx_input_ids"))
-        mask = inputs["response_mask"]
+        mask, weights, stats = inputs["response_mask"], None, {}
+        if self.args.sampler_correction:
+            weights = sampler_correction_weights(inputs["old_logprobs"], inputs["sampler_logprobs"],
+                                                 self.args.sampler_correction_cap)
+            stats = {"sampler_correction/weight_mean": masked_mean(weights, mask),
+                     "sampler_correction/capped_fraction": masked_mean(
+                         (weights >= self.args.sampler_correction_cap).float(), mask)}
         actor_loss, clipfrac, approx_kl = policy_loss(outputs["logprobs"], inputs["old_logprobs"],
-                                                      inputs["advantages"], mask, self.args.cliprange)
+                                                      inputs["advantages"], mask, self.args.cliprange, weights)
         critic_loss, value_clipfrac = value_loss(outputs["values"], inputs["old_values"], inputs["returns"], mask,
                                                  self.args.cliprange_value)
         # Actor and critic parameters are disjoint: one backward of the sum trains each on its own loss.
         loss = actor_loss + critic_loss
-        stats = {"policy_loss": actor_loss, "value_loss": critic_loss, "policy_clipfrac": clipfrac,
-                 "value_clipfrac": value_clipfrac, "approx_kl": approx_kl}
+        stats.update({"policy_loss": actor_loss, "value_loss": critic_loss, "policy_clipfrac": clipfrac,
+                      "value_clipfrac": value_clipfrac, "approx_kl": approx_kl})
         if "ptx_loss" in outputs:
             loss = loss + self.unsup_coef * outputs["ptx_loss"]
             stats["ptx_loss"] = outputs["ptx_loss"]

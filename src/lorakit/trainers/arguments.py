@@ -45,8 +45,6 @@ ACCEPTED_TRAINER_FLAGS = {
     "only_optimize_lora": "LoRA trains only the adapter (and --modules_to_save)",
     "num_padding_at_beginning": "a sequence's score is read at its last attended token, found from the attention "
                                 "mask, so no count of leading pad tokens is needed",
-    "enable_hybrid_engine": "the actor generates with its training weights (its own generate(), no separate "
-                            "inference engine to switch to)",
 }
 
 

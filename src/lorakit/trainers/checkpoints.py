@@ -80,7 +80,7 @@ OBJECTIVE_FLAGS = (
     "beta", "label_smoothing", "simpo_gamma", "rpo_alpha", "precompute_ref_log_probs", "reward_center_coef",
     "label_smoothing_factor", "neftune_noise_alpha", "kl_ctl", "target_kl", "kl_horizon", "clip_reward_value",
     "cliprange", "cliprange_value", "gamma", "lam", "temperature", "top_p", "top_k", "missing_eos_penalty",
-    "ema_beta", "unsup_coef",
+    "ema_beta", "unsup_coef", "sampler_correction", "sampler_correction_cap",
 )
 # A marker's identity_version: 2 records the weights, the sample order, optimizer, precision and objective, and each
 # file's content hash. A checkpoint of version 1 (no identity_version) resumes with one line naming what its

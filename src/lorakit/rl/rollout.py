@@ -1,0 +1,282 @@
+"""The rollout engine: prompt ids in; the answers sampled by the actor, with the sampler's log-prob
+of each answer token and the entropy of the distribution it came from, out (SampledBatch). PPO's
+ExperienceMaker samples through it, and so will every later RL method; RolloutEngine is the seam a
+backend that samples outside this process (vLLM) implements.
+
+EagerEngine samples with the actor's own generate(): on the peft model as it trains (each LoRA
+layer adds its B @ A on the fly), or, with --enable_hybrid_engine, on the active adapter merged into
+the base weights for the rollout (merged_adapters): peft's merge then unmerge is not bit-identical
+(W + BA - BA != W in floating point), so the targeted base weights are copied before the merge and
+restored by copy after it, bit for bit. The copy costs the targeted base weights' bytes once more
+on the device for the length of the rollout (logged once; models.estimate_memory counts it).
+ZeRO-3 (partitioned base weights), a quantized base and DoRA adapters decode unmerged, said once in
+the log.
+
+The sampler's log-probs are what the sampler saw; PPO's old policy comes from a training-shaped
+forward instead (rl.experience), and the gap between the two is measured (rl.ppo_math.sampler_gap)."""
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from lorakit.models.zero3 import (
+    free_memory_bytes,
+    full_size_bytes,
+    gathered_for_generation,
+    is_zero3_partitioned,
+    on_every_rank,
+)
+from lorakit.rl.ppo_math import entropy_from_logits, logprobs_from_logits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from lorakit.rl.policy import PPOPolicy
+    from lorakit.rl.ppo import PPOArguments
+
+logger = logging.getLogger(__name__)
+
+
+class TokenStatistics(NamedTuple):
+    """Of each sampled answer token, [B, A]: the actor's log-prob, and the entropy of the distribution it came from."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+class SampledBatch(NamedTuple):
+    """One generation batch's answer ids with their TokenStatistics, each [rows, answer width] on the CPU."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+class SampledTokenStatistics(LogitsProcessor):
+    """The log-prob of each token generate() samples and the entropy of the distribution it was drawn
+    from, computed step by step from the model's own logits of that step over the temperature: the
+    values the whole [B, A, V] stack of output_logits=True would give, for the memory of one step.
+
+    A forward hook on the generating model (recording()) keeps the last forward's logits at the last
+    position (raw: before any processor, as output_logits returns them); generate() calls this
+    processor once per sampled step, after that forward, with the ids so far, whose last column is the
+    token sampled at the step before. Steps generate() runs past the end (synced ZeRO-3 ranks, a
+    deferred stop check) are cut by finish()."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.latest = None  # [B, V] float32: the last forward's logits at its last position
+        self.pending = None  # [B, V]: the previous step's scaled logits, until its token is known
+        self.logprobs: list[torch.Tensor] = []
+        self.entropies: list[torch.Tensor] = []
+
+    @contextmanager
+    def recording(self, model: torch.nn.Module) -> Iterator["SampledTokenStatistics"]:
+        handle = model.register_forward_hook(self.capture)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # A copy: a view would keep the whole prefill logits alive.
+        self.latest = output.logits[:, -1].to(dtype=torch.float32, copy=True)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        self.resolve(input_ids[:, -1])
+        logits = self.latest if self.temperature == 1.0 else self.latest / self.temperature
+        self.entropies.append(entropy_from_logits(logits[:, None])[:, 0])
+        self.pending = logits
+        return scores
+
+    def resolve(self, tokens: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.logprobs.append(logprobs_from_logits(self.pending[:, None], tokens[:, None])[:, 0])
+            self.pending = None
+
+    def finish(self, answers: torch.Tensor) -> TokenStatistics:
+        """(log-probs, entropy), each [B, A], of the answers [B, A] generate() returned."""
+        width = answers.shape[1]
+        if len(self.logprobs) < width:
+            self.resolve(answers[:, len(self.logprobs)])
+        return TokenStatistics(torch.stack(self.logprobs[:width], dim=1), torch.stack(self.entropies[:width], dim=1))
+
+
+# --generation_gather auto gathers the actor once per generation batch when its whole weights take at most
+# this share of what the device has free: the rest is left to the KV cache, the logits and the other roles.
+GENERATION_GATHER_SHARE = 0.5
+
+
+class RolloutEngine(Protocol):
+    """Samples one generation batch: prompt ids and mask [rows, P] long (left-padded) in, SampledBatch
+    out (answer ids, the sampler's log-probs and entropy, each [rows, answer width] on the CPU). The
+    random state is the caller's (torch's global generator, seeded per iteration and rank); an engine
+    holds no state a checkpoint lacks."""
+
+    name: str
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SampledBatch: ...
+
+
+def quantized_base(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+                or getattr(model, "is_quantized", False))
+
+
+def merge_blocker(model: torch.nn.Module) -> str | None:
+    """Why the actor cannot decode on merged weights, or None where it can."""
+    from peft.tuners.lora import LoraLayer
+
+    if is_zero3_partitioned(model.parameters()):
+        return "ZeRO-3 partitions the base weights"
+    if quantized_base(model):
+        return "the base is quantized (a merge would requantize it)"
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer) and any(layer.use_dora.get(name) for name in layer.active_adapters):
+            return "DoRA adapters"
+    return None
+
+
+class MergedWeights(NamedTuple):
+    """What merged_adapters yields: the LoRA layers merged and the bytes of the base weights kept to restore them."""
+
+    layers: int
+    saved_bytes: int
+
+
+@contextmanager
+def merged_adapters(model: torch.nn.Module) -> Iterator[MergedWeights]:
+    """The active adapter of every LoRA layer folded into its base layer's weights for the block; after
+    it each base layer's parameters are restored by copy from a snapshot taken before the merge, so
+    base and adapter weights are bit-identical to before (torch.equal), and peft's layers unmerged.
+    The snapshot costs the targeted base layers' bytes on their device while the block runs."""
+    from peft.tuners.lora import LoraLayer
+
+    saved: list[tuple[LoraLayer, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
+    try:
+        with torch.no_grad():
+            for layer in model.modules():
+                if isinstance(layer, LoraLayer) and layer.active_adapters and not layer.merged:
+                    base = layer.get_base_layer()
+                    saved.append((layer, [(p, p.detach().clone()) for p in base.parameters(recurse=False)]))
+                    layer.merge(adapter_names=list(layer.active_adapters))
+        yield MergedWeights(len(saved), sum(copy.numel() * copy.element_size()
+                                            for _, pairs in saved for _, copy in pairs))
+    finally:
+        with torch.no_grad():
+            for layer, pairs in saved:
+                for parameter, copy in pairs:
+                    parameter.data.copy_(copy)
+                layer.merged_adapters = []
+
+
+def rollout_engine(model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int, max_answer_len: int,
+                   deepspeed_engine: Callable[[], Any]) -> RolloutEngine:
+    """The engine --rollout_engine names (auto: eager; a compiled decode is not built yet), merging the
+    adapter for the rollout under --enable_hybrid_engine."""
+    return EagerEngine(model, args, pad_id, answer_end_id, max_answer_len, deepspeed_engine,
+                       merge=args.enable_hybrid_engine)
+
+
+class EagerEngine:
+    """Sampling with the actor's generate(), KV cache on (see the module's docstring)."""
+
+    name = "eager"
+
+    def __init__(self, model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int,
+                 max_answer_len: int, deepspeed_engine: Callable[[], Any], merge: bool = False) -> None:
+        self.model, self.args, self.merge = model, args, merge
+        self.pad_id, self.answer_end_id, self.max_answer_len = pad_id, answer_end_id, max_answer_len
+        self.deepspeed_engine = deepspeed_engine
+        self.actor_fits_device = None  # --generation_gather auto's choice, made once (all ranks agree)
+        self.logged_gather_modes: set[tuple[str, bool]] = set()
+        self.logged_merge = False
+
+    @contextmanager
+    def decoding_weights(self, generator: "PreTrainedModel") -> Iterator[None]:
+        """The weights this batch decodes on: the adapter merged (--enable_hybrid_engine, where merge_blocker
+        allows) or as it trains; which, and what the merge costs, said once."""
+        blocker = merge_blocker(generator) if self.merge else None
+        if not self.merge or blocker:
+            if blocker and not self.logged_merge:
+                self.logged_merge = True
+                logger.info("rollout: the actor decodes with its adapter unmerged: %s", blocker)
+            yield
+            return
+        with merged_adapters(generator) as merged:
+            if not self.logged_merge:
+                self.logged_merge = True
+                logger.info("rollout: the actor decodes on its adapter merged into the base weights (%d layers; a "
+                            "copy of their base weights, %.3g GB, is kept during the rollout to restore them bit for "
+                            "bit)", merged.layers, merged.saved_bytes / 1e9)
+            yield
+
+    def generation_config(self) -> GenerationConfig:
+        args = self.args
+        # Every sampling setting explicit: generate() fills unset ones from the checkpoint's
+        # generation_config (a repetition penalty, top_k=50), which PPO's log-probs would not see.
+        return GenerationConfig(
+            do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=1,
+            repetition_penalty=1.0, max_new_tokens=self.max_answer_len, min_new_tokens=1,
+            eos_token_id=self.answer_end_id, pad_token_id=self.pad_id, use_cache=True,
+        )
+
+    def gathers_once_per_batch(self, generator: "PreTrainedModel") -> bool:
+        """Whether one generation batch runs on the actor's weights gathered once (ZeRO-3, --generation_gather
+        per_batch, or auto where the whole actor fits: GENERATION_GATHER_SHARE of the device's free memory)
+        rather than layer by layer at every token. Outside ZeRO-3 nothing is partitioned: False."""
+        engine = self.deepspeed_engine()
+        if engine is None or not is_zero3_partitioned(generator.parameters()):
+            return False
+        mode, size = self.args.generation_gather, full_size_bytes(generator.parameters())
+        if mode == "auto" and self.actor_fits_device is None:
+            free = free_memory_bytes(self.args.device)
+            self.actor_fits_device = on_every_rank(size <= GENERATION_GATHER_SHARE * free, self.args.device)
+        once = mode == "per_batch" or (mode == "auto" and self.actor_fits_device)
+        if (mode, once) not in self.logged_gather_modes:
+            self.logged_gather_modes.add((mode, once))
+            if once:
+                logger.info("generation under ZeRO-3: parameters gathered once per batch (%.3g GB)", size / 1e9)
+            else:
+                why = "the model does not fit one device" if mode == "auto" else "--generation_gather per_layer"
+                logger.info("generation under ZeRO-3: parameters gathered per layer, every token: %s (%.3g GB "
+                            "whole)", why, size / 1e9)
+        return once
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SampledBatch:
+        """One generation batch: (answer ids, log-probs, entropy), each [rows, answer width] on the CPU,
+        log-probs and entropy from the raw logits (before top-k/top-p) that sampled each token, over the
+        temperature: recorded step by step (SampledTokenStatistics), or without --chunked_loss from the
+        stack of every step's logits, [rows, answer width, vocabulary] float32. Under ZeRO-3 the actor's
+        weights are gathered once for the batch (gathers_once_per_batch), or else layer by layer at
+        every step, every rank stepping until all are done (synced_gpus). With --enable_hybrid_engine the
+        actor decodes on its adapter merged into the base weights (decoding_weights)."""
+        generator, prompt_width = self.model.generator(), prompt_ids.shape[1]
+        once = self.gathers_once_per_batch(generator)
+        options = {"input_ids": prompt_ids, "attention_mask": prompt_mask, "return_dict_in_generate": True,
+                   "generation_config": self.generation_config(),
+                   "synced_gpus": not once and is_deepspeed_zero3_enabled() and self.args.world_size > 1}
+        with (gathered_for_generation(self.deepspeed_engine(), generator) if once else nullcontext(),
+              self.decoding_weights(generator)):
+            return self.sample_with(generator, options, prompt_width)
+
+    def sample_with(self, generator: "PreTrainedModel", options: dict[str, Any], prompt_width: int) -> SampledBatch:
+        if self.args.chunked_loss:
+            with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
+                output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))
+            tokens = output.sequences[:, prompt_width:]
+            logprobs, entropy = statistics.finish(tokens)
+        else:
+            output = generator.generate(**options, output_logits=True)
+            tokens = output.sequences[:, prompt_width:]
+            logits = torch.stack(output.logits, dim=1).float()
+            if self.args.temperature != 1.0:
+                logits = logits / self.args.temperature
+            logprobs, entropy = logprobs_from_logits(logits, tokens), entropy_from_logits(logits)
+        return SampledBatch(tokens.cpu(), logprobs.cpu(), entropy.cpu())
+

@@ -1,0 +1,143 @@
+"""The rollout engine (rl.rollout): decoding on the actor's adapter merged into the base weights
+equals decoding on the unmerged adapter, and leaves every weight bit-identical to before."""
+
+import logging
+import types
+
+import torch
+
+
+def shared_base_policy(model_dir):
+    """A SharedBasePolicy with three non-trivial adapters (actor, critic, reward) on one fp32 base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lorakit.rl.policy import SharedBasePolicy
+
+    torch.manual_seed(0)
+    causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = {"target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": False, "lora_dropout": 0.0}
+    peft_model = get_peft_model(causal_lm, LoraConfig(**lora))
+    for name in ("critic", "reward"):
+        peft_model.add_adapter(name, LoraConfig(**lora))
+    hidden = causal_lm.config.hidden_size
+    return SharedBasePolicy(peft_model, torch.nn.Linear(hidden, 1), torch.nn.Linear(hidden, 1), None, "unused").eval()
+
+
+def weights(module):
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+
+def lora_layers(module):
+    from peft.tuners.lora import LoraLayer
+
+    return [layer for layer in module.modules() if isinstance(layer, LoraLayer)]
+
+
+def engine(policy, merge):
+    from lorakit.rl.rollout import EagerEngine
+
+    args = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, world_size=1, chunked_loss=True,
+                                 generation_gather="auto", device=torch.device("cpu"))
+    eos = policy.generator().config.eos_token_id
+    return EagerEngine(policy, args, pad_id=0, answer_end_id=eos, max_answer_len=12, deepspeed_engine=lambda: None,
+                       merge=merge)
+
+
+PROMPTS = [[5, 17, 42, 9], [33, 8, 12, 14], [101, 7, 64, 12], [21, 30, 31, 40]]
+
+
+def test_merged_decoding_equals_unmerged_and_restores_every_weight_bit_for_bit(tiny_model_dir, caplog):
+    from lorakit.rl.experience import left_pad
+    from lorakit.rl.rollout import merged_adapters
+
+    policy = shared_base_policy(tiny_model_dir)
+    before = weights(policy)
+    prompt_ids, prompt_mask = left_pad(PROMPTS, 4, 0)
+    generator = policy.generator()
+    with torch.no_grad():
+        greedy = generator.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False,
+                                    max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+        mask = torch.ones_like(greedy)
+        unmerged = generator(input_ids=greedy, attention_mask=mask).logits
+        with merged_adapters(generator) as merged:
+            assert merged.layers == 3 * generator.config.num_hidden_layers
+            assert all(layer.merged for layer in lora_layers(generator))
+            merged_logits = generator(input_ids=greedy, attention_mask=mask).logits
+            merged_greedy = generator.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False,
+                                               max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+    assert (merged_logits - unmerged).abs().max().item() <= 1e-5
+    # Greedy tokens agree wherever the top-2 margin exceeds the logits' difference.
+    top2 = unmerged[:, 3:-1].topk(2, dim=-1).values
+    decided = (top2[..., 0] - top2[..., 1]) > 1e-5
+    assert decided.float().mean() > 0.9
+    assert torch.equal(merged_greedy[:, 4:][decided], greedy[:, 4:][decided]) or torch.equal(merged_greedy, greedy)
+    after = weights(policy)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(layer.merged for layer in lora_layers(generator))
+    # The critic and reward roles read the unmerged base with their own adapter after the rollout.
+    ids = greedy[:, :8]
+    with torch.no_grad():
+        values = policy.answer_values(ids, torch.ones_like(ids), 4)
+        fresh = shared_base_policy(tiny_model_dir)
+        fresh.load_state_dict(before)
+        assert torch.equal(values, fresh.answer_values(ids, torch.ones_like(ids), 4))
+
+
+def test_the_merging_engine_samples_what_the_unmerged_one_samples(tiny_model_dir, caplog):
+    from lorakit.rl.experience import left_pad
+
+    policy = shared_base_policy(tiny_model_dir)
+    before = weights(policy)
+    prompt_ids, prompt_mask = left_pad(PROMPTS, 4, 0)
+    results = {}
+    for merge in (False, True):
+        torch.manual_seed(3)
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger="lorakit.rl.rollout"):
+            results[merge] = engine(policy, merge).sample(prompt_ids, prompt_mask)
+    assert torch.equal(results[True].tokens, results[False].tokens)
+    torch.testing.assert_close(results[True].logprobs, results[False].logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(results[True].entropy, results[False].entropy, atol=1e-5, rtol=0)
+    assert all(torch.equal(before[k], value) for k, value in weights(policy).items())
+    assert "decodes on its adapter merged into the base weights (6 layers" in caplog.text
+
+
+def test_a_quantized_base_decodes_unmerged_and_says_so_once(tiny_model_dir, caplog):
+    policy = shared_base_policy(tiny_model_dir)
+    policy.causal_lm.is_loaded_in_4bit = True  # what merge_blocker reads of a bitsandbytes base
+    before = weights(policy)
+    from lorakit.rl.experience import left_pad
+
+    prompt_ids, prompt_mask = left_pad(PROMPTS, 4, 0)
+    sampler = engine(policy, merge=True)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="lorakit.rl.rollout"):
+        for _ in range(2):
+            sampler.sample(prompt_ids, prompt_mask)
+    assert caplog.text.count("decodes with its adapter unmerged: the base is quantized") == 1
+    assert all(torch.equal(before[k], value) for k, value in weights(policy).items())
+
+
+def test_the_first_update_sees_the_old_policy_it_was_given_and_the_sampler_gap_is_near_zero(tiny_model_dir):
+    """Old log-probs from a no-grad pass of the training forward over the micro-batches the first update sees: that
+    update's ratio is 1 within 1e-6 (fp32), while the sampler (the merged decode, KV cache) differs by rounding only."""
+    from lorakit.rl.experience import ExperienceMaker, epoch_chunks, micro_batches, training_metrics
+
+    policy = shared_base_policy(tiny_model_dir)
+    args = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, world_size=1, chunked_loss=True,
+                                 generation_gather="auto", device=torch.device("cpu"), enable_hybrid_engine=True,
+                                 per_device_generation_batch_size=4, per_device_training_batch_size=3, seed=5,
+                                 process_index=0, ppo_epochs=1, missing_eos_penalty=None, clip_reward_value=5.0,
+                                 gamma=1.0, lam=0.95)
+    eos = policy.generator().config.eos_token_id
+    maker = ExperienceMaker(policy, args, 0, eos, [], max_answer_len=10)
+    prompts = PROMPTS + [[9, 8, 7], [44, 45]]
+    experience = maker.make(prompts, seed=1, kl_coef=0.1, row_chunks=epoch_chunks(len(prompts), 0, 0, args))
+    metrics = training_metrics(experience, 0.1, torch.device("cpu"))
+    assert metrics["sampler_gap/logprob_abs"] < 1e-5 and 0 <= metrics["sampler_gap/kl"] < 1e-10
+    policy.train()
+    for batch in micro_batches(experience, 0, args, None):
+        outputs = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         prompt_length=batch["prompt_length"])
+        mask = batch["response_mask"].bool()
+        ratio = torch.exp(outputs["logprobs"] - batch["old_logprobs"])[mask]
+        assert outputs["logprobs"].requires_grad and (ratio - 1).abs().max().item() < 1e-6
