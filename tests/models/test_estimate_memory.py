@@ -56,6 +56,9 @@ def test_trainable_count_is_peft_count_on_a_built_model(tmp_path, tied, trainabl
     assert counts.trainable == sum(p.numel() for p in built.parameters() if p.requires_grad)
     assert counts.frozen == base_count
     assert counts.frozen_bytes == 2 * base_count  # bfloat16
+    # What PPO's merged decode copies: the targeted layers' base weights, in bfloat16.
+    assert counts.lora_targeted_bytes == 2 * sum(module.weight.numel() for name, module in base.named_modules()
+                                                 if name.rsplit(".", 1)[-1] in targets)
 
 
 def test_zero_figures_are_deepspeeds_estimators_plus_the_frozen_base(tiny_config_dir):
@@ -206,6 +209,7 @@ def test_report_names_every_shipped_config(tiny_config_dir):
     for name in ("ds_zero2_no_offload.json", "ds_zero3_no_offload.json", "ds_zero3_offload.json"):
         assert name in result.stdout
     assert "activations per GPU come on top" in result.stdout
+    assert "PPO with --enable_hybrid_engine adds" in result.stdout
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -142,6 +142,9 @@ class ParameterCounts:
     frozen: int
     frozen_bytes: int
     largest_frozen_layer_bytes: int
+    # The base weights of the LoRA-targeted layers (unquantized): what PPO's --enable_hybrid_engine copies while it
+    # decodes on the merged adapter (rl.rollout.merged_adapters).
+    lora_targeted_bytes: int = 0
 
 
 @dataclass
@@ -270,10 +273,11 @@ def quantized_weight_bytes(module: torch.nn.Module, weight: torch.nn.Parameter) 
 def count_parameters(model: torch.nn.Module) -> ParameterCounts:
     """Trainable and frozen parameters, counted per module so that shared ones count once and the
     largest layer (what ZeRO-3 gathers at a time) is known."""
-    trainable = frozen = frozen_bytes = 0
+    trainable = frozen = frozen_bytes = targeted_bytes = 0
     largest_trainable = largest_frozen_bytes = 0
     seen = set()
     for module in model.modules():
+        targeted_bytes += lora_targeted_bytes(module)
         module_trainable = module_frozen_bytes = 0
         for weight in module.parameters(recurse=False):
             if id(weight) in seen:
@@ -289,7 +293,18 @@ def count_parameters(model: torch.nn.Module) -> ParameterCounts:
         frozen_bytes += module_frozen_bytes
         largest_trainable = max(largest_trainable, module_trainable)
         largest_frozen_bytes = max(largest_frozen_bytes, module_frozen_bytes)
-    return ParameterCounts(trainable, largest_trainable, frozen, frozen_bytes, largest_frozen_bytes)
+    return ParameterCounts(trainable, largest_trainable, frozen, frozen_bytes, largest_frozen_bytes, targeted_bytes)
+
+
+def lora_targeted_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a LoRA layer's base weights where they are not quantized (a quantized base decodes unmerged); 0
+    for any other module."""
+    if not hasattr(module, "lora_A") or not hasattr(module, "get_base_layer"):
+        return 0
+    base = module.get_base_layer()
+    if any(quantized_weight_bytes(base, weight) is not None for weight in base.parameters(recurse=False)):
+        return 0
+    return sum(weight.numel() * weight.element_size() for weight in base.parameters(recurse=False))
 
 
 def model_state_bytes(counts: ParameterCounts, zero: ZeroConfig, gpus_per_node: int, num_nodes: int,
@@ -415,6 +430,8 @@ def report_lines(config: "PreTrainedConfig", args: EstimateArguments, counts: Pa
         f"GiB without, for {args.per_device_train_batch_size} x {args.max_seq_length} tokens",
         "(rule: 2 x layers x tokens x hidden bytes of checkpoints + one layer recomputed + the loss over the "
         "vocabulary; see activation_bytes)",
+        f"PPO with --enable_hybrid_engine adds {gib(counts.lora_targeted_bytes)} GiB per GPU during each rollout: "
+        "a copy of the LoRA-targeted base weights (none under ZeRO-3 or a quantized base, which decode unmerged)",
     ]
     return lines
 
