@@ -110,7 +110,9 @@ LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "k_proj", "v_
 PPO = {"kl_coef": 0.1, "clip_reward_value": 5.0, "cliprange": 0.2, "cliprange_value": 0.2, "gamma": 1.0,
        "lam": 0.95, "temperature": 1.0, "actor_learning_rate": 1e-4, "critic_learning_rate": 5e-5,
        "trl_learning_rate": 1e-4, "ppo_epochs": 1}
-ALL_RUNS = ("trl", "ours", "ours_shared", "sft")
+# ours_shared_hybrid: ours_shared with --enable_hybrid_engine (the rollout decodes on the merged adapter), beside
+# today's engine in the same run so the two meet the same machine load.
+ALL_RUNS = ("trl", "ours", "ours_shared", "ours_shared_hybrid", "sft")
 WRITE_PROMPTS = ("写一条好评。", "请写一条好评。", "写一条正面的商品评价。", "给这个商品写一句好评。",
                  "Write a positive product review.", "Write a short review of a phone you like.")
 CONTINUE_PROMPTS = ("续写这条商品评价：", "Continue this product review: ")
@@ -301,7 +303,7 @@ def child_ours(args) -> None:
     sys.argv = [str(PPO_SCRIPT),
                 "--actor_model_name_or_path", args.model, "--reward_model_name_or_path", args.model,
                 "--reward_lora_model", args.reward_adapter,
-                "--shared_base", "true" if args.child == "ours_shared" else "false",
+                "--shared_base", "true" if args.child.startswith("ours_shared") else "false",
                 "--data_path", args.data, "--data_cache_dir", os.path.join(args.workdir, "data_cache"),
                 "--max_prompt_seq_len", str(args.max_prompt_len), "--max_answer_seq_len", str(args.max_new_tokens),
                 "--temperature", str(PPO["temperature"]), "--top_p", "1.0", "--top_k", "0",
@@ -312,6 +314,8 @@ def child_ours(args) -> None:
                 "--clip_reward_value", str(PPO["clip_reward_value"]), "--cliprange", str(PPO["cliprange"]),
                 "--cliprange_value", str(PPO["cliprange_value"]), "--gamma", str(PPO["gamma"]),
                 "--lam", str(PPO["lam"])] + common_flags(args)
+    if args.child.endswith("_hybrid"):
+        sys.argv.append("--enable_hybrid_engine")
     runpy.run_path(str(PPO_SCRIPT), run_name="__main__")
 
 
@@ -452,7 +456,8 @@ def write_reward_adapter(model_dir: str, out_dir: Path) -> None:
 
 def run_child(args) -> None:
     set_torch_threads(args.threads)
-    {"trl": child_trl, "ours": child_ours, "ours_shared": child_ours, "sft": child_sft}[args.child](args)
+    {"trl": child_trl, "ours": child_ours, "ours_shared": child_ours, "ours_shared_hybrid": child_ours,
+     "sft": child_sft}[args.child](args)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -581,6 +586,8 @@ def compare(results: dict) -> Ratios:
         ratios.add(f"{ours}/trl CPU s per iteration", ours, "trl", "cpu_s_per_iteration")
         ratios.add(f"{ours}/trl peak RSS", ours, "trl", "peak_rss_mb")
     ratios.add("ours_shared/sft peak RSS", "ours_shared", "sft", "peak_rss_mb", RSS_TARGET)
+    ratios.add("ours_shared_hybrid/ours_shared s per iteration", "ours_shared_hybrid", "ours_shared", "s_per_iteration")
+    ratios.add("ours_shared_hybrid/ours_shared generation s", "ours_shared_hybrid", "ours_shared", "generation_s")
     ratios.add("ours/sft peak RSS", "ours", "sft", "peak_rss_mb")
     ratios.add("trl/sft peak RSS", "trl", "sft", "peak_rss_mb")
     return ratios
