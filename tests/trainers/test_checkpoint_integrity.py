@@ -211,3 +211,45 @@ def test_a_node_that_cannot_read_rank_zeros_checkpoint_makes_every_rank_refuse(s
         result = type("Result", (), {"returncode": launcher.returncode, "stdout": stdout, "stderr": stderr})
         check_refused(result, expected)
     assert os.listdir(nodes[1] / "out") == [] and snapshot(nodes[0] / "out") == before
+
+
+# Two ranks mark checkpoint-2 complete while rank 0, the saving rank, is still writing into it (as it writes the
+# adapter, under temporary names renamed away): no rank may walk the checkpoint to sync it before every rank has
+# finished writing, or a listed file can be gone by the time it is opened.
+MARK_WHILE_RANK_ZERO_WRITES = """
+import os, sys, time
+from types import SimpleNamespace
+import torch.distributed as dist
+from lorakit.core.atomic import write_json_atomically
+from lorakit.trainers import checkpoints
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+written = os.path.join(out, "checkpoint-2", "adapter", "written-last-by-rank-0.json")
+sync_tree = checkpoints.sync_tree
+
+def sync_once_all_have_written(directory):
+    assert os.path.exists(written), f"rank {rank} synced the checkpoint while rank 0 was still writing it"
+    sync_tree(directory)
+
+checkpoints.sync_tree = sync_once_all_have_written
+if rank == 0:
+    time.sleep(1.5)
+    write_json_atomically(written, {}, make_parents=True)
+checkpoints.mark_checkpoint_complete(SimpleNamespace(output_dir=out, should_save=rank == 0, save_total_limit=None),
+                                     SimpleNamespace(global_step=2, best_model_checkpoint=None))
+dist.destroy_process_group()
+"""
+
+
+def test_no_rank_syncs_the_checkpoint_before_the_saving_rank_has_written_it(tmp_path):
+    os.makedirs(tmp_path / "checkpoint-2")  # the Trainer makes it before any on_save
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", MARK_WHILE_RANK_ZERO_WRITES, str(rank), port, str(tmp_path)],
+                              env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [process.communicate(timeout=120)[0] for process in ranks]
+    assert [process.returncode for process in ranks] == [0, 0], "\n".join(output[-2000:] for output in outputs)
+    with open(tmp_path / "checkpoint-2" / MARKER) as handle:
+        marker = json.load(handle)
+    assert marker["step"] == 2 and list(marker["hashes"]) == ["adapter/written-last-by-rank-0.json"]

@@ -356,11 +356,15 @@ def check_weights_finite(checkpoint: str, model: nn.Module | None) -> None:
 
 
 def mark_checkpoint_complete(args: TrainingArguments, state: TrainerState, model: nn.Module | None = None) -> None:
-    """Every rank calls it after checkpoint-N is saved (on_save): each syncs what it wrote, all wait for each other
-    and check that the trainable weights are finite, then the saving process writes the marker (the identity, and
-    each file's size and content hash) and rotates the checkpoints (the Trainer's own rotation is held back until
-    now: it would remove the last complete checkpoint before the new one is complete)."""
+    """Every rank calls it after checkpoint-N is saved (on_save): all wait until every rank has written its part,
+    each syncs what its node holds, all wait again and check that the trainable weights are finite, then the saving
+    process writes the marker (the identity, and each file's size and content hash) and rotates the checkpoints (the
+    Trainer's own rotation is held back until now: it would remove the last complete checkpoint before the new one
+    is complete)."""
     checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    # The first wait: a rank that walks the checkpoint while the saving rank still writes its adapter (temporary
+    # names renamed away, files replaced by links) would find a listed file gone.
+    barrier()
     if os.path.isdir(checkpoint):
         sync_tree(checkpoint)  # what this node wrote reaches its disk
     barrier()
