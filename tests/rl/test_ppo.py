@@ -136,7 +136,8 @@ def test_held_out_reward_rises_while_kl_stays_bounded(tiny_model_dir, reward_ada
 @pytest.fixture(scope="module")
 def short_runs(tiny_model_dir, reward_adapter, prompt_file, pretrain_dir, tmp_path_factory):
     """Two iterations in each placement, and the shared one again with ptx mixing, with
-    gradient checkpointing, and with the hybrid engine (merged decode) and the sampler correction."""
+    gradient checkpointing, with the hybrid engine (merged decode) and the sampler correction, and with the
+    compiled engine (static KV cache, torch.compile: on the CPU when asked for by name)."""
     root = tmp_path_factory.mktemp("ppo_short")
     runs = {
         "shared": {"shared_base": "true"},
@@ -144,12 +145,14 @@ def short_runs(tiny_model_dir, reward_adapter, prompt_file, pretrain_dir, tmp_pa
         "ptx": {"unsupervised_dataset_dir": pretrain_dir, "unsup_coef": 0.5, "data_cache_dir": root / "cache"},
         "checkpointed": {"gradient_checkpointing": True},
         "hybrid": {"enable_hybrid_engine": True, "sampler_correction": True},
+        "compiled": {"enable_hybrid_engine": True, "rollout_engine": "compiled"},
     }
     for name, extra in runs.items():
         result = run_script(ppo_args(tiny_model_dir, reward_adapter, prompt_file, root / name, **extra),
                             script=PPO_SCRIPT)
         assert_ok(result)
         runs[name] = root / name
+        (root / name / "stdout.txt").write_text(result.stdout + result.stderr)
         if name in ("shared", "separate"):
             assert f"placement: {'shared base' if name == 'shared' else 'separate models'}" in result.stdout
     return runs
@@ -178,6 +181,17 @@ def test_each_iterations_first_update_starts_at_ratio_one_and_the_sampler_gap_is
     assert all(abs(e["sampler_correction/weight_mean"] - 1) < 1e-5 for e in hybrid), hybrid
     assert "sampler_correction/weight_mean" not in step_logs(short_runs["shared"])[0]
     assert_same_steps(step_logs(short_runs["shared"]), hybrid, tolerance=1e-4)
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_trains_what_the_eager_one_trains(short_runs):
+    """PPO's own path (shared base, merged adapter, the script's generation settings) through the compiled decode:
+    the same two iterations as the eager hybrid run, the sampler gap ~0, one compile for its one shape."""
+    compiled = step_logs(short_runs["compiled"])
+    assert all(e["sampler_gap/logprob_abs"] < 1e-5 and e["approx_kl"] < 1e-13 for e in compiled), compiled
+    assert_same_steps(step_logs(short_runs["hybrid"]), compiled, tolerance=1e-4)
+    log = (short_runs["compiled"] / "stdout.txt").read_text()
+    assert log.count("decoding step compiled for 8 rows x a KV cache of 48 (prompt bucket 32)") == 1, log[-3000:]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ equals decoding on the unmerged adapter, and leaves every weight bit-identical t
 import logging
 import types
 
+import pytest
 import torch
 
 
@@ -34,14 +35,14 @@ def lora_layers(module):
     return [layer for layer in module.modules() if isinstance(layer, LoraLayer)]
 
 
-def engine(policy, merge):
-    from lorakit.rl.rollout import EagerEngine
+def engine(policy, merge, name="eager"):
+    from lorakit.rl.rollout import rollout_engine
 
     args = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, world_size=1, chunked_loss=True,
-                                 generation_gather="auto", device=torch.device("cpu"))
+                                 generation_gather="auto", device=torch.device("cpu"), enable_hybrid_engine=merge,
+                                 rollout_engine=name)
     eos = policy.generator().config.eos_token_id
-    return EagerEngine(policy, args, pad_id=0, answer_end_id=eos, max_answer_len=12, deepspeed_engine=lambda: None,
-                       merge=merge)
+    return rollout_engine(policy, args, pad_id=0, answer_end_id=eos, max_answer_len=12, deepspeed_engine=lambda: None)
 
 
 PROMPTS = [[5, 17, 42, 9], [33, 8, 12, 14], [101, 7, 64, 12], [21, 30, 31, 40]]
@@ -125,6 +126,7 @@ def test_the_first_update_sees_the_old_policy_it_was_given_and_the_sampler_gap_i
     policy = shared_base_policy(tiny_model_dir)
     args = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, world_size=1, chunked_loss=True,
                                  generation_gather="auto", device=torch.device("cpu"), enable_hybrid_engine=True,
+                                 rollout_engine="eager",
                                  per_device_generation_batch_size=4, per_device_training_batch_size=3, seed=5,
                                  process_index=0, ppo_epochs=1, missing_eos_penalty=None, clip_reward_value=5.0,
                                  gamma=1.0, lam=0.95)
@@ -141,3 +143,50 @@ def test_the_first_update_sees_the_old_policy_it_was_given_and_the_sampler_gap_i
         mask = batch["response_mask"].bool()
         ratio = torch.exp(outputs["logprobs"] - batch["old_logprobs"])[mask]
         assert outputs["logprobs"].requires_grad and (ratio - 1).abs().max().item() < 1e-6
+
+
+def test_auto_picks_the_compiled_engine_on_cuda_only_and_a_bucket_is_a_power_of_two(tiny_model_dir):
+    from lorakit.rl.rollout import prompt_bucket
+
+    policy = shared_base_policy(tiny_model_dir)
+    assert engine(policy, merge=False, name="auto").name == "eager"  # this machine: a CPU
+    assert engine(policy, merge=False, name="compiled").name == "compiled"
+    assert [prompt_bucket(width) for width in (1, 16, 17, 33, 64, 65, 300)] == [16, 16, 32, 64, 64, 128, 512]
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_samples_what_the_eager_one_samples_and_compiles_once_per_shape(tiny_model_dir,
+                                                                                             caplog):
+    """Static KV cache and torch.compile (on the CPU when asked by name) on the merged adapter: the same tokens as
+    the eager engine from the same seed, the same statistics within 1e-5 (fp32), every weight bit-identical after;
+    one compile per (rows, prompt bucket), and a second pass over the same shapes compiles nothing."""
+    from lorakit.rl.experience import left_pad
+    from lorakit.rl.rollout import compiled_graphs
+
+    policy = shared_base_policy(tiny_model_dir)
+    before = weights(policy)
+    long_prompts = [[(7 * row + column) % 200 + 3 for column in range(17 + row)] for row in range(4)]
+    batches = [left_pad(PROMPTS, 4, 0), left_pad(PROMPTS[:2], 4, 0), left_pad(long_prompts, 20, 0)]
+    eager, compiled = engine(policy, merge=True), engine(policy, merge=True, name="compiled")
+    graphs = compiled_graphs()
+    for prompt_ids, prompt_mask in batches:
+        results = {}
+        for sampler in (eager, compiled):
+            torch.manual_seed(3)
+            with torch.no_grad(), caplog.at_level(logging.INFO, logger="lorakit.rl.rollout"):
+                results[sampler.name] = sampler.sample(prompt_ids, prompt_mask)
+        assert torch.equal(results["compiled"].tokens, results["eager"].tokens)
+        torch.testing.assert_close(results["compiled"].logprobs, results["eager"].logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(results["compiled"].entropy, results["eager"].entropy, atol=1e-5, rtol=0)
+    assert compiled.shapes == {(4, 16 + 12), (2, 16 + 12), (4, 32 + 12)} and compiled_graphs() > graphs
+    # transformers keeps each static cache as long as the longest before it: the second pass meets one new shape,
+    # the 2-row batch beside the longer cache; a third meets none and compiles nothing.
+    for expected_new_shapes in (1, 0):
+        shapes, graphs = len(compiled.shapes), compiled_graphs()
+        for prompt_ids, prompt_mask in batches:
+            with torch.no_grad():
+                compiled.sample(prompt_ids, prompt_mask)
+        assert len(compiled.shapes) - shapes == expected_new_shapes
+        assert (compiled_graphs() > graphs) == (expected_new_shapes > 0)
+    assert "decoding step compiled for 4 rows x a KV cache of 44 (prompt bucket 32)" in caplog.text
+    assert all(torch.equal(before[k], value) for k, value in weights(policy).items())

@@ -221,8 +221,11 @@ class PPOArguments(CausalLMTrainingArguments):
     )
     rollout_engine: str = field(
         default="auto",
-        metadata={"help": "What samples the rollouts (rl.rollout): eager (the actor's generate()); auto: eager (a "
-                          "compiled decode for CUDA is not built yet).", "choices": ["auto", "eager"]},
+        metadata={"help": "What samples the rollouts (rl.rollout): eager (the actor's generate()), or compiled (a "
+                          "static KV cache and the decoding step compiled by torch.compile, once per prompt-length "
+                          "bucket; ZeRO-3 and a quantized base decode eager); auto: compiled on CUDA (falling back "
+                          "to eager, said once, if the compile fails), eager elsewhere.",
+                  "choices": ["auto", "eager", "compiled"]},
     )
     sampler_correction: bool = field(
         default=False,

@@ -16,6 +16,7 @@ The sampler's log-probs are what the sampler saw; PPO's old policy comes from a 
 forward instead (rl.experience), and the gap between the two is measured (rl.ppo_math.sampler_gap)."""
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -89,7 +90,9 @@ class SampledTokenStatistics(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         self.resolve(input_ids[:, -1])
-        logits = self.latest if self.temperature == 1.0 else self.latest / self.temperature
+        # Its own copy either way: under CUDA graphs (the compiled engine) the hook's tensor is the graph's output
+        # memory, overwritten by the next step's replay, while pending is read at the next step.
+        logits = self.latest.clone() if self.temperature == 1.0 else self.latest / self.temperature
         self.entropies.append(entropy_from_logits(logits[:, None])[:, 0])
         self.pending = logits
         return scores
@@ -177,10 +180,18 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[MergedWeights]:
 
 def rollout_engine(model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int, max_answer_len: int,
                    deepspeed_engine: Callable[[], Any]) -> RolloutEngine:
-    """The engine --rollout_engine names (auto: eager; a compiled decode is not built yet), merging the
-    adapter for the rollout under --enable_hybrid_engine."""
-    return EagerEngine(model, args, pad_id, answer_end_id, max_answer_len, deepspeed_engine,
-                       merge=args.enable_hybrid_engine)
+    """The engine --rollout_engine names (auto: compiled on CUDA, eager elsewhere), merging the adapter for the
+    rollout under --enable_hybrid_engine. auto's compiled engine falls back to eager, once and said so, if the
+    compiled decode fails; an explicit --rollout_engine compiled lets the error through."""
+    choice = args.rollout_engine
+    if choice == "auto":
+        choice = "compiled" if torch.device(args.device).type == "cuda" else "eager"
+    engine_class = CompiledEngine if choice == "compiled" else EagerEngine
+    engine = engine_class(model, args, pad_id, answer_end_id, max_answer_len, deepspeed_engine,
+                          merge=args.enable_hybrid_engine)
+    if isinstance(engine, CompiledEngine):
+        engine.falls_back = args.rollout_engine == "auto"
+    return engine
 
 
 class EagerEngine:
@@ -266,6 +277,7 @@ class EagerEngine:
             return self.sample_with(generator, options, prompt_width)
 
     def sample_with(self, generator: "PreTrainedModel", options: dict[str, Any], prompt_width: int) -> SampledBatch:
+        """generate() with options; the answers, with the statistics of the logits that sampled them."""
         if self.args.chunked_loss:
             with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
                 output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))
@@ -280,3 +292,109 @@ class EagerEngine:
             logprobs, entropy = logprobs_from_logits(logits, tokens), entropy_from_logits(logits)
         return SampledBatch(tokens.cpu(), logprobs.cpu(), entropy.cpu())
 
+
+
+# The compiled engine left-pads prompts up to the next power of two of at least this width, so that the static KV
+# cache (prompt bucket + max answer tokens), and with it the compiled decoding step, takes few shapes in a run.
+MIN_PROMPT_BUCKET = 16
+# torch.compile's recompiles allowed per code object (dynamo's default is 8; past it the decode silently runs eager):
+# a run meets one shape per (rows, prompt bucket), at most two row counts (full and last batch) per bucket.
+RECOMPILE_LIMIT = 64
+
+
+def prompt_bucket(width: int) -> int:
+    """The width a prompt batch of width columns is left-padded to for the compiled decode."""
+    return max(MIN_PROMPT_BUCKET, 1 << (width - 1).bit_length())
+
+
+def compile_blocker(model: "PreTrainedModel") -> str | None:
+    """Why the actor's decode cannot be compiled, or None where it can."""
+    if is_zero3_partitioned(model.parameters()):
+        return "ZeRO-3 partitions the weights (compiled code cannot follow partitioned storage)"
+    if quantized_base(model):
+        return "the base is quantized"
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(inner, "_can_compile_fullgraph", False):
+        return f"transformers does not compile {inner.config.model_type}'s decoding step"
+    return None
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has built in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class CompiledEngine(EagerEngine):
+    """generate() with a static KV cache and its decoding step compiled by torch.compile (transformers' own
+    compiled decode: the prefill runs eager, each later step calls the compiled forward; CUDA graphs on CUDA).
+    Prompts are left-padded to a bucket width (prompt_bucket) so that a run compiles once per (rows, KV cache
+    length) shape, the length growing with the widest bucket met; each new shape's compile time and graph count are
+    logged. Where compile_blocker names a reason the
+    batch decodes as EagerEngine would, said once. falls_back (--rollout_engine auto): a failing compiled decode
+    is said once and the batch, with the random state it started from, and every later one decode eager."""
+
+    name = "compiled"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from transformers import CompileConfig
+
+        on_cuda = torch.device(self.args.device).type == "cuda"
+        self.compile_config = CompileConfig(fullgraph=False, dynamic=False,
+                                            mode="reduce-overhead" if on_cuda else "default")
+        self.compile_config._compile_all_devices = True  # compiled on the CPU too, when asked for by name
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        # transformers sizes each generate()'s static cache to the longest any earlier call needed (so that the
+        # compiled step keeps its shape): a run compiles once per (rows, cache length), the length growing by bucket.
+        self.cache_length = 0
+        self.shapes: set[tuple[int, int]] = set()
+        self.falls_back, self.eager_reason = False, None
+
+    def generation_config(self) -> GenerationConfig:
+        config = super().generation_config()
+        if self.eager_reason is None:
+            config.cache_implementation, config.compile_config = "static", self.compile_config
+        return config
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SampledBatch:
+        reason = self.eager_reason or compile_blocker(self.model.generator())
+        if reason:
+            if reason != self.eager_reason:
+                self.eager_reason = reason
+                logger.info("rollout: the decode runs eager, not compiled: %s", reason)
+            return EagerEngine.sample(self, prompt_ids, prompt_mask)
+        padding = prompt_bucket(prompt_ids.shape[1]) - prompt_ids.shape[1]
+        prompt_ids = torch.nn.functional.pad(prompt_ids, (padding, 0), value=self.pad_id)
+        prompt_mask = torch.nn.functional.pad(prompt_mask, (padding, 0), value=0)
+        random_state = torch.random.get_rng_state(), on_cuda_rng_state(self.args.device)
+        try:
+            return self.sample_counting_compiles(prompt_ids, prompt_mask)
+        except Exception as error:
+            if not self.falls_back:
+                raise
+            self.eager_reason = f"the compiled decode failed ({type(error).__name__}: {error})"
+            logger.warning("rollout: %s; decoding eager from now on", self.eager_reason)
+            torch.random.set_rng_state(random_state[0])
+            if random_state[1] is not None:
+                torch.cuda.set_rng_state(random_state[1], torch.device(self.args.device))
+            return EagerEngine.sample(self, prompt_ids, prompt_mask)
+
+    def sample_counting_compiles(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SampledBatch:
+        self.cache_length = max(self.cache_length, prompt_ids.shape[1] + self.max_answer_len)
+        shape = (prompt_ids.shape[0], self.cache_length)
+        graphs, started = compiled_graphs(), time.perf_counter()
+        sampled = EagerEngine.sample(self, prompt_ids, prompt_mask)
+        if shape not in self.shapes:
+            self.shapes.add(shape)
+            logger.info("rollout: decoding step compiled for %d rows x a KV cache of %d (prompt bucket %d): %.1f s "
+                        "for the batch, %d new graphs, %d shapes so far", shape[0], shape[1], prompt_ids.shape[1],
+                        time.perf_counter() - started, compiled_graphs() - graphs, len(self.shapes))
+        return sampled
+
+
+def on_cuda_rng_state(device: torch.device | str) -> torch.Tensor | None:
+    """The CUDA generator's state of device, or None off CUDA."""
+    device = torch.device(device)
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
