@@ -169,14 +169,16 @@ def test_shared_base_and_separate_models_give_the_same_iterations(short_runs):
 
 @pytest.mark.slow
 def test_each_iterations_first_update_starts_at_ratio_one_and_the_sampler_gap_is_logged(short_runs):
-    """One optimizer step per iteration (8 rows, one micro-batch, one epoch): each step is its iteration's first
-    update, whose old log-probs came from the training forward, so its ratio is 1 (approx_kl, the mean of
-    0.5 log^2 ratio, is below 1e-13: |log ratio| <~ 1e-6 per token; nothing clipped), whichever engine sampled.
+    """One optimizer step per iteration (8 rows, one micro-batch, one epoch): each step is its iteration's only
+    update, whose own detached log-probs are the old policy (no pass before it), so its ratio is exactly 1
+    (approx_kl 0, nothing clipped), whichever engine sampled; the update measures the sampler gap, ~0 in fp32.
     The merged decode samples what the unmerged one does; the correction's weights are ~1 in fp32."""
     for name in ("shared", "separate", "hybrid"):
         for entry in step_logs(short_runs[name]):
-            assert entry["approx_kl"] < 1e-13 and entry["policy_clipfrac"] == 0, (name, entry)
+            assert entry["approx_kl"] == 0 and entry["policy_clipfrac"] == 0, (name, entry)
             assert entry["sampler_gap/logprob_abs"] < 1e-5 and 0 <= entry["sampler_gap/kl"] < 1e-9, (name, entry)
+        log = (short_runs[name] / "stdout.txt").read_text()
+        assert "old policy: each rollout trains one optimizer step, whose own log-probs serve" in log
     hybrid = step_logs(short_runs["hybrid"])
     assert all(abs(e["sampler_correction/weight_mean"] - 1) < 1e-5 for e in hybrid), hybrid
     assert "sampler_correction/weight_mean" not in step_logs(short_runs["shared"])[0]

@@ -118,12 +118,10 @@ def test_a_quantized_base_decodes_unmerged_and_says_so_once(tiny_model_dir, capl
     assert all(torch.equal(before[k], value) for k, value in weights(policy).items())
 
 
-def test_the_first_update_sees_the_old_policy_it_was_given_and_the_sampler_gap_is_near_zero(tiny_model_dir):
-    """Old log-probs from a no-grad pass of the training forward over the micro-batches the first update sees: that
-    update's ratio is 1 within 1e-6 (fp32), while the sampler (the merged decode, KV cache) differs by rounding only."""
-    from lorakit.rl.experience import ExperienceMaker, epoch_chunks, micro_batches, training_metrics
+def experience_maker(policy):
+    """(args, an ExperienceMaker) for policy: merged decode, 6 prompts in micro-batches of 3, fp32."""
+    from lorakit.rl.experience import ExperienceMaker
 
-    policy = shared_base_policy(tiny_model_dir)
     args = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, world_size=1, chunked_loss=True,
                                  generation_gather="auto", device=torch.device("cpu"), enable_hybrid_engine=True,
                                  rollout_engine="eager",
@@ -131,7 +129,16 @@ def test_the_first_update_sees_the_old_policy_it_was_given_and_the_sampler_gap_i
                                  process_index=0, ppo_epochs=1, missing_eos_penalty=None, clip_reward_value=5.0,
                                  gamma=1.0, lam=0.95)
     eos = policy.generator().config.eos_token_id
-    maker = ExperienceMaker(policy, args, 0, eos, [], max_answer_len=10)
+    return args, ExperienceMaker(policy, args, 0, eos, [], max_answer_len=10)
+
+
+def test_the_first_update_sees_the_old_policy_it_was_given_and_the_sampler_gap_is_near_zero(tiny_model_dir):
+    """Old log-probs from a no-grad pass of the training forward over the micro-batches the first update sees: that
+    update's ratio is 1 within 1e-6 (fp32), while the sampler (the merged decode, KV cache) differs by rounding only."""
+    from lorakit.rl.experience import epoch_chunks, micro_batches, training_metrics
+
+    policy = shared_base_policy(tiny_model_dir)
+    args, maker = experience_maker(policy)
     prompts = PROMPTS + [[9, 8, 7], [44, 45]]
     experience = maker.make(prompts, seed=1, kl_coef=0.1, row_chunks=epoch_chunks(len(prompts), 0, 0, args))
     metrics = training_metrics(experience, 0.1, torch.device("cpu"))
@@ -143,6 +150,43 @@ def test_the_first_update_sees_the_old_policy_it_was_given_and_the_sampler_gap_i
         mask = batch["response_mask"].bool()
         ratio = torch.exp(outputs["logprobs"] - batch["old_logprobs"])[mask]
         assert outputs["logprobs"].requires_grad and (ratio - 1).abs().max().item() < 1e-6
+
+
+def test_a_rollout_that_trains_one_step_takes_the_old_policy_from_that_update_with_no_pass_before_it(
+        tiny_model_dir):
+    """old_from_update (one optimizer step per rollout): make() runs no training forward for the old policy; the
+    KL penalty is shaped with the sampler's log-probs, which differ from the training forward's by rounding only in
+    fp32, so rewards, advantages and returns match the experience made with the pass; the update's own log-probs
+    are the ones that pass would have given (within 1e-6)."""
+    from lorakit.rl.experience import epoch_chunks, micro_batches, training_metrics
+
+    policy = shared_base_policy(tiny_model_dir)
+    args, maker = experience_maker(policy)
+    prompts = PROMPTS + [[9, 8, 7], [44, 45]]
+    chunks = epoch_chunks(len(prompts), 0, 0, args)
+    forward, calls = policy.forward, []
+    policy.forward = lambda *a, **k: calls.append(k.get("values")) or forward(*a, **k)
+    experiences = {}
+    for old_from_update in (False, True):
+        calls.clear()
+        experiences[old_from_update] = maker.make(prompts, seed=1, kl_coef=0.1, row_chunks=chunks,
+                                                  old_from_update=old_from_update)
+        assert calls == ([] if old_from_update else [False, False])  # no pass, or one per micro-batch of 3
+    passed, reused = experiences[False], experiences[True]
+    assert torch.equal(passed.input_ids, reused.input_ids) and torch.equal(reused.old_logprobs,
+                                                                          reused.sampler_logprobs)
+    for name in ("kl", "rewards", "advantages", "returns"):
+        torch.testing.assert_close(getattr(reused, name), getattr(passed, name), atol=1e-5, rtol=0)
+    assert "sampler_gap/kl" not in training_metrics(reused, 0.1, torch.device("cpu"))  # the update measures it
+    del policy.forward
+    policy.train()
+    for batch, passed_batch in zip(micro_batches(reused, 0, args, None), micro_batches(passed, 0, args, None),
+                                   strict=True):
+        assert batch["old_from_update"] and not passed_batch["old_from_update"]
+        outputs = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         prompt_length=batch["prompt_length"])
+        mask = batch["response_mask"].bool()
+        assert (outputs["logprobs"] - passed_batch["old_logprobs"])[mask].abs().max().item() < 1e-6
 
 
 def test_auto_picks_the_compiled_engine_on_cuda_only_and_a_bucket_is_a_power_of_two(tiny_model_dir):

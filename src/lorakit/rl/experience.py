@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 TRAINING_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "sampler_logprobs", "old_values",
                    "advantages", "returns")
 
-# One micro-batch for the Trainer: TRAINING_FIELDS' tensors, the int prompt_length, and ptx_input_ids.
-MicroBatch = dict[str, torch.Tensor | int]
+# One micro-batch for the Trainer: TRAINING_FIELDS' tensors, the int prompt_length, the bool old_from_update, and
+# ptx_input_ids.
+MicroBatch = dict[str, torch.Tensor | int | bool]
 
 
 @dataclass
@@ -97,7 +98,10 @@ class Experience:
     kl              [B, A] float  log pi - log pi_ref per token
     rewards         [B, A] float  -kl_coef * kl per token, plus the clipped score at the last real token
     advantages      [B, A] float  GAE advantages, whitened over the batch
-    returns         [B, A] float  the critic's targets (advantages before whitening + values)"""
+    returns         [B, A] float  the critic's targets (advantages before whitening + values)
+    old_from_update bool          the rollout trains one optimizer step only: the update's own detached log-probs
+                                  are the old policy (no pass before it), old_logprobs hold the sampler's (what
+                                  the KL penalty was shaped with) and the sampler gap is measured in the update"""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -114,20 +118,23 @@ class Experience:
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    old_from_update: bool = False
 
     def training_rows(self, rows: torch.Tensor) -> MicroBatch:
-        """The Trainer's inputs for the given rows: TRAINING_FIELDS, each [rows, ...], and prompt_length."""
+        """The Trainer's inputs for the given rows: TRAINING_FIELDS, each [rows, ...], prompt_length and
+        old_from_update."""
         batch = {name: getattr(self, name)[rows.to(self.input_ids.device)] for name in TRAINING_FIELDS}
-        batch["prompt_length"] = self.prompt_length
+        batch["prompt_length"], batch["old_from_update"] = self.prompt_length, self.old_from_update
         return batch
 
 
 def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, args: "PPOArguments",
-                     sampler_logprobs: torch.Tensor | None = None) -> Experience:
+                     sampler_logprobs: torch.Tensor | None = None, old_from_update: bool = False) -> Experience:
     """The experience of a scored rollout: per-token KL-penalised rewards with the (penalised,
     clipped) score at each answer's end, then whitened GAE advantages and returns. args supplies
     missing_eos_penalty, clip_reward_value, gamma and lam (the run's PPOArguments). rollout.logprobs
-    are the old policy's; sampler_logprobs (default: the same) the sampler's."""
+    are the old policy's (old_from_update: the sampler's, the update taking its own); sampler_logprobs
+    (default: the same) the sampler's."""
     mask = rollout.response_mask
     scores = penalised_scores(scored.scores, rollout.has_eos, args.missing_eos_penalty)
     rewards, kl = kl_penalty_rewards(rollout.logprobs, scored.ref_logprobs, scores, mask, kl_coef,
@@ -138,7 +145,7 @@ def shape_experience(rollout: Rollout, scored: RolloutScores, kl_coef: float, ar
         response_mask=mask, has_eos=rollout.has_eos, old_logprobs=rollout.logprobs,
         sampler_logprobs=rollout.logprobs if sampler_logprobs is None else sampler_logprobs,
         ref_logprobs=scored.ref_logprobs, old_values=scored.values, entropy=rollout.entropy, scores=scores, kl=kl,
-        rewards=rewards, advantages=advantages, returns=returns)
+        rewards=rewards, advantages=advantages, returns=returns, old_from_update=old_from_update)
 
 
 # -- prompts, padding, answer ends ----------------------------------------------
@@ -280,17 +287,20 @@ class ExperienceMaker:
                                      deepspeed_engine or (lambda: None))
 
     def make(self, prompt_rows: list[list[int]], seed: int, kl_coef: float, times: PhaseTimes | None = None,
-             row_chunks: list[torch.Tensor] | None = None) -> Experience:
+             row_chunks: list[torch.Tensor] | None = None, old_from_update: bool = False) -> Experience:
         """Sample answers to prompt_rows (token ids) with the given seed, take the old policy's log-probs
         from the training forward (old_logprobs, over row_chunks), score and shape them; the phases'
-        seconds go to times as time_generation and time_scoring."""
+        seconds go to times as time_generation and time_scoring. old_from_update (the rollout trains one
+        optimizer step only): no pass for the old policy, the update takes its own (Experience.old_from_update)."""
         times = times or PhaseTimes("time_generation", "time_scoring")
         self.model.eval()
         with times.timing("time_generation"), torch.no_grad():
             sampled = self.generate(prompt_rows, seed)
         with times.timing("time_scoring"):
-            rollout = replace(sampled, logprobs=self.old_logprobs(sampled, row_chunks))
-            return shape_experience(rollout, self.score(rollout), kl_coef, self.args, sampled.logprobs)
+            rollout = sampled if old_from_update else replace(sampled,
+                                                               logprobs=self.old_logprobs(sampled, row_chunks))
+            return shape_experience(rollout, self.score(rollout), kl_coef, self.args, sampled.logprobs,
+                                    old_from_update)
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout, row_chunks: list[torch.Tensor] | None) -> torch.Tensor:
@@ -407,9 +417,10 @@ def experience_metrics(experience: Experience, device: torch.device,
         stats.add(name, (values * weights).sum().item(), weights.sum().item())
     token_weights = mask * weights[:, None]
     stats.add("entropy", (experience.entropy * token_weights).sum().item(), token_weights.sum().item())
-    gap = sampler_gap(experience.old_logprobs, experience.sampler_logprobs, token_weights)
-    stats.add("sampler_gap/logprob_abs", gap.logprob_abs, gap.count)
-    stats.add("sampler_gap/kl", gap.kl, gap.count)
+    if not experience.old_from_update:  # else the update measures it (PPOTrainer.compute_loss)
+        gap = sampler_gap(experience.old_logprobs, experience.sampler_logprobs, token_weights)
+        stats.add("sampler_gap/logprob_abs", gap.logprob_abs, gap.count)
+        stats.add("sampler_gap/kl", gap.kl, gap.count)
     metrics = stats.reduced(device)
     metrics["reward_std"] = math.sqrt(max(metrics.pop("reward_sq") - metrics["reward_mean"] ** 2, 0.0))
     return metrics

@@ -41,6 +41,7 @@ from lorakit.rl.ppo_math import (
     masked_mean,
     policy_loss,
     sampler_correction_weights,
+    sampler_gap,
     value_loss,
 )
 from lorakit.trainers.causal_lm import ResumableTrainer
@@ -90,6 +91,9 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         self.unsup_coef = data_args.unsup_coef
         self.tokenizer = tokenizer
         self.steps_per_iteration = steps_per_iteration
+        logger.info("old policy: %s", "each rollout trains one optimizer step, whose own log-probs serve (no pass "
+                    "before it)" if steps_per_iteration == 1 else f"each rollout trains {steps_per_iteration} "
+                    "optimizer steps: one no-grad pass of the training forward before them")
         self.kl_ctl = make_kl_controller(self.args.kl_ctl, self.args.target_kl, self.args.kl_horizon)
         # The token that ends an answer: the template's turn-end token (Phi-3's <|end|>, Gemma's
         # <end_of_turn>) where it is not EOS; generation stops on it and scores are read after the
@@ -119,8 +123,8 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         args, kl_coef = self.args, self.kl_ctl.value
         rows = iteration_prompt_rows(self.prompts, iteration, args)
         seed = derived_seed(args.seed, iteration, args.process_index, 1)
-        experience = self.maker.make(rows, seed, kl_coef, self.times,
-                                     epoch_chunks(len(rows), iteration, 0, args))
+        experience = self.maker.make(rows, seed, kl_coef, self.times, epoch_chunks(len(rows), iteration, 0, args),
+                                     old_from_update=self.steps_per_iteration == 1)
         self.experience_stats = training_metrics(experience, kl_coef, args.device)
         self.kl_ctl.update(self.experience_stats["kl"], len(rows) * args.world_size)
         if args.print_answers and iteration % args.print_answers_interval == 0 and args.should_log:
@@ -139,13 +143,14 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         prompt_length=inputs["prompt_length"], ptx_input_ids=inputs.get("ptx_input_ids"))
         mask, weights, stats = inputs["response_mask"], None, {}
+        old_logprobs = self.old_logprobs(outputs["logprobs"], inputs)
         if self.args.sampler_correction:
-            weights = sampler_correction_weights(inputs["old_logprobs"], inputs["sampler_logprobs"],
+            weights = sampler_correction_weights(old_logprobs, inputs["sampler_logprobs"],
                                                  self.args.sampler_correction_cap)
             stats = {"sampler_correction/weight_mean": masked_mean(weights, mask),
                      "sampler_correction/capped_fraction": masked_mean(
                          (weights >= self.args.sampler_correction_cap).float(), mask)}
-        actor_loss, clipfrac, approx_kl = policy_loss(outputs["logprobs"], inputs["old_logprobs"],
+        actor_loss, clipfrac, approx_kl = policy_loss(outputs["logprobs"], old_logprobs,
                                                       inputs["advantages"], mask, self.args.cliprange, weights)
         critic_loss, value_clipfrac = value_loss(outputs["values"], inputs["old_values"], inputs["returns"], mask,
                                                  self.args.cliprange_value)
@@ -159,6 +164,18 @@ class PPOTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         for name, value in stats.items():
             self.train_stats.add(name, value.item())
         return (loss, outputs) if return_outputs else loss
+
+    def old_logprobs(self, logprobs: torch.Tensor, inputs: MicroBatch) -> torch.Tensor:
+        """The old policy's log-probs for this micro-batch: the experience's, or, where the rollout trains this one
+        optimizer step only (old_from_update), this forward's own, detached (the weights have not moved since the
+        rollout: TRL's shortcut, one no-grad pass fewer), with the sampler gap measured here."""
+        if not inputs["old_from_update"]:
+            return inputs["old_logprobs"]
+        old_logprobs = logprobs.detach()
+        gap = sampler_gap(old_logprobs, inputs["sampler_logprobs"], inputs["response_mask"])
+        self.train_stats.add("sampler_gap/logprob_abs", gap.logprob_abs, gap.count)
+        self.train_stats.add("sampler_gap/kl", gap.kl, gap.count)
+        return old_logprobs
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer with actor and critic in their own parameter groups: two learning
