@@ -62,8 +62,8 @@ test-fast: lint $(STAMP) $(VENDOR_STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo/run_demo.py $(if $(QUICK),--quick,)
 
-# On a machine with a CUDA GPU: LoRA SFT throughput and MFU, QLoRA, the chunked loss's peak memory and PPO's
-# iteration split at 1B and 7B shapes (benchmarks/bench_gpu.py; outputs/bench/gpu.json). Without a GPU it says so
+# On a machine with a CUDA GPU: LoRA SFT throughput and MFU, QLoRA, the chunked loss's peak memory, PPO's
+# iteration split and the rollout engines' ms per token at 1B and 7B shapes (benchmarks/bench_gpu.py; outputs/bench/gpu.json). Without a GPU it says so
 # and exits 2; `make gpu-check ARGS=--cpu_smoke` runs its code paths on tiny shapes on the CPU.
 gpu-check: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py $(ARGS)

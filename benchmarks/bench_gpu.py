@@ -35,7 +35,14 @@ Measurements (each model; --measure picks):
 * ppo     run_ppo.py --shared_base true, --ppo_prompts prompts x --ppo_answer_len new tokens per iteration,
           an untrained reward adapter (bench_ppo.write_reward_adapter): seconds per iteration split into
           generation, scoring and training (run_ppo's own timers, each made to synchronise the GPU before
-          reading the clock), median over the iterations after the first.
+          reading the clock), median over the iterations after the first; once as run_ppo.py's defaults
+          decode (eager, the adapter unmerged) and once with --enable_hybrid_engine --rollout_engine compiled.
+* rollout the rollout engines (lorakit.rl.rollout) on one actor, built once in one process: the model with a
+          LoRA adapter (r 8, all linear layers, B not zero) sampling --ppo_prompts prompts of --ppo_prompt_len
+          tokens, up to --ppo_answer_len new ones: milliseconds per new token (median of 3 timed calls after
+          one warm-up call) eager with the adapter unmerged (what PPO's actor paid), eager merged
+          (--enable_hybrid_engine), and compiled merged (static KV cache, torch.compile with CUDA graphs; its
+          warm-up call pays the compile, reported with the graphs it built).
 
 MFU (model FLOPs utilisation) = model FLOPs of the measured steps / (their seconds x the GPU's peak dense
 bf16 FLOP/s). Model FLOPs of one LoRA training pass over a sample of t tokens (training_flops):
@@ -48,8 +55,10 @@ N_lora: the trained LoRA weights, 6 per token as in full training. 12 L d t: PaL
 non-padding tokens count, packed samples by their own length. Peak bf16 dense FLOP/s by device name
 (PEAK_BF16_TFLOPS; H100 SXM and H200: 989 TFLOP/s); for another GPU the MFU is not reported.
 
-Targets (issue): LoRA SFT MFU >= 45% on an H100 at 7B shapes, seq 2048 (the best run of each 7B model);
-peak memory at 8k tokens with the chunked loss <= 0.5 x transformers' own loss path.
+Targets (issues): LoRA SFT MFU >= 45% on an H100 at 7B shapes, seq 2048 (the best run of each 7B model);
+peak memory at 8k tokens with the chunked loss <= 0.5 x transformers' own loss path; on an H100 or H200 at
+the Llama-7B shape, batch 8 x 256 new tokens: the compiled decode <= 12 ms per new token and a PPO
+iteration with it <= 5 s.
 
 Without a CUDA device the script says so in one line and exits 2. --cpu_smoke runs every measurement on
 tiny shapes (2 layers, seq 64) on the CPU in one child, to check the code paths: its figures mean nothing
@@ -71,6 +80,7 @@ from collections import deque
 from contextlib import contextmanager, nullcontext
 from itertools import pairwise
 from pathlib import Path
+from types import SimpleNamespace
 
 from measure import (
     REPO,
@@ -90,7 +100,7 @@ from measure import (
 SFT_SCRIPT = REPO / "scripts" / "training" / "run_sft_with_peft.py"
 PPO_SCRIPT = REPO / "scripts" / "training" / "run_ppo.py"
 SEED = 42
-MEASUREMENTS = ("sft", "qlora", "memory", "ppo")
+MEASUREMENTS = ("sft", "qlora", "memory", "ppo", "rollout")
 # (family, config fields, rows per SFT batch at --seq_len): the published configs' shapes.
 SHAPES = {
     "llama-1b": ("llama", {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -115,6 +125,10 @@ SMOKE_SHAPES = {"llama-tiny": ("llama", {**TINY, "tie_word_embeddings": False}, 
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
                     ("A100", 312.0), ("L40S", 362.0))
 MFU_TARGET, MEMORY_TARGET = 0.45, 0.5
+DECODE_MS_TARGET, PPO_ITERATION_S_TARGET = 12.0, 5.0  # Llama-7B shape, 8 x 256, on an H100 or H200
+# (label, --rollout_engine, --enable_hybrid_engine) of each engine the rollout measurement times, in this order.
+ROLLOUT_ENGINES = (("eager, adapter unmerged", "eager", False), ("eager, adapter merged", "eager", True),
+                   ("compiled, adapter merged", "compiled", True))
 SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 
 
@@ -297,7 +311,9 @@ def memory_specs(settings: dict, model: str, paths: dict) -> list:
     return specs
 
 
-def ppo_spec(settings: dict, model: str, paths: dict) -> dict:
+def ppo_spec(settings: dict, model: str, paths: dict, compiled: bool = False) -> dict:
+    """run_ppo.py's flags for one PPO run: its default eager decode, or (compiled) the merged adapter and the
+    compiled decode."""
     model_dir = paths[f"model:{model}"]
     options = {"actor_model_name_or_path": model_dir, "reward_model_name_or_path": model_dir,
                "reward_lora_model": paths[f"reward:{model}"], "data_path": paths["prompts"],
@@ -307,10 +323,19 @@ def ppo_spec(settings: dict, model: str, paths: dict) -> dict:
                "per_device_training_batch_size": settings["ppo_prompts"], "max_steps": settings["ppo_iterations"],
                "temperature": 1.0, "top_k": 0, "top_p": 1.0, "attn_implementation": "sdpa", "report_to": "none",
                "save_strategy": "no", "logging_steps": 1, "seed": SEED}
+    if compiled:
+        options.update(enable_hybrid_engine="true", rollout_engine="compiled")
     flags = list(settings["precision"])
     for name, value in options.items():
         flags += [f"--{name}", str(value)]
-    return {"name": f"{model}/ppo", "kind": "ppo", "group": "ppo", "model": model, "flags": flags}
+    return {"name": f"{model}/ppo{'-compiled' if compiled else ''}", "kind": "ppo", "group": "ppo", "model": model,
+            "flags": flags}
+
+
+def rollout_spec(settings: dict, model: str, paths: dict) -> dict:
+    return {"name": f"{model}/rollout", "kind": "rollout", "group": "rollout", "model": model,
+            "model_dir": paths[f"model:{model}"], "smoke": settings["smoke"], "rows": settings["ppo_prompts"],
+            "prompt_len": settings["ppo_prompt_len"], "answer_len": settings["ppo_answer_len"], "timed_calls": 3}
 
 
 def measurement_specs(settings: dict, paths: dict, attentions: list) -> list:
@@ -320,7 +345,9 @@ def measurement_specs(settings: dict, paths: dict, attentions: list) -> list:
         if "memory" in settings["measure"]:
             specs += memory_specs(settings, model, paths)
         if "ppo" in settings["measure"]:
-            specs.append(ppo_spec(settings, model, paths))
+            specs += [ppo_spec(settings, model, paths), ppo_spec(settings, model, paths, compiled=True)]
+        if "rollout" in settings["measure"]:
+            specs.append(rollout_spec(settings, model, paths))
     return specs
 
 
@@ -553,7 +580,8 @@ def run_specs(specs: list, workdir: Path) -> dict:
         run_dir = workdir / f"run{number}"
         run_dir.mkdir(parents=True)
         try:
-            results[spec["name"]] = prepare_inputs(spec) if spec["kind"] == "prepare" else run_script(spec, run_dir)
+            measure = {"prepare": prepare_inputs, "rollout": measure_rollout}.get(spec["kind"])
+            results[spec["name"]] = measure(spec) if measure else run_script(spec, run_dir)
         except (Exception, SystemExit) as err:  # noqa: BLE001 - every failure is reported with the run
             results[spec["name"]] = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"}
         gc.collect()
@@ -587,6 +615,69 @@ def prepare_inputs(spec: dict) -> dict:
             write_reward_adapter(spec["model_dirs"][model], Path(spec["reward_dirs"][model]))
     return {"device": torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)",
             "attentions": ["sdpa"] + (["flash_attention_2"] if on_gpu and flash_attention_2_available() else [])}
+
+
+def rollout_actor(spec: dict):
+    """(the actor as the rollout engines take it, its device): the spec's model, bf16 on a GPU, with a seeded
+    LoRA adapter on every linear layer whose B is not zero (so a merge changes the weights)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    on_gpu = torch.cuda.is_available() and not spec["smoke"]
+    device = torch.device("cuda" if on_gpu else "cpu")
+    network = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if on_gpu else torch.float32,
+                                                   attn_implementation="sdpa").to(device)
+    torch.manual_seed(SEED)
+    lora = LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    actor = get_peft_model(network, lora).eval()
+    return SimpleNamespace(generator=lambda: actor), device
+
+
+def time_engine(engine, prompt_ids, prompt_mask, calls: int) -> dict:
+    """One warm-up call (timed: the compiled engine compiles there), then calls timed ones from the same seed:
+    milliseconds per new token (the batch's answer width), their median."""
+    import time
+
+    import torch
+
+    def one_call() -> tuple:
+        torch.manual_seed(SEED)
+        device_sync()
+        started = time.perf_counter()
+        with torch.no_grad():
+            sampled = engine.sample(prompt_ids, prompt_mask)
+        device_sync()
+        return time.perf_counter() - started, sampled.tokens.shape[1]
+
+    first_s, _ = one_call()
+    timed = [one_call() for _ in range(calls)]
+    return {"first_call_s": first_s, "answer_len": timed[-1][1],
+            "ms_per_token": statistics.median(1000 * seconds / width for seconds, width in timed)}
+
+
+def measure_rollout(spec: dict) -> dict:
+    """Each of ROLLOUT_ENGINES on one actor built once (rollout_actor), PPO's sampling settings, prompts of random
+    ids: time_engine's figures, and the graphs the compiled engine built."""
+    import torch
+
+    from lorakit.rl.rollout import compiled_graphs, rollout_engine
+
+    policy, device = rollout_actor(spec)
+    config = policy.generator().config
+    generator = torch.Generator().manual_seed(SEED)
+    prompt_ids = torch.randint(3, config.vocab_size, (spec["rows"], spec["prompt_len"]), generator=generator)
+    prompt_ids, prompt_mask = prompt_ids.to(device), torch.ones_like(prompt_ids).to(device)
+    figures = {"engines": {}, "device_memory_mb": None}
+    for label, name, merge in ROLLOUT_ENGINES:
+        args = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, world_size=1, chunked_loss=True, device=device,
+                               generation_gather="auto", enable_hybrid_engine=merge, rollout_engine=name)
+        engine = rollout_engine(policy, args, 0, config.eos_token_id, spec["answer_len"], lambda: None)
+        graphs = compiled_graphs()
+        figures["engines"][label] = {**time_engine(engine, prompt_ids, prompt_mask, spec["timed_calls"]),
+                                     "graphs": compiled_graphs() - graphs}
+    figures["device_memory_mb"] = device_memory_mb()
+    return figures
 
 
 def flash_attention_2_available() -> bool:
@@ -704,6 +795,39 @@ def ppo_row(name: str, r: dict) -> str:
             f"{r['training_s']:>10.2f} {r['response_length']:>10.1f} {gb(r['peak_memory_mb']):>8}")
 
 
+def rollout_lines(results: dict) -> list:
+    """One table line per engine of each rollout measurement (or the measurement's error)."""
+    lines = []
+    for name, r in results.items():
+        if r["group"] != "rollout":
+            continue
+        if "error" in r:
+            lines.append(f"{name:<20} FAILED: {r['error'][:80]}")
+            continue
+        for label, e in r["engines"].items():
+            lines.append(f"{name:<20} {label:<26} {e['ms_per_token']:>10.2f} {e['answer_len']:>10} "
+                         f"{e['first_call_s']:>12.1f} {e['graphs']:>7}")
+    return lines
+
+
+def rollout_verdicts(finished: dict, device: str) -> list:
+    """The decode and PPO-iteration targets, judged at the Llama-7B shape on an H100 or H200 only."""
+    if not any(gpu in device for gpu in ("H100", "H200")):
+        return []
+    verdicts = []
+    rollout = finished.get("llama-7b/rollout")
+    if rollout:
+        value = rollout["engines"][ROLLOUT_ENGINES[-1][0]]["ms_per_token"]
+        verdicts.append({"target": f"llama-7b: compiled decode <= {DECODE_MS_TARGET} ms per new token (batch 8)",
+                         "value": value, "meets": value <= DECODE_MS_TARGET})
+    ppo = finished.get("llama-7b/ppo-compiled")
+    if ppo:
+        value = ppo["iteration_s"]
+        verdicts.append({"target": f"llama-7b: PPO iteration (8 x 256, compiled decode) <= {PPO_ITERATION_S_TARGET} s",
+                         "value": value, "meets": value <= PPO_ITERATION_S_TARGET})
+    return verdicts
+
+
 def judge(results: dict, settings: dict, device: str) -> tuple:
     """(the memory ratios, the verdicts of both targets) over the runs that finished."""
     finished = {name: r for name, r in results.items() if "error" not in r}
@@ -724,7 +848,7 @@ def judge(results: dict, settings: dict, device: str) -> tuple:
         if model.endswith("-7b") and mfus and "H100" in device and settings["seq_len"] == 2048:
             verdicts.append({"target": f"{model}: best LoRA SFT MFU >= {MFU_TARGET:.0%} (H100, seq 2048)",
                              "value": max(mfus), "meets": max(mfus) >= MFU_TARGET})
-    return ratios, verdicts
+    return ratios, verdicts + rollout_verdicts(finished, device)
 
 
 def print_report(results: dict, settings: dict, prepared: dict, peak_flops, ratios: Ratios, verdicts: list) -> None:
@@ -743,10 +867,17 @@ def print_report(results: dict, settings: dict, prepared: dict, peak_flops, rati
           "(seconds, median over the iterations after the first)")
     print_table(f"{'run':<20} {'iteration s':>11} {'generation s':>12} {'scoring s':>9} {'training s':>10} "
                 f"{'answer len':>10} {'peak GB':>8}", group_lines(results, "ppo", 20, ppo_row))
+    print(f"\nRollout engines, {settings['ppo_prompts']} prompts of {settings['ppo_prompt_len']} tokens, up to "
+          f"{settings['ppo_answer_len']} new tokens, the actor built once (ms per new token: median of 3 calls "
+          "after a warm-up call, which pays any compile)")
+    print_table(f"{'run':<20} {'engine':<26} {'ms/token':>10} {'answer len':>10} {'warm-up s':>12} {'graphs':>7}",
+                rollout_lines(results))
     ratios.print(56)
     for verdict in verdicts:
         if "MFU" in verdict["target"]:
             print(f"{verdict['target']}: {100 * verdict['value']:.1f}% ({'meets' if verdict['meets'] else 'MISSES'})")
+        elif "memory ratio" not in verdict["target"]:
+            print(f"{verdict['target']}: {verdict['value']:.2f} ({'meets' if verdict['meets'] else 'MISSES'})")
     if settings["smoke"]:
         print("\n(--cpu_smoke: tiny shapes on the CPU, every run in one process: the figures only show that each "
               "code path runs; memory is the process's peak RSS so far)")
