@@ -630,7 +630,7 @@ def rollout_actor(spec: dict):
                                                    attn_implementation="sdpa").to(device)
     torch.manual_seed(SEED)
     lora = LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
-    actor = get_peft_model(network, lora).eval()
+    actor = get_peft_model(network, lora).eval().get_base_model()  # LoRA layers in the model, as PPO's actor
     return SimpleNamespace(generator=lambda: actor), device
 
 
@@ -791,7 +791,7 @@ def memory_row(name: str, r: dict) -> str:
 
 
 def ppo_row(name: str, r: dict) -> str:
-    return (f"{name:<20} {r['iteration_s']:>11.2f} {r['generation_s']:>12.2f} {r['scoring_s']:>9.2f} "
+    return (f"{name:<24} {r['iteration_s']:>11.2f} {r['generation_s']:>12.2f} {r['scoring_s']:>9.2f} "
             f"{r['training_s']:>10.2f} {r['response_length']:>10.1f} {gb(r['peak_memory_mb']):>8}")
 
 
@@ -865,8 +865,8 @@ def print_report(results: dict, settings: dict, prepared: dict, peak_flops, rati
                 group_lines(results, "memory", 34, memory_row))
     print(f"\nPPO, {settings['ppo_prompts']} prompts x {settings['ppo_answer_len']} new tokens, shared base "
           "(seconds, median over the iterations after the first)")
-    print_table(f"{'run':<20} {'iteration s':>11} {'generation s':>12} {'scoring s':>9} {'training s':>10} "
-                f"{'answer len':>10} {'peak GB':>8}", group_lines(results, "ppo", 20, ppo_row))
+    print_table(f"{'run':<24} {'iteration s':>11} {'generation s':>12} {'scoring s':>9} {'training s':>10} "
+                f"{'answer len':>10} {'peak GB':>8}", group_lines(results, "ppo", 24, ppo_row))
     print(f"\nRollout engines, {settings['ppo_prompts']} prompts of {settings['ppo_prompt_len']} tokens, up to "
           f"{settings['ppo_answer_len']} new tokens, the actor built once (ms per new token: median of 3 calls "
           "after a warm-up call, which pays any compile)")
