@@ -418,8 +418,8 @@ def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer
 
     path = os.path.join(REPO, "data", "ppo_sample", "prompts.jsonl")
     prompts = read_prompts([path], None, 3, 42)
-    assert len(prompts) == 20 and all(messages[-1]["role"] == "user" for _, messages in prompts)
-    by_line = {where.rsplit(":", 1)[1]: messages for where, messages in prompts}
+    assert len(prompts) == 20 and all(messages[-1]["role"] == "user" for _, messages, _ in prompts)
+    by_line = {where.rsplit(":", 1)[1]: messages for where, messages, _ in prompts}
     assert by_line["18"][-1]["content"] == "Why is it cheaper than full fine-tuning?" and len(by_line["18"]) == 3
     assert by_line["19"] == [{"role": "user", "content": "用简单的话解释什么是强化学习。"}]  # its answer dropped
     assert by_line["13"][0] == {"role": "system", "content": "你是一位耐心的健康顾问。"}
@@ -433,6 +433,24 @@ def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer
         assert kept == whole[-12:]  # truncated from the left: the generation prompt stays
     text = tokenizer.decode(full[0])
     assert text.rstrip().endswith("Assistant:")
+
+
+def test_a_prompt_carries_its_reference_answer_and_its_other_fields(tmp_path):
+    """For the rewards that check an answer: "answer", else an alpaca "output", else a final assistant turn (each
+    dropped from the prompt); every field the prompt is not built from travels with it, by name."""
+    from lorakit.data.prompts import read_prompts
+
+    records = [{"prompt": "2 + 40?", "answer": 42, "difficulty": "easy"},
+               {"instruction": "3 + 4?", "input": "show the steps", "output": "#### 7"},
+               {"messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "5"}]},
+               {"conversations": [{"from": "human", "value": "hello"}]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(record) for record in records) + "\n")
+    prompts = read_prompts([str(path)], None, 3, 42)
+    assert [prompt.fields["answer"] for prompt in prompts] == [42, "#### 7", "5", None]
+    assert prompts[0].fields == {"answer": 42, "difficulty": "easy"}
+    assert prompts[1].fields == {"answer": "#### 7", "output": "#### 7"}
+    assert prompts[2].messages == [{"role": "user", "content": "2 + 3?"}] and prompts[2].where.endswith(":3")
 
 
 def test_length_grouped_passes_equal_one_pass_over_the_padded_batch(tiny_model_dir):

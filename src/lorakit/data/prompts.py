@@ -8,7 +8,7 @@ from lorakit.core.cli import InputError
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.splits import held_out_indices, phase_part
 from lorakit.records.chat_templates import ChatTemplate
-from lorakit.records.readers import Message, find_record_files, prompt_of, records_of
+from lorakit.records.readers import Message, find_record_files, prompt_of, record_fields, records_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,17 +38,19 @@ class PromptSets(NamedTuple):
 
 
 class Prompt(NamedTuple):
-    """A prompt's conversation (ending where the model answers) and where it was read."""
+    """A prompt's conversation (ending where the model answers), where it was read, and the record's other fields
+    with its reference answer (records.readers.record_fields: what reward functions read)."""
 
     where: str
     messages: list[Message]
+    fields: dict[str, Any]
 
 
 def read_prompts(files: list[str], data_split: str | None, data_phase: int, seed: int) -> list[Prompt]:
-    """[(where, messages)] of every file (its --data_phase part with --data_split)."""
+    """Prompt of every record of every file (its --data_phase part with --data_split)."""
     prompts = []
     for path in files:
-        prompts += [Prompt(where, prompt_of(where, record))
+        prompts += [Prompt(where, prompt_of(where, record), record_fields(where, record))
                     for where, record in phase_part(records_of(path), data_split, data_phase, seed)]
     if not prompts:
         raise InputError(f"no prompt in {', '.join(files)} for --data_phase {data_phase} of --data_split {data_split}")
@@ -61,7 +63,7 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer: "PreTrainedTokenizerBase"
     max_prompt_len keeps its end (the question nearest the answer), as DeepSpeed-Chat does."""
     renderer = ConversationTokenizer(tokenizer, template, max_prompt_len, template_kwargs=template_kwargs)
     rows, truncated = [], 0
-    for where, messages in prompts:
+    for where, messages, _ in prompts:
         ids = renderer.prompt_ids(where, messages)
         if len(ids) > max_prompt_len:
             truncated += 1

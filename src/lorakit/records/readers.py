@@ -333,6 +333,33 @@ def prompt_of(where: str, record: Any) -> list[Message]:
     raise InputError(f"{where}: no 'instruction', 'prompt', 'conversations' or 'messages' field")
 
 
+# The fields a prompt is built from (prompt_of); every other field of a prompt record travels with it (record_fields).
+PROMPT_SOURCE_FIELDS = ("instruction", "prompt", "input", "system", "history", "conversations", "messages")
+
+
+def reference_answer(where: str, record: Any) -> Any:
+    """A prompt record's reference answer, for the rewards that check one: its "answer" field, else an alpaca
+    "output", else the content of a final assistant turn (which prompt_of drops from the prompt); None without."""
+    record = record_object(where, record)
+    if "answer" in record:
+        return record["answer"]
+    if "output" in record:
+        return record["output"]
+    _, messages = turns_of(where, record)
+    if messages and messages[-1]["role"] == "assistant":
+        return messages[-1]["content"]
+    return None
+
+
+def record_fields(where: str, record: Any) -> dict[str, Any]:
+    """A prompt record's fields beyond those its prompt is built from, "answer" (reference_answer) among them:
+    what a reward function reads by name."""
+    record = record_object(where, record)
+    fields = {name: value for name, value in record.items() if name not in PROMPT_SOURCE_FIELDS}
+    fields["answer"] = reference_answer(where, record)
+    return fields
+
+
 class ChatRequest(NamedTuple):
     """A chat request read: the field it came in ("prompt" or "messages"), that field's value, its messages."""
 
