@@ -2,6 +2,7 @@
 split into train and held-out, rendered with the generation prompt and tokenized."""
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from lorakit.core.cli import InputError
@@ -57,13 +58,14 @@ def read_prompts(files: list[str], data_split: str | None, data_phase: int, seed
     return prompts
 
 
-def tokenize_prompts(prompts: list[Prompt], tokenizer: "PreTrainedTokenizerBase", template: str,
-                     max_prompt_len: int, desc: str, template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+def tokenize_prompts(prompts: Sequence[Prompt | tuple[str, list[Message]]], tokenizer: "PreTrainedTokenizerBase",
+                     template: str, max_prompt_len: int, desc: str,
+                     template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """Token ids of each prompt rendered with the generation prompt; a prompt longer than
     max_prompt_len keeps its end (the question nearest the answer), as DeepSpeed-Chat does."""
     renderer = ConversationTokenizer(tokenizer, template, max_prompt_len, template_kwargs=template_kwargs)
     rows, truncated = [], 0
-    for where, messages, _ in prompts:
+    for where, messages, *_ in prompts:  # a Prompt, or a (where, messages) pair
         ids = renderer.prompt_ids(where, messages)
         if len(ids) > max_prompt_len:
             truncated += 1
