@@ -199,7 +199,7 @@ def experience_maker(model_dir, chunked: bool, temperature: float, top_k: int, t
 
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     args = types.SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, world_size=1, chunked_loss=chunked,
-                                 enable_hybrid_engine=False)
+                                 enable_hybrid_engine=False, rollout_engine="eager")
     policy = types.SimpleNamespace(generator=lambda: causal_lm)
     eos = causal_lm.config.eos_token_id
     return ExperienceMaker(policy, args, pad_id=0, answer_end_id=eos, after_turn_end_ids=[], max_answer_len=16)
