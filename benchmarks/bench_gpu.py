@@ -519,13 +519,13 @@ class PPOProbe(RunProbe):
 
 @contextmanager
 def synchronised_ppo_timers():
-    """run_ppo's phase timers (PhaseTimes, PPOStepCallback) read the clock right after queued GPU work
+    """run_ppo's phase timers (PhaseTimes, RLStepCallback) read the clock right after queued GPU work
     finishes; unsynchronised, a phase's kernels still running are billed to the next phase."""
     from lorakit.rl import experience as ppo_experience
-    from lorakit.rl import ppo_trainer
+    from lorakit.rl import rl_trainer
 
     saved_timing = ppo_experience.PhaseTimes.timing
-    callback = ppo_trainer.PPOStepCallback
+    callback = rl_trainer.RLStepCallback
     saved_steps = callback.on_step_begin, callback.on_step_end
 
     @contextmanager

@@ -22,6 +22,8 @@ COMMANDS = {
     "dpo": Command("lorakit.trainers.dpo", "scripts/training/run_dpo.py", "DPO and its loss variants with LoRA"),
     "ppo": Command("lorakit.rl.ppo", "scripts/training/run_ppo.py",
                    "PPO against the reward model (actor, critic, reference, reward)"),
+    "grpo": Command("lorakit.rl.grpo", "scripts/training/run_grpo.py",
+                    "GRPO, RLOO and REINFORCE++ with reward functions (group-relative RL)"),
     "merge": Command("lorakit.merge.lora", "scripts/merge/merge_llama_with_lora.py",
                      "fold LoRA adapters into the base model"),
     "merge-tokenizers": Command("lorakit.merge.tokenizers", "scripts/merge/merge_tokenizers.py",

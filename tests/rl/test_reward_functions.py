@@ -74,7 +74,7 @@ def test_a_trl_reward_function_runs_unchanged_from_a_module_or_a_file(user_modul
                                        "my_rewards:seen"], [1.0, 2.0, 1.0], max_completion_length=16)
     scored = score_completions(functions, batch(["abc", "x" * 20, "ends 7"], ground_truth=["zz", "x", "7"]))
     # reward_len: -17, 0, -14; reward_func (weight 2): 0, 1, 1; seen: token count + 0.5 for a prompt "Q...".
-    assert scored.per_function["my_rewards:reward_len"].tolist() == [-17.0, 0.0, -14.0]
+    assert scored.per_function["reward_len"].tolist() == [-17.0, 0.0, -14.0]
     assert scored.scores.tolist() == [-17 + 0 + 3.5, 0 + 2 + 20.5, -14 + 2 + 6.5]
     conversational = [[{"role": "assistant", "content": "<think>a</think><answer>4</answer>"}],
                       [{"role": "assistant", "content": "4"}]]
@@ -86,7 +86,7 @@ def test_a_none_adds_nothing_and_weights_multiply():
     functions = load_reward_functions(["my_rewards:skips_second", "think_format"], [1.0, 0.5], 16)
     scored = score_completions(functions, batch(["<think>x</think> 1", "2", "3"]))
     assert scored.scores.tolist() == [1.5, 0.0, 1.0]
-    assert math.isnan(scored.per_function["my_rewards:skips_second"][1].item())
+    assert math.isnan(scored.per_function["skips_second"][1].item())
 
 
 def test_exact_match_reads_the_final_answer_of_both_sides():

@@ -1,5 +1,6 @@
-"""PPO's prompts: the records of each file as conversations ending where the model answers next,
-split into train and held-out, rendered with the generation prompt and tokenized."""
+"""The RL stages' prompts: the records of each file as conversations ending where the model answers next,
+split into train and held-out, rendered with the generation prompt and tokenized, each with its record's reference
+answer and other fields."""
 
 import logging
 from collections.abc import Sequence
@@ -32,10 +33,13 @@ class PromptDataArguments(Protocol):
 
 
 class PromptSets(NamedTuple):
-    """PPO's tokenized prompts: those trained on, and the held-out ones (None without a held-out share)."""
+    """The RL stages' tokenized prompts: those trained on, and the held-out ones (None without a held-out share),
+    with the Prompt each was read from (index for index: its reference answer and fields, for reward functions)."""
 
     train: list[list[int]]
     evaluation: list[list[int]] | None
+    train_records: list["Prompt"]
+    evaluation_records: list["Prompt"] | None
 
 
 class Prompt(NamedTuple):
@@ -45,13 +49,15 @@ class Prompt(NamedTuple):
     where: str
     messages: list[Message]
     fields: dict[str, Any]
+    conversational: bool = False  # read from "messages" / "conversations" turns (TRL passes these as messages)
 
 
 def read_prompts(files: list[str], data_split: str | None, data_phase: int, seed: int) -> list[Prompt]:
     """Prompt of every record of every file (its --data_phase part with --data_split)."""
     prompts = []
     for path in files:
-        prompts += [Prompt(where, prompt_of(where, record), record_fields(where, record))
+        prompts += [Prompt(where, prompt_of(where, record), record_fields(where, record),
+                           isinstance(record, dict) and ("messages" in record or "conversations" in record))
                     for where, record in phase_part(records_of(path), data_split, data_phase, seed)]
     if not prompts:
         raise InputError(f"no prompt in {', '.join(files)} for --data_phase {data_phase} of --data_split {data_split}")
@@ -100,4 +106,4 @@ def build_prompt_sets(data_args: PromptDataArguments, tokenizer: "PreTrainedToke
         rows[name] = None if chosen is None else tokenize_prompts(
             chosen, tokenizer, chat_template.text, data_args.max_prompt_seq_len, f"{name} prompts",
             chat_template.kwargs)
-    return PromptSets(rows["train"], rows["eval"])
+    return PromptSets(rows["train"], rows["eval"], prompts, eval_prompts)

@@ -168,12 +168,18 @@ def derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
+def iteration_prompt_indices(num_prompts: int, iteration: int, count: int, args: "PPOArguments") -> list[int]:
+    """The indices of this process's count prompts of one iteration: each process its own stretch of the seeded
+    prompt stream, so that one process taking world_size x count prompts takes the same ones."""
+    start = (iteration * args.world_size + args.process_index) * count
+    return stream_indices(num_prompts, args.seed, start, count)
+
+
 def iteration_prompt_rows(prompts: list[list[int]], iteration: int, args: "PPOArguments") -> list[list[int]]:
-    """This process's prompts of one iteration: generation_batches x per_device_generation_batch_size
-    of them, each process its own stretch of the prompt stream."""
+    """This process's prompts of one PPO iteration: generation_batches x per_device_generation_batch_size
+    of them (iteration_prompt_indices)."""
     size = args.generation_batches * args.per_device_generation_batch_size
-    start = (iteration * args.world_size + args.process_index) * size
-    return [prompts[i] for i in stream_indices(len(prompts), args.seed, start, size)]
+    return [prompts[i] for i in iteration_prompt_indices(len(prompts), iteration, size, args)]
 
 
 class EvaluationRows(NamedTuple):

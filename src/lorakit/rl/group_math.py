@@ -163,16 +163,20 @@ def group_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
                       mask: torch.Tensor, epsilon: float, epsilon_high: float | None = None,
                       ref_logprobs: torch.Tensor | None = None, beta: float = 0.0, kl_estimator: str = "k3",
                       loss_type: str = "grpo", max_completion_length: int = 1, global_tokens: float | None = None,
-                      importance_sampling_level: str = "token") -> GroupLoss:
+                      importance_sampling_level: str = "token", token_weights: torch.Tensor | None = None
+                      ) -> GroupLoss:
     """The clipped surrogate of the group methods: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 +
-    epsilon_high) A) (epsilon_high defaults to epsilon; DAPO's clip-higher raises it), plus beta x the KL estimate
-    to the reference where beta > 0, aggregated by loss_type (aggregate_loss). advantages: [N] (one per answer,
-    broadcast) or [N, T] (per token, REINFORCE++)."""
+    epsilon_high) A) (epsilon_high defaults to epsilon; DAPO's clip-higher raises it), times token_weights where
+    given (detached: the sampler correction), plus beta x the KL estimate to the reference where beta > 0,
+    aggregated by loss_type (aggregate_loss). advantages: [N] (one per answer, broadcast) or [N, T] (per token,
+    REINFORCE++)."""
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)
     advantages = advantages[:, None] if advantages.dim() == 1 else advantages
     high = epsilon if epsilon_high is None else epsilon_high
     unclipped, clipped = ratio * advantages, torch.clamp(ratio, 1.0 - epsilon, 1.0 + high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     kl = torch.zeros_like(per_token)
     if beta > 0.0:
         if ref_logprobs is None:

@@ -66,7 +66,7 @@ from lorakit.rl.policy import (
     role_model_args,
 )
 from lorakit.rl.ppo_trainer import PPOTrainer
-from lorakit.trainers.arguments import CausalLMTrainingArguments
+from lorakit.rl.rollout_arguments import RolloutArguments
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import check_held_out_data, resolve_resume_checkpoint, setup_logging, train_and_finish
 
@@ -171,7 +171,7 @@ class PPODataArguments(ConversationDataArguments):
 
 
 @dataclass
-class PPOArguments(CausalLMTrainingArguments):
+class PPOArguments(RolloutArguments):
     """TrainingArguments plus DeepSpeed-Chat's step-3 options. --per_device_training_batch_size
     and --actor_learning_rate set the Trainer's own batch size and learning rate; the Trainer's
     names for them are accepted too (mapped, logged), giving both with different values is refused."""
@@ -199,68 +199,23 @@ class PPOArguments(CausalLMTrainingArguments):
     cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range around the experience's values."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (log-probs use the same)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 = off."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 = off."})
     missing_eos_penalty: float | None = field(
         default=None,
         metadata={"help": "Subtracted from the score of an answer that hit --max_answer_seq_len without EOS."},
     )
-    enable_ema: bool = field(
-        default=False, metadata={"help": "Keep an exponential moving average of the actor (actor_ema)."})
-    ema_beta: float = field(default=0.992, metadata={"help": "EMA decay per optimizer step."})
-    print_answers: bool = field(default=False, metadata={"help": "Log a sample prompt, answer and score."})
-    print_answers_interval: int = field(default=1, metadata={"help": "... every this many iterations."})
     actor_zero_stage: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
     critic_zero_stage: int | None = field(default=None, metadata={"help": "DeepSpeed-Chat: mapped to --zero_stage."})
-    enable_hybrid_engine: bool = field(
-        default=False,
-        metadata={"help": "DeepSpeed-Chat's flag: the rollout engine decodes on the actor's adapter merged into the "
-                          "base weights (restored bit for bit after each rollout; costs a copy of the targeted base "
-                          "weights during it). ZeRO-3, a quantized base and DoRA decode unmerged."},
-    )
-    rollout_engine: str = field(
-        default="auto",
-        metadata={"help": "What samples the rollouts (rl.rollout): eager (the actor's generate()), or compiled (a "
-                          "static KV cache and the decoding step compiled by torch.compile, once per prompt-length "
-                          "bucket; ZeRO-3 and a quantized base decode eager); auto: compiled on CUDA (falling back "
-                          "to eager, said once, if the compile fails), eager elsewhere.",
-                  "choices": ["auto", "eager", "compiled"]},
-    )
-    sampler_correction: bool = field(
-        default=False,
-        metadata={"help": "Truncated importance sampling: weigh each answer token's policy loss by "
-                          "min(pi_old / pi_sampler, --sampler_correction_cap), for when the sampler's numerics "
-                          "drift from the training forward's (see sampler_gap/* in the logs)."},
-    )
-    sampler_correction_cap: float = field(
-        default=2.0, metadata={"help": "The cap of --sampler_correction's per-token weight."})
-    generation_gather: str = field(
-        default="auto",
-        metadata={"help": "ZeRO-3: gather the actor's weights once per generation batch (per_batch), or layer by "
-                          "layer at every generated token (per_layer: slow, for an actor too big for one device); "
-                          "auto: per_batch when the whole actor takes at most half the device's free memory.",
-                  "choices": ["auto", "per_batch", "per_layer"]},
-    )
-
     def __post_init__(self) -> None:
         # The Trainer's names for what PPO calls --per_device_training_batch_size and --actor_learning_rate, and
         # DeepSpeed-Chat's per-role ZeRO stages, are mapped before TrainingArguments fills DeepSpeed's "auto"
         # batch size and learning rate from them and --zero_stage picks the config.
         notes = []
         map_flags(self, PPO_TRAINER_FLAGS, notes)
-        if self.enable_hybrid_engine:
-            notes.append("--enable_hybrid_engine -> rollouts decode on the actor's adapter merged into the base "
-                         "weights")
-        if self.sampler_correction_cap <= 0:
-            raise InputError(f"--sampler_correction_cap {self.sampler_correction_cap}: give a positive cap")
         for trainer_flag, ppo_flag, default in (("per_device_train_batch_size", "per_device_training_batch_size", 8),
                                                 ("learning_rate", "actor_learning_rate", 1e-4)):
             value = default if getattr(self, ppo_flag) is None else getattr(self, ppo_flag)
             setattr(self, trainer_flag, value)
             setattr(self, ppo_flag, value)
-        # Nothing to skip on resume: the experience stream restarts at the checkpoint's iteration.
-        self.ignore_data_skip = True
         super().__post_init__()
         self.mapped_flags[:0] = notes
 
@@ -455,7 +410,8 @@ def main() -> None:
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     choose_pad_token(tokenizer, chat_template)
-    prompts, eval_prompts = build_prompt_sets(data_args, tokenizer, chat_template, training_args.seed)
+    prompt_sets = build_prompt_sets(data_args, tokenizer, chat_template, training_args.seed)
+    prompts, eval_prompts = prompt_sets.train, prompt_sets.evaluation
     # Tokenized in memory, not cached: their fingerprint is the run's record of its prompts (a resume checks it).
     note_data(f"ppo-prompts-{cache_key({'train': prompts, 'eval': eval_prompts})}")
     # The reward model reads its score at the end of an answer's turn (run_reward.py trains it so).

@@ -53,7 +53,7 @@ class RewardBatch(NamedTuple):
 
 class RewardScores(NamedTuple):
     """score_completions' result: the weighted score of each answer [N], and each function's values [N] (NaN where
-    it returned None), by name, for the log."""
+    it returned None), by its label (function_label), for the log."""
 
     scores: torch.Tensor
     per_function: dict[str, torch.Tensor]
@@ -190,6 +190,18 @@ def load_reward_functions(names: Sequence[str], weights: Sequence[float] | None,
     return functions
 
 
+def check_record_fields(functions: Sequence[RewardFunction], records: Sequence[Any]) -> None:
+    """Before training: every record (a data.prompts.Prompt: .where, .fields) has the fields the built-in functions
+    read, else one line naming the first record without."""
+    for function in functions:
+        for field in BUILT_IN_FIELDS.get(function.name, ()):
+            missing = next((record for record in records if record.fields.get(field) is None), None)
+            if missing is not None:
+                raise InputError(f"{missing.where}: field '{field}' is missing (the reward function "
+                                 f"{function.name} compares each answer with it; an alpaca \"output\" or a final "
+                                 "assistant turn serves too)")
+
+
 # ----------------------------------------------------------------------------- calling
 
 
@@ -252,6 +264,11 @@ def function_values(function: RewardFunction, batch: RewardBatch, trainer_state:
     return result
 
 
+def function_label(name: str) -> str:
+    """The name a function's figures are logged under: the function's own name (marker for rewards.py:marker)."""
+    return name.rpartition(":")[2]
+
+
 def score_completions(functions: Sequence[RewardFunction], batch: RewardBatch, trainer_state: Any = None
                       ) -> RewardScores:
     """Each answer's score, the weighted sum of its functions' values (a None adds nothing, as TRL's nansum), and
@@ -260,4 +277,4 @@ def score_completions(functions: Sequence[RewardFunction], batch: RewardBatch, t
     total = torch.zeros(len(batch.origins), dtype=torch.float64)
     for function in functions:
         total += torch.nan_to_num(per_function[function.name], nan=0.0) * function.weight
-    return RewardScores(total.float(), {name: values.float() for name, values in per_function.items()})
+    return RewardScores(total.float(), {function_label(name): values.float() for name, values in per_function.items()})

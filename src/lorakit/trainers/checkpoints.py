@@ -69,18 +69,21 @@ RUN_DEFINING_FLAGS = (
     "load_in_kbits", "torch_dtype", "per_device_train_batch_size", "gradient_accumulation_steps", "block_size",
     "max_seq_length", "packing", "validation_split_percentage", "max_train_samples", "data_split", "data_phase",
     "train_on_last_turn_only", "loss_type", "shared_base", "max_prompt_seq_len", "max_answer_seq_len",
-    "per_device_generation_batch_size", "generation_batches", "ppo_epochs", "enable_ema",
+    "per_device_generation_batch_size", "generation_batches", "ppo_epochs", "enable_ema", "num_generations",
+    "max_completion_length", "num_iterations",
     # the sample order, the optimizer and the precision (the DeepSpeed config's own fields: deepspeed_identity)
     "train_sampling_strategy", "group_by_length", "dataloader_drop_last", "ignore_data_skip", "optim", "bf16", "fp16",
 )
 # Each stage's objective beyond the flags above (a flag a stage does not have is not recorded for it): the loss
 # (DPO's, the reward model's centring, SFT's label smoothing and NEFTune noise) and PPO's rewards, KL, clipping,
-# advantages, sampling, EMA and ptx weight.
+# advantages, sampling, EMA and ptx weight; the group-relative methods' groups, clipping, estimators and rewards.
 OBJECTIVE_FLAGS = (
     "beta", "label_smoothing", "simpo_gamma", "rpo_alpha", "precompute_ref_log_probs", "reward_center_coef",
     "label_smoothing_factor", "neftune_noise_alpha", "kl_ctl", "target_kl", "kl_horizon", "clip_reward_value",
     "cliprange", "cliprange_value", "gamma", "lam", "temperature", "top_p", "top_k", "missing_eos_penalty",
-    "ema_beta", "unsup_coef", "sampler_correction", "sampler_correction_cap",
+    "ema_beta", "unsup_coef", "sampler_correction", "sampler_correction_cap", "epsilon", "epsilon_high",
+    "scale_rewards", "advantage_estimator", "kl_estimator", "importance_sampling_level", "dynamic_sampling",
+    "reward_funcs", "reward_weights", "overlong_buffer",
 )
 # A marker's identity_version: 2 records the weights, the sample order, optimizer, precision and objective, and each
 # file's content hash. A checkpoint of version 1 (no identity_version) resumes with one line naming what its

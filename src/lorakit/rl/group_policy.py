@@ -1,0 +1,57 @@
+"""The group-relative stages' roles on one frozen base (rl.policy.SharedBasePolicy without a critic): the actor (the
+trained "default" adapter: new, or continuing --peft_path), the reference only where the KL to it is paid (a frozen
+copy of --peft_path, or the base with no adapter active), and the reward model only where one is given (its adapter
+and score head, frozen)."""
+
+import logging
+from typing import TYPE_CHECKING
+
+from lorakit.core.cli import InputError
+from lorakit.models.adapters import log_trainable
+from lorakit.models.loader import keep_trainable_float32, load_model
+from lorakit.rl.policy import SharedBasePolicy, new_score_head, reward_adapter_parts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+
+    from lorakit.rl.grpo import GRPOArguments, GRPOModelArguments
+
+logger = logging.getLogger(__name__)
+
+
+def load_group_policy(model_args: "GRPOModelArguments", training_args: "GRPOArguments",
+                      tokenizer: "PreTrainedTokenizerBase", config: "PreTrainedConfig") -> SharedBasePolicy:
+    """The actor via the shared loader (on a quantized base with --load_in_kbits), then the reference and reward
+    adapters it needs on the same base; only the actor's adapter is trainable."""
+    from peft import LoraConfig, TaskType, set_peft_model_state_dict
+
+    policy = load_model(model_args, training_args, tokenizer, config=config, adapter_flag="--peft_path")
+    reference = None
+    if model_args.peft_path and training_args.beta > 0:
+        policy.load_adapter(model_args.peft_path, adapter_name="reference", is_trainable=False)
+        reference = "reference"
+    score_head = None
+    if model_args.reward_lora_model:
+        lora_weights, score_weights = reward_adapter_parts(model_args.reward_lora_model)
+        reward_config = LoraConfig.from_pretrained(model_args.reward_lora_model)
+        reward_config.task_type, reward_config.modules_to_save = TaskType.CAUSAL_LM, None
+        policy.add_adapter("reward", reward_config)
+        result = set_peft_model_state_dict(policy, lora_weights, adapter_name="reward")
+        if getattr(result, "unexpected_keys", None):
+            raise InputError(f"{model_args.reward_lora_model}: adapter does not fit the actor's base "
+                             f"(unexpected {result.unexpected_keys[:3]})")
+        output_embedding = policy.get_base_model().get_output_embeddings()
+        dtype = getattr(output_embedding, "original_module", output_embedding).weight.dtype
+        score_head = new_score_head(policy.get_base_model().config.hidden_size, score_weights, dtype, trainable=False)
+    # peft's add/load_adapter re-freeze whatever is not the active adapter: the actor's flags set once, here.
+    for name, param in policy.named_parameters():
+        param.requires_grad = ".default." in name
+    policy.get_base_model().config.use_cache = False
+    model = SharedBasePolicy(policy, score_head=score_head, value_head=None, reference_adapter=reference,
+                             reward_adapter_dir=model_args.reward_lora_model)
+    logger.info("roles: the actor%s%s on one base", "" if training_args.beta == 0 else
+                (", the reference (" + ("a frozen copy of --peft_path" if reference else "the base alone") + ")"),
+                ", the reward model (--reward_lora_model)" if score_head is not None else "")
+    keep_trainable_float32(model, training_args)
+    log_trainable(model)
+    return model

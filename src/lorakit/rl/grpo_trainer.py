@@ -1,0 +1,271 @@
+"""The group-relative stages' Trainer (rl.grpo): each rollout samples num_generations answers to every prompt of the
+process's share, scores them with the reward functions (and the reward model), turns the scores into advantages
+(rl.group_math) and trains num_iterations optimizer steps on them with the clipped surrogate; the experience
+stream, the old policy, the EMA and exact resume are rl.rl_trainer's."""
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lorakit.rl.experience import (
+    MicroBatch,
+    Rollout,
+    SumStats,
+    append_turn_end,
+    derived_seed,
+    epoch_chunks,
+    iteration_prompt_indices,
+)
+from lorakit.rl.group_math import (
+    global_whiten,
+    group_advantages,
+    group_policy_loss,
+    kl_estimate,
+    reinforce_pp_returns,
+    zero_spread_groups,
+)
+from lorakit.rl.ppo_math import FixedKLController
+from lorakit.rl.reward_functions import RewardBatch, RewardFunction, RewardScores, score_completions
+from lorakit.rl.rl_trainer import RLTrainer
+
+if TYPE_CHECKING:
+    from lorakit.data.prompts import Prompt
+    from lorakit.rl.grpo import GroupSchedule
+
+logger = logging.getLogger(__name__)
+
+# What compute_loss reads of each micro-batch, row by row (plus prompt_length, old_from_update and step_tokens).
+GROUP_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "sampler_logprobs", "ref_logprobs",
+                "advantages")
+
+
+class GroupExperience(NamedTuple):
+    """One rollout's experience, rows in groups of num_generations consecutive answers to one prompt:
+    the rollout (ids, masks, the sampler's log-probs and entropy), the old policy's and the reference's log-probs
+    [N, A] (the reference's zero without one), the advantages ([N], or [N, A] for REINFORCE++), the rewards, the
+    mask the update trains on (response_mask less the rows dynamic sampling leaves out) and the zero-spread groups."""
+
+    rollout: Rollout
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: RewardScores
+    training_mask: torch.Tensor
+    zero_spread: torch.Tensor
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """values summed over every process (the identity on one)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values)
+    return values
+
+
+class GRPOTrainer(RLTrainer):
+    """GRPO, Dr. GRPO, DAPO's loss, RLOO and REINFORCE++ on the Trainer (see the module's docstring). records: the
+    Prompt each train prompt was read from (index for index), eval_records the held-out ones'; rewards: the
+    --reward_funcs; schedule: rl.grpo.GroupSchedule."""
+
+    stage_name = "GRPO"
+
+    def __init__(self, *args: Any, records: list["Prompt"], eval_records: list["Prompt"] | None,
+                 rewards: list[RewardFunction], schedule: "GroupSchedule", **kwargs: Any) -> None:
+        training_args = kwargs["args"]
+        super().__init__(*args, steps_per_iteration=schedule.steps, max_answer_len=training_args.max_completion_length,
+                         **kwargs)
+        self.records, self.eval_records, self.rewards, self.schedule = records, eval_records, rewards, schedule
+        self.kl_ctl = FixedKLController(self.args.beta)
+        # REINFORCE++ pays the KL in the reward; the others in the loss.
+        self.kl_in_reward = self.args.advantage_estimator.startswith("reinforce_pp")
+
+    # -- experience -----------------------------------------------------------
+
+    def make_iteration(self, iteration: int) -> list[MicroBatch]:
+        """One rollout as the Trainer's micro-batches; its statistics are logged with the rollout's steps."""
+        args = self.args
+        indices = iteration_prompt_indices(len(self.prompts), iteration, self.schedule.prompts, args)
+        experience = self.make_experience(indices, self.prompts, self.records, args.num_generations,
+                                          derived_seed(args.seed, iteration, args.process_index, 1),
+                                          old_from_update=self.steps_per_iteration == 1)
+        self.experience_stats = self.experience_metrics(experience)
+        if args.log_completions and iteration % args.log_completions == 0 and args.should_log:
+            self.log_group(iteration, experience, self.records[indices[0]])
+        return self.micro_batches(experience, iteration)
+
+    def make_experience(self, indices: Sequence[int], prompt_ids: list[list[int]], records: list["Prompt"],
+                        group_size: int, seed: int, old_from_update: bool) -> GroupExperience:
+        """group_size answers to each prompt of indices, scored, with their advantages."""
+        rows = [prompt_ids[i] for i in indices for _ in range(group_size)]
+        row_records = [records[i] for i in indices for _ in range(group_size)]
+        self.model.eval()
+        with self.times.timing("time_generation"), torch.no_grad():
+            rollout = self.maker.generate(rows, seed)
+        with self.times.timing("time_scoring"), torch.no_grad():
+            frozen = self.frozen_passes(rollout)
+            rewards = self.score(rollout, row_records, frozen.get("scores"))
+            old = rollout.logprobs if old_from_update else self.maker.old_logprobs(rollout, None)
+            ref = frozen.get("ref_logprobs", torch.zeros_like(old))
+            mask = rollout.response_mask
+            advantages = self.advantages(rewards.scores.to(mask.device), old, ref, mask, group_size)
+            zero_spread = zero_spread_groups(rewards.scores, group_size)
+            training_mask = mask
+            if self.args.dynamic_sampling:
+                kept = (~zero_spread).repeat_interleave(group_size).to(mask.device)
+                training_mask = mask * kept[:, None].to(mask.dtype)
+        return GroupExperience(rollout, old, ref, advantages, rewards, training_mask, zero_spread)
+
+    def frozen_passes(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """The reference's log-probs (where --beta > 0) and the reward model's scores (where one is given), one
+        generation batch at a time, over groups of rows of similar length."""
+        model, needs_reference = self.model, self.args.beta > 0
+        if not needs_reference and model.score_head is None:
+            return {}
+
+        def passes(ids: torch.Tensor, mask: torch.Tensor, prompt_length: int) -> dict[str, torch.Tensor]:
+            result = {}
+            if needs_reference:
+                result["ref_logprobs"] = model.answer_logprobs("reference", ids, mask, prompt_length)
+            if model.score_head is not None:
+                closed = append_turn_end(ids, mask, self.maker.answer_end_id, self.maker.after_turn_end_ids)
+                result["scores"] = model.scores(*closed)
+            return result
+
+        parts: dict[str, list[torch.Tensor]] = {}
+        batch = self.args.per_device_generation_batch_size
+        for start in range(0, rollout.input_ids.shape[0], batch):
+            rows = slice(start, start + batch)
+            for name, value in model.over_length_groups(rollout.input_ids[rows], rollout.attention_mask[rows],
+                                                        rollout.prompt_length, passes).items():
+                parts.setdefault(name, []).append(value)
+        return {name: torch.cat(values) for name, values in parts.items()}
+
+    def score(self, rollout: Rollout, records: list["Prompt"], model_scores: torch.Tensor | None) -> RewardScores:
+        """The reward functions' weighted sum of each answer, plus the reward model's score where there is one."""
+        answers = rollout.input_ids[:, rollout.prompt_length:]
+        mask = rollout.response_mask.bool()
+        completion_ids = [answers[row][mask[row]].tolist() for row in range(answers.shape[0])]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [record.messages if record.conversational else record.messages[-1]["content"] for record in records]
+        completions = [[{"role": "assistant", "content": text}] if record.conversational else text
+                       for record, text in zip(records, texts, strict=True)]
+        names = sorted({name for record in records for name in record.fields})
+        fields = {name: [record.fields.get(name) for record in records] for name in names}
+        batch = RewardBatch(prompts, completions, completion_ids, fields, [record.where for record in records])
+        scored = score_completions(self.rewards, batch, self.state) if self.rewards else RewardScores(
+            torch.zeros(len(records)), {})
+        if model_scores is None:
+            return scored
+        return RewardScores(scored.scores + model_scores.float().cpu(),
+                            {**scored.per_function, "reward_model": model_scores.float().cpu()})
+
+    def advantages(self, scores: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+        """--advantage_estimator's advantages: one per answer [N], or REINFORCE++'s per token [N, A] (the KL to
+        the reference paid in the reward at --beta, the returns whitened over every process's tokens)."""
+        args = self.args
+        sequence = group_advantages(scores, group_size, args.advantage_estimator, args.scale_rewards).to(mask.device)
+        if not self.kl_in_reward:
+            return sequence
+        kl = kl_estimate(old, ref, args.kl_estimator) if args.beta > 0 else torch.zeros_like(old)
+        returns = reinforce_pp_returns(sequence, kl, mask, args.beta)
+        return global_whiten(returns, mask, reduce=all_reduce_sum)
+
+    # -- micro-batches and the loss ------------------------------------------------
+
+    def micro_batches(self, experience: GroupExperience, iteration: int) -> list[MicroBatch]:
+        """num_iterations passes over the rollout, each in its own seeded order, in micro-batches of
+        per_device_train_batch_size answers; each carries the global count of the answer tokens its optimizer
+        step trains on (the dapo loss's denominator)."""
+        rollout, args = experience.rollout, self.args
+        columns = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+                   "response_mask": experience.training_mask, "old_logprobs": experience.old_logprobs,
+                   "sampler_logprobs": rollout.logprobs, "ref_logprobs": experience.ref_logprobs,
+                   "advantages": experience.advantages}
+        step_tokens = all_reduce_sum(experience.training_mask.sum().float().reshape(1)).item()
+        size, batches = rollout.input_ids.shape[0], []
+        for epoch in range(args.num_iterations):
+            for chunk in epoch_chunks(size, iteration, epoch, args):
+                rows = chunk.to(rollout.input_ids.device)
+                batch = {name: columns[name][rows] for name in GROUP_FIELDS}
+                batch.update(prompt_length=rollout.prompt_length, old_from_update=self.steps_per_iteration == 1,
+                             step_tokens=max(step_tokens, 1.0))
+                batches.append(batch)
+        return batches
+
+    def compute_loss(self, model: torch.nn.Module, inputs: MicroBatch, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None,
+                     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        args = self.args
+        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                        prompt_length=inputs["prompt_length"], values=False)
+        old_logprobs = self.old_logprobs(outputs["logprobs"], inputs)
+        result = group_policy_loss(
+            outputs["logprobs"], old_logprobs, inputs["advantages"], inputs["response_mask"], args.epsilon,
+            args.epsilon_high, inputs["ref_logprobs"], 0.0 if self.kl_in_reward else args.beta, args.kl_estimator,
+            args.loss_type, args.max_completion_length, inputs["step_tokens"], args.importance_sampling_level,
+            self.sampler_weights(old_logprobs, inputs))
+        loss = result.loss
+        if args.loss_type == "dapo":
+            # Its denominator counts every process's and accumulation step's tokens: undo the Trainer's division
+            # by the accumulation steps and the data-parallel mean of the gradients.
+            loss = loss * self.current_gradient_accumulation_steps * args.world_size
+        for name, value in (("policy_loss", result.loss), ("clipfrac", result.clipfrac), ("kl", result.kl)):
+            self.train_stats.add(name, value.item())
+        return (loss, outputs) if return_outputs else loss
+
+    # -- statistics, evaluation, samples ---------------------------------------------
+
+    def experience_metrics(self, experience: GroupExperience, row_weights: torch.Tensor | None = None,
+                           prefix: str = "") -> dict[str, float]:
+        """Means over every process's answers (weighted by row_weights, default 1): reward_mean and reward_std,
+        reward/<function>_mean, response_length, clipped_share (answers cut at the length limit), entropy (per
+        real token) and zero_spread_share (groups whose answers all scored the same)."""
+        rollout, rewards = experience.rollout, experience.rewards
+        weights = torch.ones(len(rewards.scores)) if row_weights is None else row_weights.float().cpu()
+        mask = rollout.response_mask.float().cpu()
+        stats = SumStats()
+        rows = {"reward_mean": rewards.scores, "reward_sq": rewards.scores ** 2, "response_length": mask.sum(-1),
+                "clipped_share": (~rollout.has_eos.cpu()).float()}
+        for name, values in rewards.per_function.items():
+            applies = ~torch.isnan(values)
+            stats.add(f"reward/{name}_mean", (torch.nan_to_num(values) * weights * applies).sum().item(),
+                      (weights * applies).sum().item())
+        for name, values in rows.items():
+            stats.add(name, (values * weights).sum().item(), weights.sum().item())
+        token_weights = mask * weights[:, None]
+        stats.add("entropy", (rollout.entropy.float().cpu() * token_weights).sum().item(), token_weights.sum().item())
+        stats.add("zero_spread_share", experience.zero_spread.float().sum().item(), experience.zero_spread.numel())
+        metrics = stats.reduced(self.args.device)
+        metrics["reward_std"] = max(metrics.pop("reward_sq") - metrics["reward_mean"] ** 2, 0.0) ** 0.5
+        return {f"{prefix}{name}": value for name, value in metrics.items()}
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """One answer to each held-out prompt, sampled with a fixed seed (two evaluations differ by the policy only),
+        scored as training's are: eval_reward_mean, eval_reward/<function>_mean, ..."""
+        args, count = self.args, len(self.eval_prompts)
+        batch = args.per_device_generation_batch_size
+        per_rank = -(-count // args.world_size // batch) * batch
+        mine = list(range(args.process_index, count, args.world_size))
+        indices = mine + [0] * (per_rank - len(mine))  # every process runs as many batches (ZeRO-3's collectives)
+        weights = torch.tensor([1.0] * len(mine) + [0.0] * (per_rank - len(mine)))
+        experience = self.make_experience(indices, self.eval_prompts, self.eval_records, 1, derived_seed(args.seed, 3),
+                                          old_from_update=True)
+        metrics = self.experience_metrics(experience, weights, f"{metric_key_prefix}_")
+        metrics.pop(f"{metric_key_prefix}_zero_spread_share")
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def log_group(self, iteration: int, experience: GroupExperience, record: "Prompt") -> None:
+        """The first prompt of the rollout with its group's answers and rewards."""
+        rollout, width = experience.rollout, experience.rollout.prompt_length
+        lines = [f"iteration {iteration} sample, {record.where}: {record.messages[-1]['content']}"]
+        for row in range(self.args.num_generations):
+            answer = self.tokenizer.decode(rollout.input_ids[row, width:], skip_special_tokens=True).strip()
+            lines.append(f"  [{experience.rewards.scores[row].item():+.3f}] {answer}")
+        logger.info("\n".join(lines))

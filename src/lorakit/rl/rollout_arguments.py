@@ -1,0 +1,62 @@
+"""The flags every RL stage shares (PPO, GRPO and the group-relative methods): how rollouts are sampled and by which
+engine (rl.rollout), the sampler-vs-trainer correction, ZeRO-3's gathering for generation, the actor's EMA and the
+logged samples. Each stage's arguments add their own objective's flags."""
+
+from dataclasses import dataclass, field
+
+from lorakit.core.cli import InputError
+from lorakit.trainers.arguments import CausalLMTrainingArguments
+
+
+@dataclass
+class RolloutArguments(CausalLMTrainingArguments):
+    """TrainingArguments plus the rollout's flags (see the module's docstring)."""
+
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (log-probs use the same)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 = off."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 = off."})
+    enable_ema: bool = field(
+        default=False, metadata={"help": "Keep an exponential moving average of the actor (actor_ema)."})
+    ema_beta: float = field(default=0.992, metadata={"help": "EMA decay per optimizer step."})
+    print_answers: bool = field(default=False, metadata={"help": "Log a sample prompt, answer and score."})
+    print_answers_interval: int = field(default=1, metadata={"help": "... every this many iterations."})
+    enable_hybrid_engine: bool = field(
+        default=False,
+        metadata={"help": "DeepSpeed-Chat's flag: the rollout engine decodes on the actor's adapter merged into the "
+                          "base weights (restored bit for bit after each rollout; costs a copy of the targeted base "
+                          "weights during it). ZeRO-3, a quantized base and DoRA decode unmerged."},
+    )
+    rollout_engine: str = field(
+        default="auto",
+        metadata={"help": "What samples the rollouts (rl.rollout): eager (the actor's generate()), or compiled (a "
+                          "static KV cache and the decoding step compiled by torch.compile, once per prompt-length "
+                          "bucket; ZeRO-3 and a quantized base decode eager); auto: compiled on CUDA (falling back "
+                          "to eager, said once, if the compile fails), eager elsewhere.",
+                  "choices": ["auto", "eager", "compiled"]},
+    )
+    sampler_correction: bool = field(
+        default=False,
+        metadata={"help": "Truncated importance sampling: weigh each answer token's policy loss by "
+                          "min(pi_old / pi_sampler, --sampler_correction_cap), for when the sampler's numerics "
+                          "drift from the training forward's (see sampler_gap/* in the logs)."},
+    )
+    sampler_correction_cap: float = field(
+        default=2.0, metadata={"help": "The cap of --sampler_correction's per-token weight."})
+    generation_gather: str = field(
+        default="auto",
+        metadata={"help": "ZeRO-3: gather the actor's weights once per generation batch (per_batch), or layer by "
+                          "layer at every generated token (per_layer: slow, for an actor too big for one device); "
+                          "auto: per_batch when the whole actor takes at most half the device's free memory.",
+                  "choices": ["auto", "per_batch", "per_layer"]},
+    )
+
+
+    def __post_init__(self) -> None:
+        if self.sampler_correction_cap <= 0:
+            raise InputError(f"--sampler_correction_cap {self.sampler_correction_cap}: give a positive cap")
+        # Nothing to skip on resume: the experience stream restarts at the checkpoint's iteration.
+        self.ignore_data_skip = True
+        super().__post_init__()
+        if self.enable_hybrid_engine:
+            self.mapped_flags.insert(0, "--enable_hybrid_engine -> rollouts decode on the actor's adapter merged into "
+                                        "the base weights")

@@ -1,0 +1,139 @@
+"""Group-relative RL (run_grpo.py) on the tiny model with a reward function: the learning signal for each
+estimator, the roles it loads, TRL's reward-function convention through the real script, and bad input."""
+
+import json
+import os
+import random
+import textwrap
+
+import pytest
+
+from helpers.commands import TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
+from helpers.corpora import CHINESE, ENGLISH
+from helpers.kill_points import resume_proof
+from helpers.run_outputs import log_history
+
+GRPO_SCRIPT = os.path.join(TRAINING, "run_grpo.py")
+MARKER = "很好"
+# A rule reward as a TRL user writes one: 1 for an answer holding the marker word, 0 otherwise.
+MARKER_REWARD = textwrap.dedent(f'''
+    def marker(completions, **kwargs):
+        return [1.0 if "{MARKER}" in completion else 0.0 for completion in completions]
+
+    def broken(completions, **kwargs):
+        return [float("nan") if index == 2 else 0.0 for index, _ in enumerate(completions)]
+''')
+
+
+@pytest.fixture(scope="module")
+def grpo_inputs(tmp_path_factory):
+    """(prompt file, reward function file): 128 prompts of the tiny model's words, and the marker reward."""
+    root = tmp_path_factory.mktemp("grpo_inputs")
+    rng = random.Random(7)
+    words = ENGLISH + [w for w in CHINESE if w != MARKER]
+    records = [{"instruction": " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))} for _ in range(128)]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n")
+    (root / "rewards.py").write_text(MARKER_REWARD)
+    return root / "prompts.jsonl", root / "rewards.py"
+
+
+def grpo_args(model_dir, inputs, output_dir, **overrides):
+    prompts, rewards = inputs
+    options = {
+        "model_name_or_path": model_dir, "data_path": prompts, "template": "human_assistant",
+        "reward_funcs": f"{rewards}:marker", "max_prompt_seq_len": 32, "max_completion_length": 16,
+        "num_generations": 4, "per_device_train_batch_size": 16, "lora_rank": 8, "lora_alpha": 16,
+        "trainable": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "torch_dtype": "float32",
+        "learning_rate": 2e-3, "lr_scheduler_type": "constant", "report_to": "none", "save_strategy": "no",
+        "logging_steps": 1, "max_steps": 2, "output_dir": output_dir, "seed": 1, **overrides,
+    }
+    return ["--use_cpu"] + options_to_argv(options)
+
+
+def step_logs(output_dir):
+    return [entry for entry in log_history(output_dir) if "loss" in entry]
+
+
+def early_and_late_reward(steps):
+    """Mean reward of the first and of the last third of the steps."""
+    third = len(steps) // 3
+    rewards = [entry["reward_mean"] for entry in steps]
+    return sum(rewards[:third]) / third, sum(rewards[-third:]) / third
+
+
+@pytest.mark.slow
+def test_grpo_with_a_trl_style_reward_function_raises_the_reward(tiny_model_dir, grpo_inputs, tmp_path):
+    """30 rollouts of 4 prompts x 4 answers, the marker reward (a TRL-style function in the user's file): the share
+    of answers holding the marker rises by well over a tenth; the actor alone is loaded (beta 0: no reference)."""
+    out = tmp_path / "out"
+    result = run_script(grpo_args(tiny_model_dir, grpo_inputs, out, max_steps=30), script=GRPO_SCRIPT)
+    assert_ok(result)
+    assert "roles: the actor on one base" in result.stdout + result.stderr
+    steps = step_logs(out)
+    assert len(steps) == 30 and all(entry["kl"] == 0 and "reward/marker_mean" in entry for entry in steps)
+    early, late = early_and_late_reward(steps)
+    assert late > early + 0.1, [round(entry["reward_mean"], 3) for entry in steps]
+    assert (out / "grpo_lora_model" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def test_rloo_and_reinforce_pp_learn_the_same_task(estimator, tiny_model_dir, grpo_inputs, tmp_path):
+    """The same task with the leave-one-out baseline, and with REINFORCE++ paying the KL to the reference (the base
+    alone, loaded because --beta > 0) in the reward: both raise the reward; REINFORCE++ logs a KL that grows."""
+    out = tmp_path / "out"
+    extra = {"beta": 0.05} if estimator == "reinforce_pp" else {}
+    result = run_script(grpo_args(tiny_model_dir, grpo_inputs, out, max_steps=30, advantage_estimator=estimator,
+                                  **extra), script=GRPO_SCRIPT)
+    assert_ok(result)
+    steps = step_logs(out)
+    early, late = early_and_late_reward(steps)
+    assert late > early + 0.1, [round(entry["reward_mean"], 3) for entry in steps]
+    if estimator == "reinforce_pp":
+        assert "roles: the actor, the reference (the base alone) on one base" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("case", ["no_reward", "import", "missing_answer", "uneven_groups", "non_finite"])
+def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs, tmp_path):
+    """One line naming what is wrong, exit 2; a refusal before training writes nothing, a non-finite reward in the
+    first rollout (the function and the record named) publishes no adapter."""
+    prompts, rewards = grpo_inputs
+    out = tmp_path / "out"
+    overrides, expected = {
+        "no_reward": ({"reward_funcs": None}, "no reward: give --reward_funcs"),
+        "import": ({"reward_funcs": "no_such_module:f"}, "--reward_funcs no_such_module:f: cannot import"),
+        "missing_answer": ({"reward_funcs": "exact_match"}, f"{prompts}:1: field 'answer' is missing"),
+        "uneven_groups": ({"num_generations": 3}, "is not a multiple of --num_generations 3"),
+        "non_finite": ({"reward_funcs": f"{rewards}:broken"}, f"{prompts}:"),
+    }[case]
+    args = grpo_args(tiny_model_dir, grpo_inputs, out, **overrides)  # a None option is left out
+    result = refuse(GRPO_SCRIPT, args, in_process=case != "non_finite")
+    check_refused(result, expected)
+    if case == "non_finite":
+        assert "the reward function " in result.stderr and "returned nan" in result.stderr
+        assert not (out / "grpo_lora_model").exists()
+    else:
+        assert not out.exists()
+
+
+# Four rollouts, a checkpoint after each, two updates per rollout (the old policy from the no-grad pass), the EMA on.
+RESUMED = {"max_steps": 8, "save_strategy": "steps", "save_steps": 2, "num_iterations": 2, "enable_ema": True,
+           "ema_beta": 0.5, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "beta": 0.05}
+
+
+@pytest.mark.slow
+def test_grpo_resume_after_kills_continues_bit_for_bit(tiny_model_dir, grpo_inputs, tmp_path):
+    """Killed at seeded random steps and rerun until done: each rerun starts at the last checkpoint, the step log
+    and the saved adapters (grpo_lora_model, actor_ema) equal the uninterrupted run's bit for bit."""
+    def args_for(output_dir):
+        return grpo_args(tiny_model_dir, grpo_inputs, output_dir, **RESUMED)
+
+    proof = resume_proof(1, GRPO_SCRIPT, args_for, tmp_path, seed="grpo-1", total=RESUMED["max_steps"],
+                         save_steps=RESUMED["save_steps"])
+    proof.check_processes_after_random_kills()
+    assert "GRPO: 2 optimizer step(s) per iteration" in proof.resumed_output()
+    expected, actual = step_logs(proof.root / "reference"), step_logs(proof.root / "crashed")
+    assert len(expected) == 8 and expected == actual
+    for name in ("grpo_lora_model", "actor_ema"):
+        proof.check_bit_identical(name)
+    proof.check_process_after_end_kill()
