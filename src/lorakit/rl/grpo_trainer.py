@@ -213,7 +213,7 @@ class GRPOTrainer(RLTrainer):
             # Its denominator counts every process's and accumulation step's tokens: undo the Trainer's division
             # by the accumulation steps and the data-parallel mean of the gradients.
             loss = loss * self.current_gradient_accumulation_steps * args.world_size
-        for name, value in (("policy_loss", result.loss), ("clipfrac", result.clipfrac), ("kl", result.kl)):
+        for name, value in (("policy_loss", loss), ("clipfrac", result.clipfrac), ("kl", result.kl)):
             self.train_stats.add(name, value.item())
         return (loss, outputs) if return_outputs else loss
 
