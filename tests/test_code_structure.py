@@ -307,6 +307,7 @@ PROTOCOL_TUPLES = {
     "src/lorakit/rl/policy.py:contexts": "torch.utils.checkpoint's context_fn returns (forward, recompute) contexts",
     "src/lorakit/rl/ppo_checkpoint.py:_prepare_for_training": "Trainer._prepare_for_training: (model, dataloader)",
     "src/lorakit/rl/ppo_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
+    "src/lorakit/rl/grpo_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
     "src/lorakit/trainers/causal_lm.py:get_batch_samples": "Trainer.get_batch_samples: (batches, items in batch)",
     "src/lorakit/trainers/causal_lm.py:compute_loss": TRAINER_COMPUTE_LOSS,
     "src/lorakit/trainers/dpo.py:compute_loss": TRAINER_COMPUTE_LOSS,

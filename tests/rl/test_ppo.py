@@ -418,8 +418,8 @@ def test_prompts_come_from_every_sft_format_without_their_answers(tiny_tokenizer
 
     path = os.path.join(REPO, "data", "ppo_sample", "prompts.jsonl")
     prompts = read_prompts([path], None, 3, 42)
-    assert len(prompts) == 20 and all(messages[-1]["role"] == "user" for _, messages, _ in prompts)
-    by_line = {where.rsplit(":", 1)[1]: messages for where, messages, _ in prompts}
+    assert len(prompts) == 20 and all(prompt.messages[-1]["role"] == "user" for prompt in prompts)
+    by_line = {prompt.where.rsplit(":", 1)[1]: prompt.messages for prompt in prompts}
     assert by_line["18"][-1]["content"] == "Why is it cheaper than full fine-tuning?" and len(by_line["18"]) == 3
     assert by_line["19"] == [{"role": "user", "content": "用简单的话解释什么是强化学习。"}]  # its answer dropped
     assert by_line["13"][0] == {"role": "system", "content": "你是一位耐心的健康顾问。"}

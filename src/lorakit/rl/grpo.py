@@ -32,7 +32,7 @@ rl.group_math, the rewards rl.reward_functions.
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from transformers import set_seed
 
@@ -211,8 +211,15 @@ class GroupSchedule:
         self.steps = training_args.num_iterations
 
 
+class ActorFiles(NamedTuple):
+    """What check_grpo_models read of the actor: its tokenizer and its model config."""
+
+    tokenizer: "PreTrainedTokenizerBase"
+    config: "PreTrainedConfig"
+
+
 def check_grpo_models(model_args: GRPOModelArguments, data_args: GRPODataArguments, training_args: GRPOArguments
-                      ) -> tuple["PreTrainedTokenizerBase", "PreTrainedConfig"]:
+                      ) -> ActorFiles:
     """The actor's tokenizer and config, after refusing, before any weight is loaded, what would train wrong: no
     reward at all, a reward model not on the actor's base, a reward adapter without a score head, lengths past the
     model's positions."""
@@ -239,7 +246,7 @@ def check_grpo_models(model_args: GRPOModelArguments, data_args: GRPODataArgumen
                          f"{training_args.max_completion_length} = {total} exceeds the model's max_position_embeddings "
                          f"{positions} (config.json)")
     check_load_plan(model_args, training_args, config, tokenizer, adapter_flag="--peft_path")
-    return tokenizer, config
+    return ActorFiles(tokenizer, config)
 
 
 def check_save_schedule(training_args: GRPOArguments, steps_per_iteration: int, num_prompts: int,
