@@ -2,16 +2,17 @@
 estimator, the roles it loads, TRL's reward-function convention through the real script, and bad input."""
 
 import json
+import math
 import os
 import random
 import textwrap
 
 import pytest
 
-from helpers.commands import TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
+from helpers.commands import REPO, TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
 from helpers.corpora import CHINESE, ENGLISH
 from helpers.kill_points import resume_proof
-from helpers.run_outputs import log_history
+from helpers.run_outputs import adapter_weights, log_history
 
 GRPO_SCRIPT = os.path.join(TRAINING, "run_grpo.py")
 MARKER = "很好"
@@ -144,3 +145,40 @@ def test_grpo_resume_after_kills_continues_bit_for_bit(tiny_model_dir, grpo_inpu
     for name in ("grpo_lora_model", "actor_ema"):
         proof.check_bit_identical(name)
     proof.check_process_after_end_kill()
+
+
+def test_qlora_grpo_with_ppo_flag_names_trains_on_a_4bit_base(tiny_model_dir, grpo_inputs, tmp_path):
+    """--load_in_kbits 4 (QLoRA): two rollouts on the quantized base with the reference (--beta > 0, given by PPO's
+    name --kl_ctl, mapped with a log line) log finite losses and a KL, and the adapter learns; the rollout decodes
+    with the adapter unmerged on a quantized base, said once."""
+    out = tmp_path / "out"
+    args = grpo_args(tiny_model_dir, grpo_inputs, out, load_in_kbits=4, kl_ctl=0.1, enable_hybrid_engine=True,
+                     model_name_or_path=None, actor_model_name_or_path=tiny_model_dir, max_steps=2)
+    result = run_script(args, script=GRPO_SCRIPT)
+    assert_ok(result)
+    log = result.stdout + result.stderr
+    assert "flag mapped: --kl_ctl 0.1 -> --beta" in log
+    assert log.count("decodes with its adapter unmerged: the base is quantized") == 1
+    steps = step_logs(out)
+    assert len(steps) == 2 and all(math.isfinite(entry["loss"]) for entry in steps)
+    assert steps[1]["kl"] > 0, steps
+    actor = adapter_weights(out / "grpo_lora_model")
+    assert any(key.endswith("lora_B.weight") and actor[key].abs().sum() > 0 for key in actor)
+
+
+@pytest.mark.slow
+def test_grpo_zero3_two_processes_resume_after_a_kill_bit_for_bit(tiny_model_dir, grpo_inputs, tmp_path):
+    """Under torchrun with ZeRO-3 on two processes, killed once at a seeded random step and once while writing a
+    checkpoint: the rerun starts at the last complete checkpoint and ends with the uninterrupted run's adapter."""
+    def args_for(output_dir):
+        return grpo_args(tiny_model_dir, grpo_inputs, output_dir, **RESUMED,
+                         deepspeed=os.path.join(REPO, "ds_configs", "ds_zero3_no_offload.json"))
+
+    proof = resume_proof(2, GRPO_SCRIPT, args_for, tmp_path, seed="grpo-2", total=RESUMED["max_steps"],
+                         save_steps=RESUMED["save_steps"])
+    proof.check_processes_after_random_kills()
+    proof.check_process_after_mid_save_kill()
+    expected, actual = (trained_figures(step_logs(proof.root / name)) for name in ("reference", "crashed"))
+    assert expected == actual
+    for name in ("grpo_lora_model", "actor_ema"):
+        proof.check_bit_identical(name)

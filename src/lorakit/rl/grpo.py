@@ -73,6 +73,8 @@ class GRPOModelArguments(ModelArguments):
     """The shared model arguments (dtype, --load_in_kbits for QLoRA, LoRA shape, ...) with the actor's base in
     --model_name_or_path and its SFT adapter in --peft_path, plus an optional reward adapter on the same base."""
 
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The actor's base model (or a merged SFT model). Required."})
     lora_dropout: float = field(
         default=0.0,
         metadata={"help": "Dropout on the LoRA input. 0: answers are scored without dropout, so any dropout in the "
