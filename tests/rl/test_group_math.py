@@ -126,3 +126,13 @@ def test_a_zero_spread_group_contributes_no_policy_gradient_only_its_kl():
     group_policy_loss(logprobs, old, advantages, mask, 0.2, ref_logprobs=ref, beta=0.1).loss.backward()
     # d/dlogp of beta x k3 = beta x (1 - e^(ref - logp)), the group's answers' mean over 3 tokens, over 8 answers.
     close(logprobs.grad[4:], torch.full((4, 3), 0.1 * (1 - math.exp(-0.5)) / 3 / 8))
+
+
+def test_the_batch_std_is_the_global_batchs_whichever_rank_holds_which_groups():
+    # Each "rank" holds one group; the count, sum and sum of squares all-reduced: the std of all eight scores.
+    halves = SCORES[:4], SCORES[4:]
+    whole = sum(torch.stack([torch.tensor(4.0), half.sum(), (half ** 2).sum()]).double() for half in halves)
+    batch_std = math.sqrt(6.875 / 7)
+    close(group_advantages(halves[0], 4, "grpo", "batch", reduce=lambda _: whole),
+          [c / (batch_std + STD_EPSILON) for c in CENTRED[:4]])
+    close(group_advantages(halves[1], 4, "grpo", "batch", reduce=lambda _: whole), [0.0] * 4)

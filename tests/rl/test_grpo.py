@@ -182,3 +182,24 @@ def test_grpo_zero3_two_processes_resume_after_a_kill_bit_for_bit(tiny_model_dir
     assert expected == actual
     for name in ("grpo_lora_model", "actor_ema"):
         proof.check_bit_identical(name)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_on_the_same_global_batch(tiny_model_dir, grpo_inputs, tmp_path):
+    """Two processes of 2 prompts x 4 answers each and one process of 4 prompts x 4: the same prompts, the same
+    answers sampled (a seed per generation batch), the same global statistics (the batch std of --scale_rewards
+    batch, dapo's token count) and so the same two steps and adapter, within float summation order."""
+    common = {"scale_rewards": "batch", "loss_type": "dapo", "per_device_generation_batch_size": 4, "max_steps": 2}
+    runs = {1: {"per_device_train_batch_size": 16}, 2: {"per_device_train_batch_size": 8}}
+    for nproc, batch in runs.items():
+        args = grpo_args(tiny_model_dir, grpo_inputs, tmp_path / f"out{nproc}", **common, **batch)
+        assert_ok(run_script(args, nproc=nproc, script=GRPO_SCRIPT))
+    one, two = step_logs(tmp_path / "out1"), step_logs(tmp_path / "out2")
+    assert len(one) == len(two) == 2
+    for first, second in zip(one, two, strict=True):
+        assert first["reward_mean"] == second["reward_mean"] and first["response_length"] == second["response_length"]
+        for key in ("loss", "grad_norm", "entropy"):
+            assert abs(first[key] - second[key]) <= 1e-5 * max(1.0, abs(first[key])), (key, first, second)
+    assert one[0]["reward_std"] > 0  # a batch with signal to learn from
+    first, second = (adapter_weights(tmp_path / f"out{nproc}" / "grpo_lora_model") for nproc in (1, 2))
+    assert max((first[key] - second[key]).abs().max().item() for key in first) < 1e-5

@@ -328,20 +328,26 @@ class ExperienceMaker:
         """One generation batch from the rollout engine (a seam of its own: tests/helpers probe it)."""
         return self.engine.sample(prompt_ids, prompt_mask)
 
-    def generate(self, prompt_rows: list[list[int]], seed: int) -> Rollout:
+    def generate(self, prompt_rows: list[list[int]], seed: int, batch_seeds: Sequence[int] | None = None) -> Rollout:
         """Answers sampled by the current actor (KV cache on, in batches of
         per_device_generation_batch_size, left-padded prompts), with the actor's log-probs and
-        entropy of each answer token taken from the logits that sampled it (what PPO calls the old
-        policy; it spares one forward pass, as TRL does)."""
+        entropy of each answer token taken from the logits that sampled it. batch_seeds (one per
+        generation batch): each batch sampled from its own seed at its own prompts' width, so that it
+        samples the same answers whichever process and rollout it falls in (else one seed for all, the
+        rollout's width)."""
         device, batch = self.args.device, self.args.per_device_generation_batch_size
         width = max(len(row) for row in prompt_rows)
         prompt_ids, prompt_mask = left_pad(prompt_rows, width, self.pad_id)
         parts = []
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            for start in range(0, len(prompt_rows), batch):
-                parts.append(self.sample(prompt_ids[start : start + batch].to(device),
-                                         prompt_mask[start : start + batch].to(device)))
+            for number, start in enumerate(range(0, len(prompt_rows), batch)):
+                ids, mask = prompt_ids[start : start + batch], prompt_mask[start : start + batch]
+                if batch_seeds is not None:
+                    torch.manual_seed(batch_seeds[number])
+                    own_width = int(mask.sum(dim=1).max())  # left-padded: the columns before are padding alone
+                    ids, mask = ids[:, width - own_width :], mask[:, width - own_width :]
+                parts.append(self.sample(ids.to(device), mask.to(device)))
         # Unpacked, not read by field name: a probe wrapping sample() (tests/helpers) may return a plain tuple.
         token_parts, logprob_parts, entropy_parts = zip(*parts, strict=True)
         longest = max(tokens.shape[1] for tokens in token_parts)

@@ -55,11 +55,11 @@ def zero_spread_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups == groups[:, :1]).all(dim=1)
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scale_rewards: str = "group"
-                     ) -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scale_rewards: str = "group",
+                     reduce: Reduce = lambda sums: sums) -> torch.Tensor:
     """One advantage per answer [N] from the scores [N] of its group:
     grpo: (r - group mean) / (std + STD_EPSILON), std (unbiased) of the group (scale_rewards group), of the whole
-          batch (batch), or no division at all (none: Dr. GRPO);
+          global batch (batch: reduce sums the statistics over processes), or no division at all (none: Dr. GRPO);
     rloo: r - the mean of the other G - 1 answers' scores (leave-one-out; G / (G - 1) x (r - group mean));
     reinforce_pp_baseline: r - group mean, the per-token shaping and global normalisation to follow
           (reinforce_pp_returns, global_whiten);
@@ -81,10 +81,19 @@ def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scal
     if scale_rewards == "group":
         std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
     elif scale_rewards == "batch":
-        std = scores.float().std() if scores.numel() > 1 else torch.zeros(())
+        std = batch_std(scores.float(), reduce)
     else:
         raise ValueError(f"unknown --scale_rewards {scale_rewards!r}; choose from {', '.join(SCALE_REWARDS)}")
     return (centred / (std + STD_EPSILON)).flatten()
+
+
+def batch_std(scores: torch.Tensor, reduce: Reduce) -> torch.Tensor:
+    """The unbiased std of the scores of every process (reduce sums count, sum and sum of squares); 0 for one."""
+    count, total, squares = reduce(torch.stack([torch.tensor(float(scores.numel())), scores.sum(),
+                                                (scores ** 2).sum()]).double()).unbind()
+    if count < 2:
+        return torch.zeros(())
+    return ((squares - total ** 2 / count).clamp(min=0.0) / (count - 1)).sqrt().float()
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:

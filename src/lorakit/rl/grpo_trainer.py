@@ -57,11 +57,13 @@ class GroupExperience(NamedTuple):
     zero_spread: torch.Tensor
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """values summed over every process (the identity on one)."""
+def all_reduce_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """values summed over every process (the identity on one), reduced on device (NCCL reduces CUDA tensors only),
+    returned where they were."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values)
+        reduced = values.to(device, copy=True)
+        dist.all_reduce(reduced)
+        return reduced.to(values.device)
     return values
 
 
@@ -82,14 +84,21 @@ class GRPOTrainer(RLTrainer):
         # REINFORCE++ pays the KL in the reward; the others in the loss.
         self.kl_in_reward = self.args.advantage_estimator.startswith("reinforce_pp")
 
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(values, self.args.device)
+
     # -- experience -----------------------------------------------------------
 
     def make_iteration(self, iteration: int) -> list[MicroBatch]:
         """One rollout as the Trainer's micro-batches; its statistics are logged with the rollout's steps."""
         args = self.args
         indices = iteration_prompt_indices(len(self.prompts), iteration, self.schedule.prompts, args)
-        experience = self.make_experience(indices, self.prompts, self.records, args.num_generations,
-                                          derived_seed(args.seed, iteration, args.process_index, 1),
+        answers, batch = self.schedule.answers, args.per_device_generation_batch_size
+        # A seed per generation batch, by its first answer's place in the global rollout: the same batches sample
+        # the same answers on one process or several.
+        seeds = [derived_seed(args.seed, iteration, args.process_index * answers + start, 1)
+                 for start in range(0, answers, batch)]
+        experience = self.make_experience(indices, self.prompts, self.records, args.num_generations, seeds,
                                           old_from_update=self.steps_per_iteration == 1)
         self.experience_stats = self.experience_metrics(experience)
         if args.log_completions and iteration % args.log_completions == 0 and args.should_log:
@@ -97,13 +106,15 @@ class GRPOTrainer(RLTrainer):
         return self.micro_batches(experience, iteration)
 
     def make_experience(self, indices: Sequence[int], prompt_ids: list[list[int]], records: list["Prompt"],
-                        group_size: int, seed: int, old_from_update: bool) -> GroupExperience:
-        """group_size answers to each prompt of indices, scored, with their advantages."""
+                        group_size: int, seeds: int | list[int], old_from_update: bool) -> GroupExperience:
+        """group_size answers to each prompt of indices, sampled from one seed or a seed per generation batch,
+        scored, with their advantages."""
         rows = [prompt_ids[i] for i in indices for _ in range(group_size)]
         row_records = [records[i] for i in indices for _ in range(group_size)]
         self.model.eval()
         with self.times.timing("time_generation"), torch.no_grad():
-            rollout = self.maker.generate(rows, seed)
+            rollout = (self.maker.generate(rows, seeds) if isinstance(seeds, int)
+                       else self.maker.generate(rows, seeds[0], batch_seeds=seeds))
         with self.times.timing("time_scoring"), torch.no_grad():
             frozen = self.frozen_passes(rollout)
             rewards = self.score(rollout, row_records, frozen.get("scores"))
@@ -167,12 +178,13 @@ class GRPOTrainer(RLTrainer):
         """--advantage_estimator's advantages: one per answer [N], or REINFORCE++'s per token [N, A] (the KL to
         the reference paid in the reward at --beta, the returns whitened over every process's tokens)."""
         args = self.args
-        sequence = group_advantages(scores, group_size, args.advantage_estimator, args.scale_rewards).to(mask.device)
+        sequence = group_advantages(scores, group_size, args.advantage_estimator, args.scale_rewards,
+                                    reduce=self.all_reduce_sum).to(mask.device)
         if not self.kl_in_reward:
             return sequence
         kl = kl_estimate(old, ref, args.kl_estimator) if args.beta > 0 else torch.zeros_like(old)
         returns = reinforce_pp_returns(sequence, kl, mask, args.beta)
-        return global_whiten(returns, mask, reduce=all_reduce_sum)
+        return global_whiten(returns, mask, reduce=self.all_reduce_sum)
 
     # -- micro-batches and the loss ------------------------------------------------
 
@@ -185,7 +197,7 @@ class GRPOTrainer(RLTrainer):
                    "response_mask": experience.training_mask, "old_logprobs": experience.old_logprobs,
                    "sampler_logprobs": rollout.logprobs, "ref_logprobs": experience.ref_logprobs,
                    "advantages": experience.advantages}
-        step_tokens = all_reduce_sum(experience.training_mask.sum().float().reshape(1)).item()
+        step_tokens = self.all_reduce_sum(experience.training_mask.sum().float().reshape(1)).item()
         size, batches = rollout.input_ids.shape[0], []
         for epoch in range(args.num_iterations):
             for chunk in epoch_chunks(size, iteration, epoch, args):
