@@ -303,3 +303,44 @@ def test_dpo_stage_folds_the_sft_adapter_and_leaves_both_adapters_to_the_merge(c
     refused = run_in_process(PIPELINE, [write_config(tmp_path / "no_merge.yaml", config)])
     check_refused(refused, "stage 'chat': takes one adapter, but stage 'dpo' left two unmerged")
     assert not out.exists()
+
+
+def test_grpo_stage_continues_the_sft_adapter_with_reward_functions_or_the_reward_stage(chain_data, tiny_model_dir,
+                                                                                        tmp_path):
+    """sft -> reward -> grpo -> merge, dry run: GRPO starts from the base with the SFT adapter as --peft_path,
+    its reward functions given as a list; without them it takes the reward stage's adapter; without either it is
+    refused before anything runs; the merge applies GRPO's adapter."""
+    import shlex
+
+    out, root = tmp_path / "out", chain_data["root"]
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def marker(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
+    grpo = {"stage": "grpo", "data_path": str(root / "ppo" / "prompts.jsonl"), "template": "human_assistant",
+            "reward_funcs": ["think_format", f"{rewards}:marker"], "num_generations": 4}
+    stages = [{"stage": "sft", "dataset_dir": str(root / "sft"), "template": "human_assistant"},
+              {"stage": "reward", "dataset_dir": str(root / "rm"), "template": "human_assistant"},
+              grpo, {"stage": "merge"}]
+    config = {"base_model": tiny_model_dir, "output_dir": str(out), "training_flags": {"use_cpu": True, **STEPS},
+              "deployment": {"mode": "single_node", "nproc_per_node": 1}, "stages": stages}
+
+    def dry_run(name):
+        result = run_in_process(PIPELINE, [write_config(tmp_path / f"{name}.yaml", config), "--dry_run"])
+        assert_ok(result)
+        return [shlex.split(line[len("pipeline: $ "):]) for line in result.stdout.splitlines()
+                if line.startswith("pipeline: $ ")]
+
+    commands = dry_run("functions")
+    assert [command_name(c) for c in commands] == ["sft", "reward", "grpo", "merge"]
+    words = commands[2]
+    assert words[words.index("--peft_path") + 1] == str(out / "sft" / "sft_lora_model")
+    assert words[words.index("--reward_funcs") + 1 : words.index("--reward_funcs") + 3] == [
+        "think_format", f"{rewards}:marker"]
+    assert "--reward_lora_model" not in words
+    assert commands[3][commands[3].index("--lora_model") + 1] == str(out / "grpo" / "grpo_lora_model")
+    del grpo["reward_funcs"]
+    words = dry_run("reward_model")[2]
+    assert words[words.index("--reward_lora_model") + 1] == str(out / "reward" / "rm_lora_model")
+    del stages[1]
+    refused = run_in_process(PIPELINE, [write_config(tmp_path / "no_reward.yaml", config)])
+    check_refused(refused, "stage 'grpo': GRPO needs a reward: give reward_funcs")
+    assert not out.exists()

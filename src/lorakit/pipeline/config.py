@@ -11,7 +11,7 @@
       deepspeed: ds_configs/ds_zero2_no_offload.json   # every training stage's, unless it names its own
     training_flags: {bf16: true}        # optional: flags of every training stage (a stage's own win)
     stages:                             # run in this order
-      - stage: pretraining              # vocabulary | pretraining | sft | reward | ppo | dpo | merge | chat
+      - stage: pretraining              # vocabulary | pretraining | sft | reward | ppo | grpo | dpo | merge | chat
         name: pretraining               # optional (default: the kind); OUTPUT/<name>/, unique, not logs
         dataset_dir: data/pt            # any flag of that stage's script, without the dashes
       - stage: chat
@@ -30,7 +30,7 @@ from typing import Any
 
 from lorakit.core.cli import InputError, read_yaml
 
-STAGE_KINDS = ("vocabulary", "pretraining", "sft", "reward", "ppo", "dpo", "merge", "chat")
+STAGE_KINDS = ("vocabulary", "pretraining", "sft", "reward", "ppo", "grpo", "dpo", "merge", "chat")
 TOP_LEVEL_KEYS = ("base_model", "tokenizer", "output_dir", "deployment", "training_flags", "stages")
 MODES = ("single_gpu", "single_node", "multi_node")
 DEPLOYMENT_DEFAULTS = {"mode": "single_node", "nproc_per_node": None, "nnodes": 1, "node_rank": 0,
@@ -153,7 +153,7 @@ def stages_of(raw: Any, training_flags: dict[str, Any], path: str) -> list[Stage
         if turns and (kind != "chat" or not all(isinstance(turn, str) for turn in turns)):
             raise InputError(f"{where}: 'turns' is a list of strings, for a chat stage only")
         flags = {key: value for key, value in entry.items() if key not in PIPELINE_STAGE_KEYS}
-        from_all = training_flags if kind in ("pretraining", "sft", "reward", "ppo", "dpo") else {}
+        from_all = training_flags if kind in ("pretraining", "sft", "reward", "ppo", "grpo", "dpo") else {}
         stages.append(StageConfig(kind=kind, name=name, flags={**from_all, **flags}, turns=list(turns)))
     return stages
 

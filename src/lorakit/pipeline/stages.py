@@ -43,13 +43,14 @@ SCRIPTS = {
     "sft": Script("sft", True),
     "reward": Script("reward", True),
     "ppo": Script("ppo", True),
+    "grpo": Script("grpo", True),
     "dpo": Script("dpo", True),
     "merge": Script("merge", False),
     "chat": Script("chat", False),
 }
 # The adapter directory each training stage writes into its output_dir.
 ADAPTER_DIRS = {"pretraining": "pt_lora_model", "sft": "sft_lora_model", "reward": "rm_lora_model",
-                "ppo": "ppo_lora_model", "dpo": "dpo_lora_model"}
+                "ppo": "ppo_lora_model", "grpo": "grpo_lora_model", "dpo": "dpo_lora_model"}
 # Flags the pipeline owns: it decides where each stage writes and what reruns.
 OWNED_FLAGS = ("output_dir", "overwrite_output_dir")
 # Flags naming a file or directory that must exist before anything runs (comma lists allowed).
@@ -131,13 +132,21 @@ def product_dirs_of(stage: StageConfig, out_dir: str) -> list[str]:
 
 
 def paths_named(flags: dict[str, Any]) -> list[str]:
-    """The files and directories flags name (PATH_FLAGS; comma lists split), in order."""
+    """The files and directories flags name (PATH_FLAGS; comma lists split; a reward function's file), in order."""
     paths = []
     for flag, value in flags.items():
         if flag in PATH_FLAGS + ("tokenizer",) and value not in (None, "", []):
             values = value if isinstance(value, list) else str(value).split(",")
             paths += [path for path in (str(item).strip() for item in values) if path]
+    paths += reward_function_files(flags)
     return paths
+
+
+def reward_function_files(flags: dict[str, Any]) -> list[str]:
+    """The files of a GRPO stage's `path/to/file.py:function` reward functions (an edit of one reruns the stage)."""
+    value = flags.get("reward_funcs") or []
+    names = value if isinstance(value, list) else str(value).split()
+    return [name.rpartition(":")[0] for name in map(str, names) if name.rpartition(":")[0].endswith(".py")]
 
 
 def hash_contents(planned: list[PlannedStage], config: PipelineConfig, fingerprint: Callable[[str], str]) -> None:
@@ -331,6 +340,23 @@ def wire_ppo(chain: Chain, stage: StageConfig, out_dir: str, where: str, produce
     return flags
 
 
+def wire_grpo(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
+    """GRPO continues the current adapter (SFT's) on the current model; its reward: the stage's reward_funcs, else
+    the reward stage's adapter (on the same base), else it is refused."""
+    needs_one_adapter(chain, where, producers)
+    flags = training_flags(chain)
+    if chain.adapter:
+        flags["peft_path"] = chain.adapter
+    if not stage.flags.get("reward_funcs") and "reward_lora_model" not in stage.flags:
+        if chain.reward is None or chain.reward.adapter is None:
+            raise InputError(f"{where}: GRPO needs a reward: give reward_funcs (e.g. exact_match), or put a reward "
+                             "stage (LoRA, on the same model) before it")
+        flags.update(reward_model_name_or_path=chain.reward.model, reward_lora_model=chain.reward.adapter)
+    chain.adapter = os.path.join(out_dir, ADAPTER_DIRS["grpo"])  # it continues the current adapter
+    producers["adapter"] = stage.name
+    return flags
+
+
 def wire_dpo(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     """The policy and its reference are the current model with the current adapter (SFT's) folded in; a new
     LoRA trains on top, so the chain's adapter becomes both, in order, as the merge tool applies them."""
@@ -350,7 +376,7 @@ def wire_dpo(chain: Chain, stage: StageConfig, out_dir: str, where: str, produce
 def wire_merge(chain: Chain, stage: StageConfig, out_dir: str, where: str, producers: Producers) -> dict[str, Any]:
     if not chain.adapter:
         raise InputError(f"{where}: nothing to merge: no earlier stage left an adapter "
-                         "(pretraining, sft, ppo or dpo)")
+                         "(pretraining, sft, ppo, grpo or dpo)")
     flags = {"base_model": chain.model, "lora_model": chain.adapter}
     # The adapter directory carries the tokenizer it was trained with (an extended vocabulary too);
     # the merge writes it into the merged model.
@@ -367,4 +393,5 @@ def wire_chat(chain: Chain, stage: StageConfig, out_dir: str, where: str, produc
 
 
 WIRING = {"vocabulary": wire_vocabulary, "pretraining": wire_adapter_training, "sft": wire_adapter_training,
-          "reward": wire_reward, "ppo": wire_ppo, "dpo": wire_dpo, "merge": wire_merge, "chat": wire_chat}
+          "reward": wire_reward, "ppo": wire_ppo, "grpo": wire_grpo, "dpo": wire_dpo, "merge": wire_merge,
+          "chat": wire_chat}
