@@ -172,6 +172,24 @@ def test_activation_rule_matches_what_autograd_keeps():
     assert per_vocab_entry == 4  # the fp32 log-softmax, one of LOGIT_BYTES' three tensors
 
 
+def test_the_rollouts_kv_cache_is_what_generate_holds():
+    """kv_cache_bytes against the static cache transformers' generate() allocates for a batch (grouped-query heads,
+    bf16), and at the Llama-2-7B shape by hand: 2 x 32 layers x 32 heads x 128 x 2 bytes = 0.5 MiB per token."""
+    from transformers import StaticCache
+
+    config = LlamaConfig(**{**TINY, "num_key_value_heads": 2})
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    cache = StaticCache(config=config, max_cache_len=40)
+    model(input_ids=torch.ones(6, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+    held = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers)
+    assert held == em.kv_cache_bytes(config, answers=6, tokens=40, dtype_bytes=2)
+    llama7b = LlamaConfig(**em.PUBLIC_SHAPES["llama2-7b"])
+    assert em.kv_cache_bytes(llama7b, answers=64, tokens=512) == 64 * 512 * 2**19  # 16 GiB
+    line = em.rollout_line(llama7b, estimate_args(per_device_generation_batch_size=64, max_seq_length=512))
+    assert "a 16.0 GiB KV cache per GPU" in line and "64 answers (GRPO: 8 prompts x 8)" in line
+
+
 def test_chunked_loss_keeps_no_logits_for_backward_and_the_estimate_holds_one_chunk():
     """The chunked loss (training's default) keeps nothing per token and vocabulary entry for backward (each
     chunk's logits are recomputed there), so the estimate's loss term is one chunk's, whatever the tokens."""

@@ -125,7 +125,11 @@ class EstimateArguments:
     chunked_loss: bool = field(
         default=True, metadata={"help": "As in training (its default): the loss holds one chunk of logits at a "
                                         "time; false: transformers' loss over every token's logits."})
-    max_seq_length: int = field(default=1024, metadata={"help": "Tokens per sequence (--block_size in pt)."})
+    max_seq_length: int = field(default=1024, metadata={"help": "Tokens per sequence (--block_size in pt; a "
+                                                                  "rollout's prompt + answer in PPO and GRPO)."})
+    num_generations: int = field(default=8, metadata={"help": "GRPO: answers sampled per prompt."})
+    per_device_generation_batch_size: int = field(
+        default=8, metadata={"help": "PPO / GRPO: answers sampled together per GPU (their KV cache is held at once)."})
     fit_table: bool = field(
         default=False,
         metadata={"help": "Print the markdown table of docs/nodes-and-memory.md instead: every --model_shape, "
@@ -376,6 +380,15 @@ def activation_bytes(config: "PreTrainedConfig", lora_rank: int, tokens: int, ch
     return tokens * kept + loss_bytes(config.vocab_size, tokens, chunked_loss)
 
 
+def kv_cache_bytes(config: "PreTrainedConfig", answers: int, tokens: int, dtype_bytes: int = 2) -> int:
+    """The KV cache of a generation batch: every layer's keys and values for answers x tokens positions (the
+    rollout engines' static cache holds the whole length from the first token)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * answers * tokens * dtype_bytes
+
+
 def fits(total_bytes: float, card_gib: int) -> bool:
     return total_bytes <= card_gib * GIB * USABLE_CARD_FRACTION
 
@@ -432,8 +445,18 @@ def report_lines(config: "PreTrainedConfig", args: EstimateArguments, counts: Pa
         "vocabulary; see activation_bytes)",
         f"PPO with --enable_hybrid_engine adds {gib(counts.lora_targeted_bytes)} GiB per GPU during each rollout: "
         "a copy of the LoRA-targeted base weights (none under ZeRO-3 or a quantized base, which decode unmerged)",
+        rollout_line(config, args),
     ]
     return lines
+
+
+def rollout_line(config: "PreTrainedConfig", args: EstimateArguments) -> str:
+    """What a PPO / GRPO rollout holds beside the model: the KV cache of one generation batch."""
+    batch, group = args.per_device_generation_batch_size, args.num_generations
+    kv = kv_cache_bytes(config, batch, args.max_seq_length, 2)
+    prompts = f"{batch // group} prompts x {group}" if batch % group == 0 else f"--num_generations {group}"
+    return (f"PPO / GRPO rollouts hold a {gib(kv)} GiB KV cache per GPU while they sample: a generation batch of "
+            f"{batch} answers (GRPO: {prompts}) of {args.max_seq_length} tokens")
 
 
 def config_label(zero: ZeroConfig) -> str:
