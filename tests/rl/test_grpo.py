@@ -9,7 +9,16 @@ import textwrap
 
 import pytest
 
-from helpers.commands import REPO, TRAINING, assert_ok, check_refused, options_to_argv, refuse, run_script
+from helpers.commands import (
+    REPO,
+    TRAINING,
+    assert_ok,
+    check_refused,
+    options_to_argv,
+    refuse,
+    run_in_process,
+    run_script,
+)
 from helpers.corpora import CHINESE, ENGLISH
 from helpers.kill_points import resume_proof
 from helpers.run_outputs import adapter_weights, log_history
@@ -203,3 +212,27 @@ def test_two_processes_equal_one_on_the_same_global_batch(tiny_model_dir, grpo_i
     assert one[0]["reward_std"] > 0  # a batch with signal to learn from
     first, second = (adapter_weights(tmp_path / f"out{nproc}" / "grpo_lora_model") for nproc in (1, 2))
     assert max((first[key] - second[key]).abs().max().item() for key in first) < 1e-5
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_the_reference_runs_only_where_its_kl_is_paid(beta, tiny_model_dir, grpo_inputs, tmp_path, monkeypatch):
+    """A probe on the policy's log-prob passes: with --beta 0 no pass runs under the reference role (and no
+    reference adapter is loaded); with --beta 0.1 every rollout runs one per answer batch."""
+    from lorakit.rl.policy import PPOPolicy
+
+    roles = []
+    original = PPOPolicy.answer_logprobs
+
+    def probed(self, role, *args, **kwargs):
+        roles.append(role)
+        return original(self, role, *args, **kwargs)
+
+    monkeypatch.setattr(PPOPolicy, "answer_logprobs", probed)
+    out = tmp_path / "out"
+    result = run_in_process(GRPO_SCRIPT, grpo_args(tiny_model_dir, grpo_inputs, out, beta=beta, max_steps=2))
+    assert_ok(result)
+    assert (roles.count("reference") > 0) == (beta > 0) and roles.count("actor") > 0, roles
+    steps = step_logs(out)
+    # The first update starts at the reference (a new adapter adds nothing): a KL only from the second step on.
+    assert steps[0]["kl"] == 0 and (steps[1]["kl"] > 0) == (beta > 0), steps
+    assert all(entry["reward/marker_std"] == pytest.approx(entry["reward_std"]) for entry in steps), steps

@@ -234,8 +234,9 @@ class GRPOTrainer(RLTrainer):
     def experience_metrics(self, experience: GroupExperience, row_weights: torch.Tensor | None = None,
                            prefix: str = "") -> dict[str, float]:
         """Means over every process's answers (weighted by row_weights, default 1): reward_mean and reward_std,
-        reward/<function>_mean, response_length, clipped_share (answers cut at the length limit), entropy (per
-        real token) and zero_spread_share (groups whose answers all scored the same)."""
+        reward/<function>_mean and _std (over the answers it applies to), response_length, clipped_share (answers
+        cut at the length limit), entropy (per real token) and zero_spread_share (groups whose answers all scored
+        the same)."""
         rollout, rewards = experience.rollout, experience.rewards
         weights = torch.ones(len(rewards.scores)) if row_weights is None else row_weights.float().cpu()
         mask = rollout.response_mask.float().cpu()
@@ -243,16 +244,18 @@ class GRPOTrainer(RLTrainer):
         rows = {"reward_mean": rewards.scores, "reward_sq": rewards.scores ** 2, "response_length": mask.sum(-1),
                 "clipped_share": (~rollout.has_eos.cpu()).float()}
         for name, values in rewards.per_function.items():
-            applies = ~torch.isnan(values)
-            stats.add(f"reward/{name}_mean", (torch.nan_to_num(values) * weights * applies).sum().item(),
-                      (weights * applies).sum().item())
+            applies = (~torch.isnan(values)).float() * weights
+            stats.add(f"reward/{name}_mean", (torch.nan_to_num(values) * applies).sum().item(), applies.sum().item())
+            stats.add(f"reward/{name}_sq", (torch.nan_to_num(values) ** 2 * applies).sum().item(), applies.sum().item())
         for name, values in rows.items():
             stats.add(name, (values * weights).sum().item(), weights.sum().item())
         token_weights = mask * weights[:, None]
         stats.add("entropy", (rollout.entropy.float().cpu() * token_weights).sum().item(), token_weights.sum().item())
         stats.add("zero_spread_share", experience.zero_spread.float().sum().item(), experience.zero_spread.numel())
         metrics = stats.reduced(self.args.device)
-        metrics["reward_std"] = max(metrics.pop("reward_sq") - metrics["reward_mean"] ** 2, 0.0) ** 0.5
+        for mean in [name for name in metrics if name.endswith("_mean") and name.startswith("reward")]:
+            square = metrics.pop(mean[: -len("_mean")] + "_sq")
+            metrics[mean[: -len("_mean")] + "_std"] = max(square - metrics[mean] ** 2, 0.0) ** 0.5
         return {f"{prefix}{name}": value for name, value in metrics.items()}
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
