@@ -340,7 +340,10 @@ def test_grpo_stage_continues_the_sft_adapter_with_reward_functions_or_the_rewar
     del grpo["reward_funcs"]
     words = dry_run("reward_model")[2]
     assert words[words.index("--reward_lora_model") + 1] == str(out / "reward" / "rm_lora_model")
-    del stages[1]
+    grpo["reward_funcs"] = [str(tmp_path / "missing.py") + ":marker"]
+    refused = run_in_process(PIPELINE, [write_config(tmp_path / "missing_reward.yaml", config)])
+    check_refused(refused, f"reward_funcs {tmp_path / 'missing.py'} does not exist")
+    del stages[1], grpo["reward_funcs"]
     refused = run_in_process(PIPELINE, [write_config(tmp_path / "no_reward.yaml", config)])
     check_refused(refused, "stage 'grpo': GRPO needs a reward: give reward_funcs")
     assert not out.exists()

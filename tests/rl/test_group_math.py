@@ -85,7 +85,7 @@ def test_the_sequence_level_ratio_is_the_exp_of_the_mean_log_ratio_over_real_tok
     logprobs, old = torch.tensor([[0.2, -0.1, 0.5]]), torch.zeros(1, 3)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     close(importance_ratio(logprobs, old, mask, "sequence"), [[math.exp(0.05)] * 3])
-    close(importance_ratio(logprobs, old, mask, "token"), [[math.exp(0.2), math.exp(-0.1), math.exp(0.5)]])
+    close(importance_ratio(logprobs, old, mask, "token"), [[math.exp(0.2), math.exp(-0.1), 1.0]])  # padding: 1
 
 
 def test_the_three_losses_aggregate_tokens_as_their_papers_do():
@@ -95,6 +95,19 @@ def test_the_three_losses_aggregate_tokens_as_their_papers_do():
     close(aggregate_loss(per_token, mask, "dapo", 4, global_tokens=20), 10 / 20)  # over the step's global tokens
     with pytest.raises(ValueError, match="global count"):
         aggregate_loss(per_token, mask, "dapo", 4)
+    # An answer left out of the update (dynamic sampling: no real token) is not counted among the answers.
+    left_out = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    close(aggregate_loss(per_token, left_out, "grpo", 4), 6 / 3)
+    close(aggregate_loss(per_token, left_out, "dr_grpo", 4), 6 / (1 * 4))
+
+
+def test_a_padding_tokens_log_probs_never_reach_an_exp():
+    """Padding positions may hold any log-prob (-inf included): the loss and its gradient stay finite."""
+    logprobs = torch.tensor([[-0.5, -math.inf]], requires_grad=True)
+    old, ref, mask = torch.tensor([[-0.6, 0.0]]), torch.tensor([[-0.7, 50.0]]), torch.tensor([[1.0, 0.0]])
+    result = group_policy_loss(logprobs, old, torch.tensor([1.0]), mask, 0.2, ref_logprobs=ref, beta=0.1)
+    result.loss.backward()
+    assert math.isfinite(result.loss.item()) and torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 1] == 0
 
 
 def test_the_clipped_surrogate_clips_higher_with_epsilon_high_and_adds_the_kl():

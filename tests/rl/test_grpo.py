@@ -110,7 +110,8 @@ def test_rloo_and_reinforce_pp_learn_the_same_task(estimator, tiny_model_dir, gr
         assert "roles: the actor, the reference (the base alone) on one base" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("case", ["no_reward", "import", "missing_answer", "uneven_groups", "non_finite"])
+@pytest.mark.parametrize("case", ["no_reward", "import", "missing_answer", "uneven_groups", "one_answer",
+                                  "k1_in_loss", "save_inside_rollout", "non_finite"])
 def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs, tmp_path):
     """One line naming what is wrong, exit 2; a refusal before training writes nothing, a non-finite reward in the
     first rollout (the function and the record named) publishes no adapter."""
@@ -121,6 +122,10 @@ def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs
         "import": ({"reward_funcs": "no_such_module:f"}, "--reward_funcs no_such_module:f: cannot import"),
         "missing_answer": ({"reward_funcs": "exact_match"}, f"{prompts}:1: field 'answer' is missing"),
         "uneven_groups": ({"num_generations": 3}, "is not a multiple of --num_generations 3"),
+        "one_answer": ({"num_generations": 1}, "--num_generations 1: a group needs at least 2 answers"),
+        "k1_in_loss": ({"beta": 0.1, "kl_estimator": "k1"}, "--kl_estimator k1 in the loss"),
+        "save_inside_rollout": ({"num_iterations": 2, "max_steps": 10, "save_strategy": "steps", "save_steps": 0.3},
+                                "--save_steps 0.3 (of --max_steps 10: every 3) must be a multiple of the 2"),
         "non_finite": ({"reward_funcs": f"{rewards}:broken"}, f"{prompts}:"),
     }[case]
     args = grpo_args(tiny_model_dir, grpo_inputs, out, **overrides)  # a None option is left out

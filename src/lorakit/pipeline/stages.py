@@ -263,6 +263,9 @@ def check_paths(config_path: str, where: str, flags: dict[str, Any]) -> None:
         for path in (str(item).strip() for item in values):
             if path and not os.path.exists(path):
                 raise InputError(f"{config_path}:{where} {flag} {path} does not exist")
+    for path in reward_function_files(flags):
+        if not os.path.isfile(path):
+            raise InputError(f"{config_path}:{where} reward_funcs {path} does not exist")
 
 
 # ----------------------------------------------------------------------------- chaining

@@ -284,13 +284,13 @@ class ExperienceMaker:
     DeepSpeed engine (None before it exists); under ZeRO-3 generation goes through its hooks."""
 
     def __init__(self, model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int,
-                 after_turn_end_ids: Sequence[int], max_answer_len: int,
+                 after_turn_end_ids: Sequence[int], max_answer_len: int, max_prompt_len: int | None = None,
                  deepspeed_engine: Callable[[], Any] | None = None) -> None:
         self.model, self.args = model, args
         self.pad_id, self.answer_end_id = pad_id, answer_end_id
         self.after_turn_end_ids, self.max_answer_len = list(after_turn_end_ids), max_answer_len
         self.engine = rollout_engine(model, args, pad_id, answer_end_id, max_answer_len,
-                                     deepspeed_engine or (lambda: None))
+                                     deepspeed_engine or (lambda: None), max_prompt_len)
 
     def make(self, prompt_rows: list[list[int]], seed: int, kl_coef: float, times: PhaseTimes | None = None,
              row_chunks: list[torch.Tensor] | None = None, old_from_update: bool = False) -> Experience:

@@ -89,18 +89,22 @@ def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scal
 
 def batch_std(scores: torch.Tensor, reduce: Reduce) -> torch.Tensor:
     """The unbiased std of the scores of every process (reduce sums count, sum and sum of squares); 0 for one."""
-    count, total, squares = reduce(torch.stack([torch.tensor(float(scores.numel())), scores.sum(),
+    count, total, squares = reduce(torch.stack([scores.new_tensor(float(scores.numel())), scores.sum(),
                                                 (scores ** 2).sum()]).double()).unbind()
     if count < 2:
         return torch.zeros(())
     return ((squares - total ** 2 / count).clamp(min=0.0) / (count - 1)).sqrt().float()
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs (Schulman's estimators, with
     log r = log pi_ref - log pi): k1 = -log r (unbiased, can be negative), k2 = (log r)^2 / 2, k3 = r - 1 - log r
-    (unbiased and never negative: GRPO's)."""
+    (unbiased and never negative: GRPO's). mask: 0 at padding, where log r is taken as 0 before any exp (a padding
+    token's log-probs can be anything; inf x 0 would be NaN)."""
     log_ratio = ref_logprobs - logprobs
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     if estimator == "k1":
         return -log_ratio
     if estimator == "k2":
@@ -139,7 +143,7 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: t
                      ) -> torch.Tensor:
     """pi / pi_old per token [N, T] (level token), or GSPO's sequence-level ratio, exp of the mean per-token log
     ratio over the answer's real tokens, broadcast over its tokens (level sequence)."""
-    log_ratio = logprobs - old_logprobs
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))  # no exp of padding
     if level == "token":
         return torch.exp(log_ratio)
     if level != "sequence":
@@ -152,15 +156,18 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: t
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int,
                    global_tokens: float | None = None) -> torch.Tensor:
     """The batch's loss from per-token terms [N, T]: grpo, each answer's token mean, then the mean over answers;
-    dr_grpo, the token sum over N x max_completion_length (a constant: no length bias); dapo, the token sum over
-    global_tokens, the real tokens of the whole optimizer step (every rank and accumulation step), so that each
-    token weighs the same wherever it fell."""
+    dr_grpo, the token sum over answers x max_completion_length (a constant: no length bias); dapo, the token sum
+    over global_tokens, the real tokens of the whole optimizer step (every rank and accumulation step), so that
+    each token weighs the same wherever it fell. An answer without a real token (left out by dynamic sampling)
+    does not count among the answers."""
     mask = mask.to(per_token.dtype)
-    total = (per_token * mask).sum()
+    per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
+    total = per_token.sum()
+    answers = (mask.sum(dim=1) > 0).sum().clamp(min=1)
     if loss_type == "grpo":
-        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / answers
     if loss_type == "dr_grpo":
-        return total / (per_token.shape[0] * max_completion_length)
+        return total / (answers * max_completion_length)
     if loss_type == "dapo":
         if not global_tokens:
             raise ValueError("the dapo loss needs the optimizer step's global count of answer tokens")
@@ -190,7 +197,7 @@ def group_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     if beta > 0.0:
         if ref_logprobs is None:
             raise ValueError("beta > 0 needs the reference's log-probs")
-        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator, mask)
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, global_tokens)
     with torch.no_grad():

@@ -55,7 +55,7 @@ from lorakit.rl.group_math import (
 from lorakit.rl.group_policy import load_group_policy
 from lorakit.rl.ppo import check_reward_source, check_same_tokenizer, config_of, same_directory, tokenizer_of
 from lorakit.rl.reward_functions import check_record_fields, load_reward_functions
-from lorakit.rl.rollout_arguments import RolloutArguments
+from lorakit.rl.rollout_arguments import RolloutArguments, check_save_steps
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import check_held_out_data, resolve_resume_checkpoint, setup_logging, train_and_finish
 
@@ -172,13 +172,23 @@ class GRPOArguments(RolloutArguments):
     def __post_init__(self) -> None:
         notes = []
         map_flags(self, GRPO_TRAINER_FLAGS, notes)
-        for flag in ("num_generations", "max_completion_length", "num_iterations"):
+        for flag in ("max_completion_length", "num_iterations"):
             if getattr(self, flag) < 1:
                 raise InputError(f"--{flag} must be at least 1, got {getattr(self, flag)}")
         if self.beta < 0 or not math.isfinite(self.beta):
             raise InputError(f"--beta {self.beta}: give a KL coefficient of 0 or more")
+        if self.num_generations < 2:
+            raise InputError(f"--num_generations {self.num_generations}: a group needs at least 2 answers to compare")
+        kl_in_reward = self.advantage_estimator.startswith("reinforce_pp")
         if self.kl_estimator is None:
-            self.kl_estimator = "k1" if self.advantage_estimator.startswith("reinforce_pp") else "k3"
+            self.kl_estimator = "k1" if kl_in_reward else "k3"
+        if self.kl_estimator == "k1" and self.beta > 0 and not kl_in_reward:
+            raise InputError("--kl_estimator k1 in the loss: its gradient is not a KL penalty (its expectation is 0); "
+                             "use k3 (GRPO's) or k2, or REINFORCE++, which pays k1 in the reward")
+        if self.dynamic_sampling and kl_in_reward:
+            raise InputError(f"--dynamic_sampling with --advantage_estimator {self.advantage_estimator}: REINFORCE++ "
+                             "has no group baseline, a group whose answers scored alike still teaches; use grpo or "
+                             "rloo")
         if self.per_device_generation_batch_size is None:
             self.per_device_generation_batch_size = self.per_device_train_batch_size
         # The rollout's names (rl.experience): micro-batches of the old policy's pass, one sampling pass per rollout.
@@ -258,11 +268,7 @@ def check_save_schedule(training_args: GRPOArguments, steps_per_iteration: int, 
         rollouts = math.ceil(training_args.num_train_epochs * num_prompts
                              / (prompts_per_rollout * training_args.world_size))
         training_args.max_steps = max(1, rollouts) * steps_per_iteration
-    if training_args.save_strategy == "steps" and training_args.save_steps >= 1:
-        if int(training_args.save_steps) % steps_per_iteration:
-            raise InputError(f"--save_steps {int(training_args.save_steps)} must be a multiple of the "
-                             f"{steps_per_iteration} optimizer steps of one rollout (--num_iterations): a checkpoint "
-                             "inside a rollout could not restore its experience")
+    check_save_steps(training_args, steps_per_iteration, "rollout (--num_iterations)")
 
 
 # ----------------------------------------------------------------------------- main
@@ -307,6 +313,7 @@ def main() -> None:
         rewards=rewards,
         schedule=schedule,
         tokenizer=tokenizer,
+        max_prompt_len=data_args.max_prompt_seq_len,
         after_turn_end_ids=answers.after_turn_end_ids(),
         answer_end_id=answers.answer_end_id(),
     )

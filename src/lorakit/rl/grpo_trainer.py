@@ -80,6 +80,8 @@ class GRPOTrainer(RLTrainer):
         super().__init__(*args, steps_per_iteration=schedule.steps, max_answer_len=training_args.max_completion_length,
                          **kwargs)
         self.records, self.eval_records, self.rewards, self.schedule = records, eval_records, rewards, schedule
+        # Every field any record has, passed to every call (None where a record lacks it), as TRL passes columns.
+        self.field_names = sorted({name for record in records + (eval_records or []) for name in record.fields})
         self.kl_ctl = FixedKLController(self.args.beta)
         # REINFORCE++ pays the KL in the reward; the others in the loss.
         self.kl_in_reward = self.args.advantage_estimator.startswith("reinforce_pp")
@@ -98,17 +100,20 @@ class GRPOTrainer(RLTrainer):
         # the same answers on one process or several.
         seeds = [derived_seed(args.seed, iteration, args.process_index * answers + start, 1)
                  for start in range(0, answers, batch)]
+        first_update = epoch_chunks(self.schedule.answers, iteration, 0, args)  # the old policy's pass: its rows
         experience = self.make_experience(indices, self.prompts, self.records, args.num_generations, seeds,
-                                          old_from_update=self.steps_per_iteration == 1)
+                                          old_from_update=self.steps_per_iteration == 1, row_chunks=first_update)
         self.experience_stats = self.experience_metrics(experience)
         if args.log_completions and iteration % args.log_completions == 0 and args.should_log:
             self.log_group(iteration, experience, self.records[indices[0]])
         return self.micro_batches(experience, iteration)
 
     def make_experience(self, indices: Sequence[int], prompt_ids: list[list[int]], records: list["Prompt"],
-                        group_size: int, seeds: int | list[int], old_from_update: bool) -> GroupExperience:
+                        group_size: int, seeds: int | list[int], old_from_update: bool,
+                        row_chunks: list[torch.Tensor] | None = None, train: bool = True) -> GroupExperience:
         """group_size answers to each prompt of indices, sampled from one seed or a seed per generation batch,
-        scored, with their advantages."""
+        scored, with their advantages (train; an evaluation needs none: its zero advantages). The old policy's
+        pass, where there is one, runs over row_chunks, the micro-batches the first update sees."""
         rows = [prompt_ids[i] for i in indices for _ in range(group_size)]
         row_records = [records[i] for i in indices for _ in range(group_size)]
         self.model.eval()
@@ -118,10 +123,11 @@ class GRPOTrainer(RLTrainer):
         with self.times.timing("time_scoring"), torch.no_grad():
             frozen = self.frozen_passes(rollout)
             rewards = self.score(rollout, row_records, frozen.get("scores"))
-            old = rollout.logprobs if old_from_update else self.maker.old_logprobs(rollout, None)
+            old = rollout.logprobs if old_from_update else self.maker.old_logprobs(rollout, row_chunks)
             ref = frozen.get("ref_logprobs", torch.zeros_like(old))
             mask = rollout.response_mask
-            advantages = self.advantages(rewards.scores.to(mask.device), old, ref, mask, group_size)
+            advantages = (self.advantages(rewards.scores.to(mask.device), old, ref, mask, group_size) if train
+                          else torch.zeros(mask.shape[0], device=mask.device))
             zero_spread = zero_spread_groups(rewards.scores, group_size)
             training_mask = mask
             if self.args.dynamic_sampling:
@@ -156,15 +162,14 @@ class GRPOTrainer(RLTrainer):
 
     def score(self, rollout: Rollout, records: list["Prompt"], model_scores: torch.Tensor | None) -> RewardScores:
         """The reward functions' weighted sum of each answer, plus the reward model's score where there is one."""
-        answers = rollout.input_ids[:, rollout.prompt_length:]
-        mask = rollout.response_mask.bool()
+        answers = rollout.input_ids[:, rollout.prompt_length:].cpu()  # one copy, not a device sync per row
+        mask = rollout.response_mask.bool().cpu()
         completion_ids = [answers[row][mask[row]].tolist() for row in range(answers.shape[0])]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         prompts = [record.messages if record.conversational else record.messages[-1]["content"] for record in records]
         completions = [[{"role": "assistant", "content": text}] if record.conversational else text
                        for record, text in zip(records, texts, strict=True)]
-        names = sorted({name for record in records for name in record.fields})
-        fields = {name: [record.fields.get(name) for record in records] for name in names}
+        fields = {name: [record.fields.get(name) for record in records] for name in self.field_names}
         batch = RewardBatch(prompts, completions, completion_ids, fields, [record.where for record in records])
         scored = score_completions(self.rewards, batch, self.state) if self.rewards else RewardScores(
             torch.zeros(len(records)), {})
@@ -269,7 +274,7 @@ class GRPOTrainer(RLTrainer):
         indices = mine + [0] * (per_rank - len(mine))  # every process runs as many batches (ZeRO-3's collectives)
         weights = torch.tensor([1.0] * len(mine) + [0.0] * (per_rank - len(mine)))
         experience = self.make_experience(indices, self.eval_prompts, self.eval_records, 1, derived_seed(args.seed, 3),
-                                          old_from_update=True)
+                                          old_from_update=True, train=False)
         metrics = self.experience_metrics(experience, weights, f"{metric_key_prefix}_")
         metrics.pop(f"{metric_key_prefix}_zero_spread_share")
         self.log(metrics)

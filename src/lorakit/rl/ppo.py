@@ -66,7 +66,7 @@ from lorakit.rl.policy import (
     role_model_args,
 )
 from lorakit.rl.ppo_trainer import PPOTrainer
-from lorakit.rl.rollout_arguments import RolloutArguments
+from lorakit.rl.rollout_arguments import RolloutArguments, check_save_steps
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import check_held_out_data, resolve_resume_checkpoint, setup_logging, train_and_finish
 
@@ -381,11 +381,7 @@ def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
         prompts_per_iteration = experience * training_args.world_size
         iterations = math.ceil(training_args.num_train_epochs * num_prompts / prompts_per_iteration)
         training_args.max_steps = max(1, iterations) * steps_per_iteration
-    if training_args.save_strategy == "steps" and training_args.save_steps >= 1:
-        if int(training_args.save_steps) % steps_per_iteration:
-            raise InputError(f"--save_steps {int(training_args.save_steps)} must be a multiple of the "
-                             f"{steps_per_iteration} optimizer steps of one PPO iteration: a checkpoint inside an "
-                             "iteration could not restore its experience")
+    check_save_steps(training_args, steps_per_iteration, "PPO iteration")
     return steps_per_iteration
 
 

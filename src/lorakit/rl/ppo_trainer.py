@@ -40,7 +40,8 @@ class PPOTrainer(RLTrainer):
 
     def __init__(self, *args: Any, ptx_blocks: "Dataset | None", data_args: "PPODataArguments",
                  **kwargs: Any) -> None:
-        super().__init__(*args, max_answer_len=data_args.max_answer_seq_len, **kwargs)
+        super().__init__(*args, max_answer_len=data_args.max_answer_seq_len,
+                         max_prompt_len=data_args.max_prompt_seq_len, **kwargs)
         self.ptx_blocks, self.unsup_coef = ptx_blocks, data_args.unsup_coef
         self.kl_ctl = make_kl_controller(self.args.kl_ctl, self.args.target_kl, self.args.kl_horizon)
 

@@ -116,10 +116,21 @@ def same_answer(given: str | None, reference: str | None) -> bool:
     return " ".join(given.split()) == " ".join(reference.split())
 
 
+def reference_final_answer(reference: Any) -> str:
+    """A reference answer's final answer: its last \\boxed{} content, or what follows its last "####" (GSM8K's
+    solutions), else the whole reference (\\frac{1}{2} is one answer, not the number 2)."""
+    text = str(reference)
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    return text.rpartition("####")[2].strip() if "####" in text else text.strip()
+
+
 def exact_match(completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
-    """1.0 where the completion's final answer (final_answer) equals the record's reference answer (its own final
-    answer: "#### 72", "\\boxed{72}" and "72" all read 72), numerically where both are numbers, else 0.0."""
-    return [float(same_answer(final_answer(completion_text(c)), final_answer(str(a)) or str(a).strip()))
+    """1.0 where the completion's final answer (final_answer) equals the record's reference answer
+    (reference_final_answer: "#### 72", "\\boxed{72}" and "72" all read 72), numerically where both are numbers,
+    else 0.0."""
+    return [float(same_answer(final_answer(completion_text(c)), reference_final_answer(a)))
             for c, a in zip(completions, answer, strict=True)]
 
 
@@ -247,6 +258,8 @@ def function_values(function: RewardFunction, batch: RewardBatch, trainer_state:
         where = failing_record(function, batch, trainer_state)
         raise InputError(f"{where}: the reward function {function.name} raised {type(err).__name__}: "
                          f"{' '.join(str(err).split())[:300]}") from None
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # a numpy array or tensor, as TRL takes
+        values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != count:
         raise InputError(f"the reward function {function.name} returned {type(values).__name__} of "
                          f"{len(values) if hasattr(values, '__len__') else '?'} values for {count} completions "

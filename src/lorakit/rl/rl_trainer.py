@@ -58,15 +58,20 @@ class RLStepCallback(TrainerCallback):
 
 class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
     """The shared part of the RL stages' Trainers (see the module's docstring). prompts: the train prompts' token
-    ids; max_answer_len: the most tokens sampled per answer; answer_end_id: the token that ends an answer (the
-    template's turn end where it is not EOS), after_turn_end_ids: the turn's ids after it."""
+    ids; max_answer_len: the most tokens sampled per answer, max_prompt_len the most prompt tokens (the rollout
+    engine sizes its caches by them); answer_end_id: the token that ends an answer (the template's turn end where
+    it is not EOS), after_turn_end_ids: the turn's ids after it."""
 
     stage_name = "RL"
 
     def __init__(self, *args: Any, prompts: list[list[int]], eval_prompts: list[list[int]] | None,
                  tokenizer: "PreTrainedTokenizerBase", steps_per_iteration: int, max_answer_len: int,
-                 after_turn_end_ids: Sequence[int] = (), answer_end_id: int | None = None, **kwargs: Any) -> None:
+                 max_prompt_len: int | None = None, after_turn_end_ids: Sequence[int] = (),
+                 answer_end_id: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # The losses are per micro-batch (PPO's means; GRPO's dapo scales its own): the Trainer divides each by the
+        # accumulation steps. Pinned, not left to its guess from num_items_in_batch (RL batches have no labels).
+        self.loss_is_scaled_for_ga = False
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.tokenizer = tokenizer
         self.steps_per_iteration = steps_per_iteration
@@ -77,7 +82,8 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.maker = ExperienceMaker(self.model, self.args, pad_id,
                                      tokenizer.eos_token_id if answer_end_id is None else answer_end_id,
-                                     after_turn_end_ids, max_answer_len, deepspeed_engine=lambda: self.deepspeed)
+                                     after_turn_end_ids, max_answer_len, max_prompt_len,
+                                     deepspeed_engine=lambda: self.deepspeed)
         self.stream = ExperienceStream(self.make_iteration)
         self.ema = ActorEMA(self.model, self.args.ema_beta)
         self.train_stats, self.experience_stats = SumStats(), {}

@@ -179,7 +179,7 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[MergedWeights]:
 
 
 def rollout_engine(model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int, max_answer_len: int,
-                   deepspeed_engine: Callable[[], Any]) -> RolloutEngine:
+                   deepspeed_engine: Callable[[], Any], max_prompt_len: int | None = None) -> RolloutEngine:
     """The engine --rollout_engine names (auto: compiled on CUDA, eager elsewhere), merging the adapter for the
     rollout under --enable_hybrid_engine. auto's compiled engine falls back to eager, once and said so, if the
     compiled decode fails; an explicit --rollout_engine compiled lets the error through."""
@@ -191,6 +191,7 @@ def rollout_engine(model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer
                           merge=args.enable_hybrid_engine)
     if isinstance(engine, CompiledEngine):
         engine.falls_back = args.rollout_engine == "auto"
+        engine.fix_cache_length(max_prompt_len)
     return engine
 
 
@@ -329,9 +330,9 @@ def compiled_graphs() -> int:
 class CompiledEngine(EagerEngine):
     """generate() with a static KV cache and its decoding step compiled by torch.compile (transformers' own
     compiled decode: the prefill runs eager, each later step calls the compiled forward; CUDA graphs on CUDA).
-    Prompts are left-padded to a bucket width (prompt_bucket) so that a run compiles once per (rows, KV cache
-    length) shape, the length growing with the widest bucket met; each new shape's compile time and graph count are
-    logged. Where compile_blocker names a reason the
+    Prompts are left-padded to a bucket width (prompt_bucket) and every static cache sized for the widest bucket
+    the run's prompts can reach (fix_cache_length), so a run compiles once per row count; each new shape's compile
+    time and graph count are logged. Where compile_blocker names a reason the
     batch decodes as EagerEngine would, said once. falls_back (--rollout_engine auto): a failing compiled decode
     is said once and the batch, with the random state it started from, and every later one decode eager."""
 
@@ -348,14 +349,24 @@ class CompiledEngine(EagerEngine):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # transformers sizes each generate()'s static cache to the longest any earlier call needed (so that the
         # compiled step keeps its shape): a run compiles once per (rows, cache length), the length growing by bucket.
-        self.cache_length = 0
+        self.cache_length, self.fixed_cache_length = 0, False
         self.shapes: set[tuple[int, int]] = set()
         self.falls_back, self.eager_reason = False, None
+
+    def fix_cache_length(self, max_prompt_len: int | None) -> None:
+        """Size every static cache for the longest prompt bucket the run can meet: one cache length from the first
+        rollout on, so the compiled shapes (and the sampled numbers) do not depend on which prompts came before, a
+        resumed run's or another process's. Without max_prompt_len the length grows with the widest bucket met."""
+        if max_prompt_len is not None:
+            self.cache_length = prompt_bucket(max_prompt_len) + self.max_answer_len
+            self.fixed_cache_length = True
 
     def generation_config(self) -> GenerationConfig:
         config = super().generation_config()
         if self.eager_reason is None:
             config.cache_implementation, config.compile_config = "static", self.compile_config
+            if self.fixed_cache_length:
+                config.max_cache_len = self.cache_length
         return config
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SampledBatch:

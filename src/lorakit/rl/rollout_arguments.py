@@ -2,6 +2,7 @@
 engine (rl.rollout), the sampler-vs-trainer correction, ZeRO-3's gathering for generation, the actor's EMA and the
 logged samples. Each stage's arguments add their own objective's flags."""
 
+import math
 from dataclasses import dataclass, field
 
 from lorakit.core.cli import InputError
@@ -60,3 +61,19 @@ class RolloutArguments(CausalLMTrainingArguments):
         if self.enable_hybrid_engine:
             self.mapped_flags.insert(0, "--enable_hybrid_engine -> rollouts decode on the actor's adapter merged into "
                                         "the base weights")
+
+
+def check_save_steps(training_args: RolloutArguments, steps_per_iteration: int, iteration: str) -> None:
+    """Checkpoints only at iteration boundaries: --save_steps (a ratio of --max_steps resolved as the Trainer
+    resolves it) a multiple of the optimizer steps of one iteration, else refused: a checkpoint inside an iteration
+    could not restore its experience. iteration: what the stage calls one ("PPO iteration", "rollout")."""
+    if training_args.save_strategy != "steps" or training_args.save_steps <= 0:
+        return
+    save_steps = training_args.save_steps
+    if save_steps < 1:
+        save_steps = math.ceil(training_args.max_steps * save_steps)
+    if int(save_steps) % steps_per_iteration:
+        given = (f"{training_args.save_steps} (of --max_steps {training_args.max_steps}: every {int(save_steps)})"
+                 if training_args.save_steps < 1 else f"{int(save_steps)}")
+        raise InputError(f"--save_steps {given} must be a multiple of the {steps_per_iteration} optimizer steps of "
+                         f"one {iteration}: a checkpoint inside a {iteration} could not restore its experience")
