@@ -97,15 +97,19 @@ def test_grpo_with_a_trl_style_reward_function_raises_the_reward(tiny_model_dir,
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
 def test_rloo_and_reinforce_pp_learn_the_same_task(estimator, tiny_model_dir, grpo_inputs, tmp_path):
     """The same task with the leave-one-out baseline, and with REINFORCE++ paying the KL to the reference (the base
-    alone, loaded because --beta > 0) in the reward: both raise the reward; REINFORCE++ logs a KL that grows."""
+    alone, loaded because --beta > 0) in the reward: both raise the reward. Each ends with an evaluation of one
+    answer per held-out prompt, scored by the same function."""
     out = tmp_path / "out"
     extra = {"beta": 0.05} if estimator == "reinforce_pp" else {}
     result = run_script(grpo_args(tiny_model_dir, grpo_inputs, out, max_steps=30, advantage_estimator=estimator,
-                                  **extra), script=GRPO_SCRIPT)
+                                  validation_split_percentage=10, eval_strategy="steps", eval_steps=30, **extra),
+                        script=GRPO_SCRIPT)
     assert_ok(result)
     steps = step_logs(out)
     early, late = early_and_late_reward(steps)
     assert late > early + 0.1, [round(entry["reward_mean"], 3) for entry in steps]
+    evaluations = [entry for entry in log_history(out) if "eval_reward_mean" in entry]
+    assert evaluations and all(0 <= entry["eval_reward/marker_mean"] <= 1 for entry in evaluations), evaluations
     if estimator == "reinforce_pp":
         assert "roles: the actor, the reference (the base alone) on one base" in result.stdout + result.stderr
 
