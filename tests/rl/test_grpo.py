@@ -245,3 +245,22 @@ def test_the_reference_runs_only_where_its_kl_is_paid(beta, tiny_model_dir, grpo
     # The first update starts at the reference (a new adapter adds nothing): a KL only from the second step on.
     assert steps[0]["kl"] == 0 and (steps[1]["kl"] > 0) == (beta > 0), steps
     assert all(entry["reward/marker_std"] == pytest.approx(entry["reward_std"]) for entry in steps), steps
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_truncated_answers_can_be_left_out_of_the_update(masked, tiny_model_dir, grpo_inputs, tmp_path):
+    """--mask_truncated_completions (TRL's): answers cut at the 4-token limit are scored as usual but not trained on;
+    the update trains on exactly the tokens of the answers that ended (all of them without the flag)."""
+    out = tmp_path / "out"
+    args = grpo_args(tiny_model_dir, grpo_inputs, out, max_completion_length=4, mask_truncated_completions=masked,
+                     max_steps=1)
+    assert_ok(run_in_process(GRPO_SCRIPT, args))
+    (step,) = step_logs(out)
+    assert 0 < step["clipped_share"] < 1 and "reward/marker_mean" in step, step
+    if not masked:
+        assert step["trained_token_share"] == 1
+    else:
+        # A cut answer holds all 4 tokens: the answers that ended hold the rest of the 16 answers' tokens.
+        all_tokens = step["response_length"] * 16
+        ended_tokens = all_tokens - 4 * step["clipped_share"] * 16
+        assert step["trained_token_share"] == pytest.approx(ended_tokens / all_tokens), step

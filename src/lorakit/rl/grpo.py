@@ -151,6 +151,9 @@ class GRPOArguments(RolloutArguments):
     dynamic_sampling: bool = field(
         default=False, metadata={"help": "DAPO's dynamic sampling: groups whose answers all scored the same are "
                                          "left out of the update (their share is always logged)."})
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave answers cut at --max_completion_length out of the update (they are "
+                                         "scored and count in their group's statistics; TRL's option)."})
     reward_funcs: list[str] = field(
         default_factory=list, metadata={"help": "Reward functions: built-ins (exact_match, think_format, overlong) "
                                                 "or module:function / path.py:function, called as TRL calls them."})

@@ -133,6 +133,8 @@ class GRPOTrainer(RLTrainer):
             if self.args.dynamic_sampling:
                 kept = (~zero_spread).repeat_interleave(group_size).to(mask.device)
                 training_mask = mask * kept[:, None].to(mask.dtype)
+            if self.args.mask_truncated_completions:  # an answer cut at the limit: scored, not trained on
+                training_mask = training_mask * rollout.has_eos[:, None].to(mask.dtype)
         return GroupExperience(rollout, old, ref, advantages, rewards, training_mask, zero_spread)
 
     def frozen_passes(self, rollout: Rollout) -> dict[str, torch.Tensor]:
@@ -240,8 +242,9 @@ class GRPOTrainer(RLTrainer):
                            prefix: str = "") -> dict[str, float]:
         """Means over every process's answers (weighted by row_weights, default 1): reward_mean and reward_std,
         reward/<function>_mean and _std (over the answers it applies to), response_length, clipped_share (answers
-        cut at the length limit), entropy (per real token) and zero_spread_share (groups whose answers all scored
-        the same)."""
+        cut at the length limit), entropy (per real token), zero_spread_share (groups whose answers all scored the
+        same) and trained_token_share (the answer tokens the update trains on: less those dynamic sampling and
+        --mask_truncated_completions leave out)."""
         rollout, rewards = experience.rollout, experience.rewards
         weights = torch.ones(len(rewards.scores)) if row_weights is None else row_weights.float().cpu()
         mask = rollout.response_mask.float().cpu()
@@ -257,6 +260,8 @@ class GRPOTrainer(RLTrainer):
         token_weights = mask * weights[:, None]
         stats.add("entropy", (rollout.entropy.float().cpu() * token_weights).sum().item(), token_weights.sum().item())
         stats.add("zero_spread_share", experience.zero_spread.float().sum().item(), experience.zero_spread.numel())
+        stats.add("trained_token_share", (experience.training_mask.float().cpu() * weights[:, None]).sum().item(),
+                  token_weights.sum().item())
         metrics = stats.reduced(self.args.device)
         for mean in [name for name in metrics if name.endswith("_mean") and name.startswith("reward")]:
             square = metrics.pop(mean[: -len("_mean")] + "_sq")
@@ -277,6 +282,7 @@ class GRPOTrainer(RLTrainer):
                                           old_from_update=True, train=False)
         metrics = self.experience_metrics(experience, weights, f"{metric_key_prefix}_")
         metrics.pop(f"{metric_key_prefix}_zero_spread_share")
+        metrics.pop(f"{metric_key_prefix}_trained_token_share")
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -83,7 +83,7 @@ OBJECTIVE_FLAGS = (
     "cliprange", "cliprange_value", "gamma", "lam", "temperature", "top_p", "top_k", "missing_eos_penalty",
     "ema_beta", "unsup_coef", "sampler_correction", "sampler_correction_cap", "epsilon", "epsilon_high",
     "scale_rewards", "advantage_estimator", "kl_estimator", "importance_sampling_level", "dynamic_sampling",
-    "reward_funcs", "reward_weights", "overlong_buffer",
+    "mask_truncated_completions", "reward_funcs", "reward_weights", "overlong_buffer",
 )
 # A marker's identity_version: 2 records the weights, the sample order, optimizer, precision and objective, and each
 # file's content hash. A checkpoint of version 1 (no identity_version) resumes with one line naming what its
