@@ -91,11 +91,13 @@ def test_a_none_adds_nothing_and_weights_multiply():
 
 def test_exact_match_reads_the_final_answer_of_both_sides():
     completions = ["so the total is 1,234.", "I think \\boxed{\\frac{1}{2}}", "3/4 of it: 0.75", "it is 71",
-                   "no number here", "答案是 42", "\\boxed{\\frac{1}{2}}", "the answer is 2"]
+                   "no number here", "答案是 42", "\\boxed{\\frac{1}{2}}", "the answer is 2", "The answer is 198.",
+                   "The answer is 189."]
     answers = ["She pays 1,200 + 34 = 1234\n#### 1234", "\\boxed{\\frac{1}{2}}", "0.75", "72", "5", "42",
-               "\\frac{1}{2}", "\\frac{1}{2}"]
-    # A non-numeric reference is one answer: \\frac{1}{2} is not "the last number", 2.
-    assert exact_match(completions, answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+               "\\frac{1}{2}", "\\frac{1}{2}", "The answer is 198.", "The answer is 198."]
+    # A non-numeric reference is one answer: \\frac{1}{2} is not "the last number", 2; a sentence (an alpaca
+    # output) is read for its last number.
+    assert exact_match(completions, answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
     assert final_answer("first 3 then \\boxed{x^{2}} then 9") == "x^{2}"
 
 

@@ -118,12 +118,16 @@ def same_answer(given: str | None, reference: str | None) -> bool:
 
 def reference_final_answer(reference: Any) -> str:
     """A reference answer's final answer: its last \\boxed{} content, or what follows its last "####" (GSM8K's
-    solutions), else the whole reference (\\frac{1}{2} is one answer, not the number 2)."""
-    text = str(reference)
+    solutions), or the last number of a reference written as a sentence (an alpaca `output` such as "The answer is
+    198." serves as the answer), else the whole reference (\\frac{1}{2} is one answer, not the number 2)."""
+    text = str(reference).strip()
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
-    return text.rpartition("####")[2].strip() if "####" in text else text.strip()
+    if "####" in text:
+        return text.rpartition("####")[2].strip()
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers and len(text.split()) > 1 else text
 
 
 def exact_match(completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
