@@ -104,6 +104,67 @@ def test_the_merging_engine_samples_what_the_unmerged_one_samples(tiny_model_dir
     assert "decodes on its adapter merged into the base weights (6 layers" in caplog.text
 
 
+def test_a_group_shares_one_prefill_and_samples_what_rows_prefilled_one_by_one_sample(tiny_model_dir):
+    """GRPO's rows: each prompt repeated once per answer. The distinct prompts but their last token run through the
+    decoder stack once and the KV cache is repeated to every row: the rows sample the same tokens with the same
+    log-probs (to float rounding) as rows generate() prefills one by one, with prompts of two lengths (padding)."""
+    from lorakit.rl.experience import left_pad
+    from lorakit.rl.policy import backbone_of
+
+    policy = shared_base_policy(tiny_model_dir)
+    prompt_ids, prompt_mask = left_pad([PROMPTS[0]] * 4 + [PROMPTS[2][1:]] * 4, 4, 0)
+    sampler = engine(policy, merge=False)
+    widths = []
+    hook = backbone_of(policy.generator()).register_forward_hook(
+        lambda module, args, kwargs, output: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        shared = sampler.sample(prompt_ids, prompt_mask)
+        hook.remove()
+        sampler.shared_prompt_cache = lambda *args: None  # every row prefilled by generate()
+        torch.manual_seed(3)
+        own = sampler.sample(prompt_ids, prompt_mask)
+    # The prefill: 2 distinct prompts of 3 tokens; then every step runs all 8 rows, one token each.
+    assert widths[0] == (2, 3) and set(widths[1:]) == {(8, 1)} and len(widths) == own.tokens.shape[1] + 1
+    assert torch.equal(shared.tokens, own.tokens)
+    torch.testing.assert_close(shared.logprobs, own.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.entropy, own.entropy, atol=1e-5, rtol=0)
+    # Rows of distinct prompts: nothing to share, generate() prefills them.
+    assert sampler.__class__.shared_prompt_cache(sampler, policy.generator(), *left_pad(PROMPTS, 4, 0)) is None
+
+
+def test_a_group_s_answers_share_one_pass_of_their_prompt_with_the_same_log_probs_and_gradients(tiny_model_dir):
+    """The training pass of GRPO's rows (rl.policy.PPOPolicy.prompt_shared_hidden): each distinct prompt runs once and
+    its rows' answers run on from its keys and values. Log-probs and the adapter's gradients equal one pass over
+    every row's whole sequence, with rows of two prompts (of two lengths) in mixed order and answers of two lengths."""
+    from lorakit.rl.experience import left_pad
+    from lorakit.rl.policy import backbone_of
+
+    policy = shared_base_policy(tiny_model_dir)
+    prompts, prompt_mask = left_pad([PROMPTS[0], PROMPTS[2][1:], PROMPTS[0], PROMPTS[2][1:], PROMPTS[0]], 4, 0)
+    answers = torch.randint(3, 200, (5, 6), generator=torch.Generator().manual_seed(0))
+    answer_mask = torch.ones_like(answers)
+    answer_mask[1, 4:] = answer_mask[4, 2:] = 0  # answers that ended early: padding after them
+    ids, mask = torch.cat([prompts, answers * answer_mask], 1), torch.cat([prompt_mask, answer_mask], 1)
+    trained = [param for name, param in policy.named_parameters() if ".default." in name]  # the actor's adapter
+    results, rows_per_pass = {}, []
+    hook = backbone_of(policy.generator()).register_forward_hook(
+        lambda module, args, kwargs, output: rows_per_pass.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    for share in (False, True):
+        policy.share_prompts = share
+        policy.zero_grad()
+        logprobs = policy.answer_logprobs("actor", ids, mask, 4)
+        (logprobs * answer_mask).sum().backward()
+        results[share] = logprobs.detach(), [param.grad.clone() for param in trained]
+    hook.remove()
+    # One pass over 5 whole rows; then 2 distinct prompts, and the 5 rows' answers.
+    assert rows_per_pass == [(5, 10), (2, 4), (5, 6)]
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
+    assert max(grad.abs().max().item() for grad in results[False][1]) > 1e-3
+    for shared, whole in zip(results[True][1], results[False][1], strict=True):
+        torch.testing.assert_close(shared, whole, atol=1e-5, rtol=1e-4)
+
+
 def test_a_quantized_base_decodes_unmerged_and_says_so_once(tiny_model_dir, caplog):
     policy = shared_base_policy(tiny_model_dir)
     policy.causal_lm.is_loaded_in_4bit = True  # what merge_blocker reads of a bitsandbytes base

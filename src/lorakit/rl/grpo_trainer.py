@@ -85,6 +85,9 @@ class GRPOTrainer(RLTrainer):
         self.kl_ctl = FixedKLController(self.args.beta)
         # REINFORCE++ pays the KL in the reward; the others in the loss.
         self.kl_in_reward = self.args.advantage_estimator.startswith("reinforce_pp")
+        # A group's answers share their prompt's pass (rl.policy.PPOPolicy.prompt_shared_hidden); checkpointed layers
+        # keep no cache, so under --gradient_checkpointing every row runs its prompt.
+        self.model.share_prompts = not self.args.gradient_checkpointing
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(values, self.args.device)

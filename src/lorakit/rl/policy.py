@@ -32,7 +32,7 @@ from lorakit.rl.ppo_math import length_chunks, logprobs_from_logits
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from lorakit.rl.ppo import PPOArguments, PPOModelArguments
 
@@ -66,9 +66,14 @@ class PPOPolicy(torch.nn.Module):
     # trainer turns it off under multi-process ZeRO-3, where every forward is a collective and all
     # ranks must run the same number of them.
     group_by_length: bool = True
+    # Rows that repeat a prompt (the group-relative methods' answers to one prompt) run it once (prompt_shared_hidden).
+    # The group-relative trainer turns it on, except under gradient checkpointing: checkpointed layers keep no cache.
+    share_prompts: bool = False
 
     def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               position_ids: torch.Tensor) -> torch.Tensor:
+               position_ids: torch.Tensor, cache: "DynamicCache | None" = None) -> torch.Tensor:
+        """The role's last hidden states [rows, columns, hidden]; with cache, the pass reads the keys and values
+        already in it (attention_mask then covers them too) and appends its own."""
         raise NotImplementedError
 
     def head(self, role: str) -> torch.nn.Module:
@@ -88,9 +93,36 @@ class PPOPolicy(torch.nn.Module):
         """log p of each answer token under the role (actor or reference), from the logits at the position
         before it, temperature applied: the distribution the answer was sampled from. The head runs on
         answer positions only."""
+        hidden = self.answer_hidden(role, input_ids, attention_mask, prompt_length)
+        return self.head_logprobs(role, hidden, input_ids[:, prompt_length:], self.temperature)
+
+    def answer_hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      prompt_length: int) -> torch.Tensor:
+        """The hidden states that predict each answer token [rows, answer, hidden]: the last prompt position's and
+        every answer position's but the last."""
+        if self.share_prompts:
+            return self.prompt_shared_hidden(role, input_ids, attention_mask, prompt_length)
         hidden = self.hidden(role, input_ids, attention_mask, positions_from_mask(attention_mask))
-        return self.head_logprobs(role, hidden[:, prompt_length - 1 : -1], input_ids[:, prompt_length:],
-                                  self.temperature)
+        return hidden[:, prompt_length - 1 : -1]
+
+    def prompt_shared_hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             prompt_length: int) -> torch.Tensor:
+        """answer_hidden with each distinct prompt run once: its keys and values are repeated to every row that
+        repeats it and the answers run on from there, so G answers to one prompt pay for its tokens once. The
+        numbers of one pass over every row (to float rounding; the gradients of a prompt's rows meet in its one
+        pass; LoRA dropout, where set, draws one mask per prompt, not per row). Always two passes, even where no
+        prompt repeats: under ZeRO-3 every rank must run as many."""
+        from transformers import DynamicCache
+
+        prompt_columns = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1)
+        distinct, owner = torch.unique(prompt_columns, dim=0, return_inverse=True)
+        ids, mask = distinct[:, :prompt_length], distinct[:, prompt_length:]
+        cache = DynamicCache(config=self.config)
+        prompt_hidden = self.hidden(role, ids, mask, positions_from_mask(mask), cache)
+        cache.batch_select_indices(owner)
+        answer_hidden = self.hidden(role, input_ids[:, prompt_length:], attention_mask,
+                                    positions_from_mask(attention_mask)[:, prompt_length:], cache)
+        return torch.cat([prompt_hidden[owner, -1:], answer_hidden[:, :-1]], dim=1)
 
     def head_logprobs(self, role: str, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
         """log softmax(head(hidden) / temperature) at labels [rows, positions]: over chunks of positions
@@ -248,10 +280,11 @@ class SharedBasePolicy(PPOPolicy):
         return {**options, "use_reentrant": False, "context_fn": contexts}
 
     def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               position_ids: torch.Tensor) -> torch.Tensor:
+               position_ids: torch.Tensor, cache: "DynamicCache | None" = None) -> torch.Tensor:
         self.use(role)
         return backbone_of(self.causal_lm)(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids, use_cache=False).last_hidden_state
+                                           position_ids=position_ids, past_key_values=cache,
+                                           use_cache=cache is not None).last_hidden_state
 
     def head(self, role: str) -> torch.nn.Module:
         if role in ("actor", "reference"):
@@ -327,10 +360,11 @@ class SeparatePolicy(PPOPolicy):
             model.to("cpu")
 
     def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               position_ids: torch.Tensor) -> torch.Tensor:
+               position_ids: torch.Tensor, cache: "DynamicCache | None" = None) -> torch.Tensor:
         with self.placed(role, input_ids.device):
             return backbone_of(self.role_model(role))(input_ids=input_ids, attention_mask=attention_mask,
-                                                      position_ids=position_ids, use_cache=False).last_hidden_state
+                                                      position_ids=position_ids, past_key_values=cache,
+                                                      use_cache=cache is not None).last_hidden_state
 
     def head(self, role: str) -> torch.nn.Module:
         model = self.role_model(role)

@@ -12,6 +12,10 @@ on the device for the length of the rollout (logged once; models.estimate_memory
 ZeRO-3 (partitioned base weights), a quantized base and DoRA adapters decode unmerged, said once in
 the log.
 
+Rows that repeat a prompt (the group-relative methods' G answers to one prompt) share its prefill: the
+distinct prompts run once and their KV cache is repeated to every row (EagerEngine.shared_prompt_cache),
+so a rollout pays for 1/G of the prompt tokens generate() would run.
+
 The sampler's log-probs are what the sampler saw; PPO's old policy comes from a training-shaped
 forward instead (rl.experience), and the gap between the two is measured (rl.ppo_math.sampler_gap)."""
 
@@ -22,9 +26,10 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from lorakit.models.positions import positions_from_mask
 from lorakit.models.zero3 import (
     free_memory_bytes,
     full_size_bytes,
@@ -32,6 +37,7 @@ from lorakit.models.zero3 import (
     is_zero3_partitioned,
     on_every_rank,
 )
+from lorakit.rl.policy import backbone_of
 from lorakit.rl.ppo_math import entropy_from_logits, logprobs_from_logits
 
 if TYPE_CHECKING:
@@ -270,12 +276,41 @@ class EagerEngine:
         actor decodes on its adapter merged into the base weights (decoding_weights)."""
         generator, prompt_width = self.model.generator(), prompt_ids.shape[1]
         once = self.gathers_once_per_batch(generator)
+        config = self.generation_config()
         options = {"input_ids": prompt_ids, "attention_mask": prompt_mask, "return_dict_in_generate": True,
-                   "generation_config": self.generation_config(),
+                   "generation_config": config,
                    "synced_gpus": not once and is_deepspeed_zero3_enabled() and self.args.world_size > 1}
         with (gathered_for_generation(self.deepspeed_engine(), generator) if once else nullcontext(),
               self.decoding_weights(generator)):
+            # The compiled decode's static cache is its own: there every row is prefilled by generate().
+            cache = None if config.cache_implementation else self.shared_prompt_cache(generator, prompt_ids,
+                                                                                     prompt_mask)
+            if cache is not None:
+                options["past_key_values"] = cache
             return self.sample_with(generator, options, prompt_width)
+
+    def shared_prompt_cache(self, generator: "PreTrainedModel", prompt_ids: torch.Tensor,
+                            prompt_mask: torch.Tensor) -> DynamicCache | None:
+        """Rows that repeat the prompt of the row before them (a group's answers to one prompt) prefilled once: every
+        distinct prompt but its last token runs through the decoder stack once, and its KV cache is then repeated to
+        each of its rows; generate() continues from that cache with each row's last prompt token. The rows sample as
+        from a prefill of their own (to float rounding) for 1/G of its cost. None (every row prefilled by generate)
+        where no row repeats the one before, for a one-token prompt, under ZeRO-3 (every rank must run the same
+        forwards) and for a model whose cache is not transformers' DynamicCache."""
+        if (prompt_ids.shape[1] < 2 or is_deepspeed_zero3_enabled()
+                or not generator._supports_default_dynamic_cache()):
+            return None
+        repeats = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
+        if not repeats.any():
+            return None
+        starts = torch.cat([repeats.new_ones(1), ~repeats])  # rows that begin a run of one prompt
+        distinct = starts.nonzero().squeeze(1)
+        ids, mask = prompt_ids[distinct, :-1], prompt_mask[distinct, :-1]
+        cache = DynamicCache(config=generator.config)
+        backbone_of(generator)(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+                               past_key_values=cache, use_cache=True)
+        cache.batch_select_indices(starts.long().cumsum(0) - 1)  # each row: its run's prompt
+        return cache
 
     def sample_with(self, generator: "PreTrainedModel", options: dict[str, Any], prompt_width: int) -> SampledBatch:
         """generate() with options; the answers, with the statistics of the logits that sampled them."""
