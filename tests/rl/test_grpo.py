@@ -112,6 +112,9 @@ def test_rloo_and_reinforce_pp_learn_the_same_task(estimator, tiny_model_dir, gr
     assert evaluations and all(0 <= entry["eval_reward/marker_mean"] <= 1 for entry in evaluations), evaluations
     if estimator == "reinforce_pp":
         assert "roles: the actor, the reference (the base alone) on one base" in result.stdout + result.stderr
+        # The KL it pays in the reward: none while the policy is its reference (the new adapter adds 0), then some.
+        kl = [entry["reward_kl"] for entry in steps]
+        assert len(kl) == len(steps) and abs(kl[0]) < 1e-4 < max(kl[-5:]), kl
 
 
 @pytest.mark.parametrize("case", ["no_reward", "import", "missing_answer", "uneven_groups", "one_answer",

@@ -246,7 +246,8 @@ class GRPOTrainer(RLTrainer):
         """Means over every process's answers (weighted by row_weights, default 1): reward_mean and reward_std,
         reward/<function>_mean and _std (over the answers it applies to), response_length, clipped_share (answers
         cut at the length limit), entropy (per real token), zero_spread_share (groups whose answers all scored the
-        same) and trained_token_share (the answer tokens the update trains on: less those dynamic sampling and
+        same), reward_kl (REINFORCE++ at --beta > 0: the KL to the reference per token, paid in the reward; the loss's
+        kl is then 0) and trained_token_share (the answer tokens the update trains on: less those dynamic sampling and
         --mask_truncated_completions leave out)."""
         rollout, rewards = experience.rollout, experience.rewards
         weights = torch.ones(len(rewards.scores)) if row_weights is None else row_weights.float().cpu()
@@ -263,6 +264,9 @@ class GRPOTrainer(RLTrainer):
         token_weights = mask * weights[:, None]
         stats.add("entropy", (rollout.entropy.float().cpu() * token_weights).sum().item(), token_weights.sum().item())
         stats.add("zero_spread_share", experience.zero_spread.float().sum().item(), experience.zero_spread.numel())
+        if self.kl_in_reward and self.args.beta > 0:  # REINFORCE++: the KL to the reference it pays in the reward
+            kl = kl_estimate(experience.old_logprobs, experience.ref_logprobs, self.args.kl_estimator).float().cpu()
+            stats.add("reward_kl", (kl * token_weights).sum().item(), token_weights.sum().item())
         stats.add("trained_token_share", (experience.training_mask.float().cpu() * weights[:, None]).sum().item(),
                   token_weights.sum().item())
         metrics = stats.reduced(self.args.device)
