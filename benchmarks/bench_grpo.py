@@ -20,8 +20,8 @@ per_device_train_batch_size 32, gradient_accumulation_steps 1, steps_per_generat
 --per_device_train_batch_size 32 --gradient_accumulation_steps 1), one generate() over the 32 rows, at most
 --max_new_tokens new tokens, stopping at <|im_end|>, temperature 1, top_p 1, top_k 0; num_iterations 1 (one optimizer
 step per rollout, the old log-probs are the update's own), beta 0 (no reference model, no reference pass), epsilon 0.2
-both ways, loss_type dapo, scale_rewards group, truncated answers trained on (TRL mask_truncated_completions=False:
-ours has no such masking), AdamW (adamw_torch) at 1e-5, constant schedule, no warmup, no weight decay, max grad norm
+both ways, loss_type dapo, scale_rewards group, truncated answers trained on (mask_truncated_completions false
+on both sides), AdamW (adamw_torch) at 1e-5, constant schedule, no warmup, no weight decay, max grad norm
 1, fp32, no activation checkpointing (GRPOConfig turns it and bf16 on by default), --steps steps, one seed per run
 (--seeds), torch's default threads (--threads to pin them).
 
@@ -147,7 +147,7 @@ def ours_flags(args) -> list:
         "per_device_train_batch_size": batch_size(), "gradient_accumulation_steps": 1,
         "num_iterations": GRPO["num_iterations"], "beta": GRPO["beta"], "epsilon": GRPO["epsilon"],
         "epsilon_high": GRPO["epsilon"], "loss_type": GRPO["loss_type"], "scale_rewards": GRPO["scale_rewards"],
-        "temperature": GRPO["temperature"], "top_p": GRPO["top_p"], "top_k": GRPO["top_k"],
+        "mask_truncated_completions": str(GRPO["mask_truncated_completions"]).lower(), "temperature": GRPO["temperature"], "top_p": GRPO["top_p"], "top_k": GRPO["top_k"],
         "lora_rank": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"],
         "trainable": ",".join(LORA["targets"]), "torch_dtype": "float32", "learning_rate": GRPO["learning_rate"],
         "lr_scheduler_type": GRPO["lr_scheduler_type"], "warmup_steps": 0, "optim": GRPO["optim"],
