@@ -7,10 +7,11 @@ Three steps a stage cannot move every held-out figure: measured on 2 cores, the 
 tokens per character from 1.85 to 0.79, each training loss falls, and the merge is exact; held-out
 perplexity (415 -> 668: three steps at a high learning rate hurt), exact match (0 -> 0 of 8), the
 reward model (3 steps of 4 pairs, starting from that hurt model), PPO's held-out reward and DPO's
-(2 steps of 2 pairs: its held-out accuracy on 8 pairs, its answers' reward) move by chance. So the
-test asserts those figures that must hold, that the final model is the chain's (it carries the
-extended vocabulary), that DPO starts from the SFT policy as its own reference and is measured on
-the reward model's held-out pairs and PPO's held-out prompts, and that the report's verdict on
+(2 steps of 2 pairs: its held-out accuracy on 8 pairs, its answers' reward) and GRPO's exact match (2 steps of one
+question) move by chance. So the test asserts those figures that must hold, that the final model is the chain's (it
+carries the extended vocabulary), that DPO starts from the SFT policy as its own reference and is measured on
+the reward model's held-out pairs and PPO's held-out prompts, that GRPO continues the SFT adapter on questions none
+of which is held out and is scored paired with SFT on the same ones, and that the report's verdict on
 every figure is the truth: "yes" where it improved, "**NO**" and a "did NOT" result line where it
 did not."""
 
@@ -47,6 +48,9 @@ def improvements(stages: dict) -> dict:
         "PPO": stages["reward after PPO"]["reward_mean"] > stages["reward before PPO"]["reward_mean"],
         "DPO (implicit reward)": stages["DPO"]["accuracy_after"] > 0.5,
         "DPO": stages["reward after DPO"]["reward_mean"] > stages["reward before PPO"]["reward_mean"],
+        "GRPO": stages["exact match after GRPO"]["correct"] > stages["exact match after"]["correct"],
+        "GRPO (sampled)": stages["exact match after GRPO"]["sampled"]["accuracy"]
+        > stages["exact match after"]["sampled"]["accuracy"],
         "merge": stages["merge"]["verify_max_logit_difference"] <= 1e-3,
     }
 
@@ -72,7 +76,8 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert list(stages) == ["prepare", "pipeline", "vocabulary extension", "held-out before", "continued pretraining",
                             "held-out after", "SFT data", "exact match before", "supervised fine-tuning",
                             "exact match after", "reward model", "reward before PPO", "PPO", "reward after PPO",
-                            "PPO, second seed", "DPO", "reward after DPO", "merge", "chat"]
+                            "PPO, second seed", "DPO", "reward after DPO", "GRPO", "exact match after GRPO",
+                            "merge", "chat"]
 
     vocab = stages["vocabulary extension"]
     assert vocab["vocab_size.after"] > vocab["vocab_size.before"] == 49152
@@ -129,6 +134,34 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert dpo_reward["prompts"] == 4 and math.isfinite(dpo_reward["reward_mean"])
     assert all(math.isfinite(answer["reward"]) for answer in dpo_reward["answers"])
 
+    # GRPO of the SFT policy on new arithmetic questions (none held out), its adapter continuing SFT's, rewarded by
+    # exact match against each record's output; scored on the SFT stage's held-out questions, paired with SFT's.
+    grpo, grpo_after = stages["GRPO"], stages["exact match after GRPO"]
+    assert grpo["model"] == str(out / "pt_merged") and grpo["sft_adapter"] == str(out / "sft" / "sft_lora_model")
+    assert 0 <= grpo["train_reward_first"] <= 1 and 0 <= grpo["zero_spread_share_mean"] <= 1
+    questions = [json.loads(line)["instruction"] for line in
+                 (out / "grpo_data" / "train" / "arithmetic.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(questions) == grpo["steps"] * grpo["prompts_per_step"] == 2
+    assert not set(questions) & {answer["instruction"] for answer in stages["exact match after"]["answers"]}
+    assert grpo_after["total"] == 8 and grpo_after["sft_correct"] == stages["exact match after"]["correct"]
+    low, high = grpo_after["gain_interval"]
+    assert low <= grpo_after["gain"] == (grpo_after["correct"] - grpo_after["sft_correct"]) / 8 <= high
+    # Exact match of each policy's own sampling: 4 answers a question at GRPO's temperature, a share per question.
+    sft_sampled, sampled = stages["exact match after"]["sampled"], grpo_after["sampled"]
+    for figures in (sft_sampled, sampled):
+        assert figures["samples"] == 4 and figures["temperature"] == 1.0 and len(figures["per_question"]) == 8
+        assert all(share * 4 == round(share * 4) for share in figures["per_question"])
+        assert figures["accuracy"] == pytest.approx(sum(figures["per_question"]) / 8)
+    gain = grpo_after["sampled_gain"]
+    assert gain["before"] == pytest.approx(sft_sampled["accuracy"]) and gain["after"] == pytest.approx(
+        sampled["accuracy"])
+    assert gain["interval"][0] <= gain["gain"] <= gain["interval"][1]
+    grpo_adapter, sft_adapter = (adapter_weights(out / path) for path in ("grpo/grpo_lora_model", "sft/sft_lora_model"))
+    assert grpo_adapter.keys() == sft_adapter.keys()  # it continues the SFT adapter, not a new one
+    # It moved if a group's answers scored apart (two steps of 4 answers from a 3-step SFT policy may all be wrong).
+    moved = max((grpo_adapter[name] - sft_adapter[name]).abs().max().item() for name in sft_adapter) > 0
+    assert moved == (grpo["zero_spread_share_mean"] < 1), grpo
+
     assert stages["merge"]["verify_max_logit_difference"] <= 1e-3
     final_config = json.loads((out / "final" / "config.json").read_text(encoding="utf-8"))
     assert final_config["vocab_size"] == vocab["vocab_size.after"]  # the chain's model: extended vocabulary
@@ -139,15 +172,19 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
 
     markdown = (out / "report.md").read_text(encoding="utf-8")
     for heading in ("## Vocabulary extension", "## Continued pretraining", "## Supervised fine-tuning",
-                    "## Reward model", "## PPO", "## DPO", "## Merge", "## Chat with the merged model", "| total |"):
+                    "## Reward model", "## PPO", "## DPO", "## GRPO", "## Merge", "## Chat with the merged model",
+                    "| total |"):
         assert heading in markdown
     assert verdicts(markdown) == improvements(stages)
     targets = markdown.split("| target | figure | met |")[1].split("\n\n")[0]
     assert [row.split("|")[1].strip().split(" ")[0] for row in targets.strip().splitlines()[1:]] == [
-        "SFT", "reward", "PPO", "DPO"]
+        "SFT", "reward", "PPO", "DPO", "GRPO"]
     for stage, improved in improvements(stages).items():
         if stage in DID_NOT:
             assert (DID_NOT[stage] in markdown) == (not improved), stage
+    assert ("Result (greedy): GRPO did NOT raise held-out exact match" in markdown) == (low <= 0)
+    assert ("Result (4 samples a question at temperature 1): GRPO did NOT raise" in markdown) == (
+        gain["interval"][0] <= 0)
     plot = out / "loss.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -33,9 +34,11 @@ def render_prompts(tokenizer: PreTrainedTokenizerBase, records: list[dict[str, s
 
 @torch.inference_mode()
 def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
-                     max_new_tokens: int = 12, batch_size: int = 16, desc: str = "Generating") -> list[str]:
-    """Greedy continuations of each prompt, stopped at EOS (or max_new_tokens), decoded without
-    special tokens. Prompts are sorted by length so a batch holds little padding."""
+                     max_new_tokens: int = 12, batch_size: int = 16, desc: str = "Generating",
+                     temperature: float | None = None) -> list[str]:
+    """Greedy continuations of each prompt (or, at a temperature, sampled from the whole distribution: no top-k or
+    top-p), stopped at EOS (or max_new_tokens), decoded without special tokens. Prompts are sorted by length so a
+    batch holds little padding."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token: generation could not stop")
@@ -58,7 +61,8 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                 attention_mask[row, width - len(ids):] = 1
             output = model.generate(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                max_new_tokens=max_new_tokens, do_sample=temperature is not None, temperature=temperature,
+                top_p=None if temperature is None else 1.0, top_k=None if temperature is None else 0,
                 eos_token_id=eos, pad_token_id=pad,
             )
             for row, index in enumerate(rows):
@@ -79,3 +83,36 @@ def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, reco
                 "correct": is_exact_match(text, record)} for record, text in zip(records, generated, strict=True)]
     correct = sum(answer["correct"] for answer in answers)
     return {"correct": correct, "total": len(records), "accuracy": correct / len(records), "answers": answers}
+
+
+def sampled_exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, records: list[dict[str, str]],
+                        samples: int, temperature: float, seed: int, max_new_tokens: int = 12,
+                        desc: str = "Sampled exact match") -> dict[str, Any]:
+    """Exact match of the policy's own sampling: each question answered `samples` times at temperature, from seed (the
+    caller's random state untouched). {"samples", "temperature", "accuracy" (pass@1 estimated from the samples, as
+    RL evaluations report it), "per_question": each question's share of right answers}."""
+    prompts = render_prompts(tokenizer, records)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        generated = generate_answers(model, tokenizer, [p for p in prompts for _ in range(samples)], max_new_tokens,
+                                     len(prompts) * samples, desc, temperature)
+    right = [is_exact_match(text, records[index // samples]) for index, text in enumerate(generated)]
+    per_question = [sum(right[i * samples:(i + 1) * samples]) / samples for i in range(len(records))]
+    return {"samples": samples, "temperature": temperature, "accuracy": sum(per_question) / len(records),
+            "per_question": per_question}
+
+
+def paired_bootstrap_interval(before: list[float], after: list[float], resamples: int = 10_000, seed: int = 0,
+                              level: float = 0.95) -> tuple[float, float]:
+    """The level-interval (percentile bootstrap) of the gain in accuracy from before to after, both scored on the same
+    questions (each question 0 or 1, or its share of right answers): the questions are resampled with replacement,
+    each resample keeping its question's pair, so what the two models share (an easy question) does not widen the
+    interval."""
+    if len(before) != len(after) or not before:
+        raise ValueError(f"paired scores of {len(before)} and {len(after)} questions")
+    differences = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    rows = np.random.default_rng(seed).integers(0, len(differences), size=(resamples, len(differences)))
+    gains = differences[rows].mean(axis=1)
+    tail = (1 - level) / 2
+    low, high = np.quantile(gains, [tail, 1 - tail])
+    return float(low), float(high)

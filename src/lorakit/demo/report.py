@@ -30,7 +30,7 @@ def render_report(results: list[dict[str, Any]], quick: bool, failed: str | None
     if plot_path:
         lines += [f"Training curves: ![training curves]({plot_path.name})", ""]
     for render in (render_vocabulary, render_pretraining, render_sft, render_reward, render_ppo, render_dpo,
-                   render_merge, render_chat):
+                   render_grpo, render_merge, render_chat):
         lines += render(by_stage)
     return "\n".join(lines)
 
@@ -69,6 +69,13 @@ def render_summary(by_stage: dict[str, Figures]) -> list[str]:
     if before and dpo_reward:  # DPO starts from the SFT policy too: the same "before" as PPO's
         rows.append(("DPO", "held-out mean reward", f"{before['reward_mean']:.3f}", f"{dpo_reward['reward_mean']:.3f}",
                      dpo_reward["reward_mean"] > before["reward_mean"]))
+    sft, grpo = by_stage.get("exact match after"), by_stage.get("exact match after GRPO")
+    if sft and grpo:  # GRPO starts from the SFT policy: its "before" is SFT's "after"
+        rows.append(("GRPO", "held-out exact match, greedy", fraction(sft), fraction(grpo),
+                     grpo["correct"] > sft["correct"]))
+        sampled = grpo["sampled_gain"]
+        rows.append(("GRPO (sampled)", f"held-out exact match, {sampled_label(grpo)}", f"{sampled['before']:.3f}",
+                     f"{sampled['after']:.3f}", sampled["after"] > sampled["before"]))
     merge = by_stage.get("merge")
     if merge and merge.get("verify_max_logit_difference") is not None:
         rows.append(("merge", "max logit difference, merged vs base + adapter", "-",
@@ -105,6 +112,13 @@ def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
                      f"DPO {dpo_reward['reward_mean']:.3f}, SFT {before['reward_mean']:.3f}"
                      + (f" (PPO {after['reward_mean']:.3f})" if after else ""),
                      dpo_reward["reward_mean"] > before["reward_mean"]))
+    grpo = by_stage.get("exact match after GRPO")
+    if grpo:
+        sampled = grpo["sampled_gain"]
+        low, high = sampled["interval"]
+        rows.append((f"GRPO held-out exact match ({sampled_label(grpo)}) above SFT's, beyond the 95% paired-bootstrap "
+                     "interval", f"{sampled['before']:.3f} -> {sampled['after']:.3f}: gain "
+                     f"{100 * sampled['gain']:+.1f} points, interval [{100 * low:+.1f}, {100 * high:+.1f}]", low > 0))
     if not rows:
         return []
     lines = [f"Targets{' (set for the full demo; --quick is not expected to meet them)' if quick else ''}:", "",
@@ -332,6 +346,53 @@ def render_policies_side_by_side(by_stage: dict[str, Figures]) -> list[str]:
             lines += [f"Result: DPO did NOT raise the held-out mean reward over the SFT policy's: "
                       f"{sft['reward_mean']:.3f} (SFT), {dpo['reward_mean']:.3f} (DPO).", ""]
     return lines
+
+
+def render_grpo(by_stage: dict[str, Figures]) -> list[str]:
+    grpo, sft, after = (by_stage.get(name) for name in ("GRPO", "exact match after", "exact match after GRPO"))
+    if not grpo:
+        return []
+    reward_first, reward_last = (f"{grpo[key]:.3f}" if grpo[key] is not None else "-"
+                                 for key in ("train_reward_first", "train_reward_last"))
+    lines = ["## GRPO", "",
+             f"Group-relative RL with a reward a program computes, next to PPO and DPO: the SFT policy (pt_merged + "
+             f"the SFT adapter, which GRPO continues) on new arithmetic questions (none held out), "
+             f"{grpo['num_generations']} sampled answers of at most {grpo['max_completion_length']} tokens per "
+             f"question, each rewarded by {', '.join(grpo['reward_funcs'])} (1 where its last number is the answer's, "
+             f"else 0) and scored against its group's mean and spread: {grpo['steps']} steps of "
+             f"{grpo['prompts_per_step']} questions, {grpo['loss_type']} loss, beta 0 (no reference pass), learning "
+             f"rate {grpo['learning_rate']:g}, {grpo.get('train_runtime', 0):.0f} s of training. Mean training reward "
+             f"{reward_first} (first {grpo['logging_steps']} steps) -> {reward_last} (last); on average "
+             f"{100 * (grpo['zero_spread_share_mean'] or 0):.0f}% of the groups scored all alike (no gradient).", ""]
+    if not (sft and after):
+        return lines
+    low, high = after["gain_interval"]
+    sampled = after["sampled_gain"]
+    sampled_low, sampled_high = sampled["interval"]
+    lines += [f"Held-out, on the SFT stage's {after['total']} held-out questions, SFT policy -> GRPO policy, each gain "
+              f"with its 95% interval from {after['bootstrap_resamples']:,} paired bootstrap resamples of the "
+              f"questions: exact match of the policy's own sampling ({sampled_label(after)}) "
+              f"{sampled['before']:.3f} -> {sampled['after']:.3f}, interval [{100 * sampled_low:+.1f}, "
+              f"{100 * sampled_high:+.1f}] points; greedy "
+              f"{fraction(sft)} -> {fraction(after)}, interval [{100 * low:+.1f}, {100 * high:+.1f}] points.", "",
+              "| question | expected | SFT (greedy) | GRPO (greedy) |", "|---|---|---|---|"]
+    for index in sample_indices(sft, after):
+        lines.append(f"| {sft['answers'][index]['instruction']} | {sft['answers'][index]['expected']} | "
+                     f"{cell(sft['answers'][index])} | {cell(after['answers'][index])} |")
+    lines.append("")
+    for label, gain, before, now in (
+            (sampled_label(after), sampled["gain"], f"{sampled['before']:.3f}", f"{sampled['after']:.3f}"),
+            ("greedy", after["gain"], fraction(sft), fraction(after))):
+        interval = sampled["interval"] if label != "greedy" else after["gain_interval"]
+        verdict = "raised" if interval[0] > 0 else "did NOT raise"
+        lines += [f"Result ({label}): GRPO {verdict} held-out exact match beyond the 95% paired-bootstrap interval: "
+                  f"{before} (SFT) -> {now} (GRPO), gain {100 * gain:+.1f} points, interval [{100 * interval[0]:+.1f}, "
+                  f"{100 * interval[1]:+.1f}].", ""]
+    return lines
+
+
+def sampled_label(figures: Figures) -> str:
+    return f"{figures['sampled']['samples']} samples a question at temperature {figures['sampled']['temperature']:g}"
 
 
 def render_merge(by_stage: dict[str, Figures]) -> list[str]:
