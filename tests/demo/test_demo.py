@@ -146,10 +146,10 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert grpo_after["total"] == 8 and grpo_after["sft_correct"] == stages["exact match after"]["correct"]
     low, high = grpo_after["gain_interval"]
     assert low <= grpo_after["gain"] == (grpo_after["correct"] - grpo_after["sft_correct"]) / 8 <= high
-    # Exact match of each policy's own sampling: 4 answers a question at GRPO's temperature, a share per question.
+    # Exact match of each policy's own sampling: 4 answers a question at GRPO's temperature (0.7), a share each.
     sft_sampled, sampled = stages["exact match after"]["sampled"], grpo_after["sampled"]
     for figures in (sft_sampled, sampled):
-        assert figures["samples"] == 4 and figures["temperature"] == 1.0 and len(figures["per_question"]) == 8
+        assert figures["samples"] == 4 and figures["temperature"] == 0.7 and len(figures["per_question"]) == 8
         assert all(share * 4 == round(share * 4) for share in figures["per_question"])
         assert figures["accuracy"] == pytest.approx(sum(figures["per_question"]) / 8)
     gain = grpo_after["sampled_gain"]
@@ -183,7 +183,7 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
         if stage in DID_NOT:
             assert (DID_NOT[stage] in markdown) == (not improved), stage
     assert ("Result (greedy): GRPO did NOT raise held-out exact match" in markdown) == (low <= 0)
-    assert ("Result (4 samples a question at temperature 1): GRPO did NOT raise" in markdown) == (
+    assert ("Result (4 samples a question at temperature 0.7): GRPO did NOT raise" in markdown) == (
         gain["interval"][0] <= 0)
     plot = out / "loss.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
