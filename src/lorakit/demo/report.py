@@ -352,8 +352,7 @@ def render_grpo(by_stage: dict[str, Figures]) -> list[str]:
     grpo, sft, after = (by_stage.get(name) for name in ("GRPO", "exact match after", "exact match after GRPO"))
     if not grpo:
         return []
-    reward_first, reward_last = (f"{grpo[key]:.3f}" if grpo[key] is not None else "-"
-                                 for key in ("train_reward_first", "train_reward_last"))
+    rewards = ", ".join(f"{reward:.3f}" for reward in grpo["train_rewards"]) or "-"
     lines = ["## GRPO", "",
              f"Group-relative RL with a reward a program computes, next to PPO and DPO: the SFT policy (pt_merged + "
              f"the SFT adapter, which GRPO continues) on new arithmetic questions (none held out), "
@@ -361,9 +360,10 @@ def render_grpo(by_stage: dict[str, Figures]) -> list[str]:
              f"question, each rewarded by {', '.join(grpo['reward_funcs'])} (1 where its last number is the answer's, "
              f"else 0) and scored against its group's mean and spread: {grpo['steps']} steps of "
              f"{grpo['prompts_per_step']} questions, {grpo['loss_type']} loss, beta 0 (no reference pass), learning "
-             f"rate {grpo['learning_rate']:g}, {grpo.get('train_runtime', 0):.0f} s of training. Mean training reward "
-             f"{reward_first} (first {grpo['logging_steps']} steps) -> {reward_last} (last); on average "
-             f"{100 * (grpo['zero_spread_share_mean'] or 0):.0f}% of the groups scored all alike (no gradient).", ""]
+             f"rate {grpo['learning_rate']:g}, {grpo.get('train_runtime', 0):.0f} s of training. The mean reward of "
+             f"the rollout logged every {grpo['logging_steps']} steps ({grpo['prompts_per_step']} questions each, so "
+             f"noisy): {rewards}; on average {100 * (grpo['zero_spread_share_mean'] or 0):.0f}% of the groups scored "
+             "all alike (no gradient).", ""]
     if not (sft and after):
         return lines
     low, high = after["gain_interval"]

@@ -457,7 +457,7 @@ def grpo(demo: Demo) -> Figures:
             "logging_steps": flags["logging_steps"], "model": flag_value(planned.command, "model_name_or_path"),
             "sft_adapter": flag_value(planned.command, "peft_path"),
             "train_reward_first": rewards[0] if rewards else None,
-            "train_reward_last": rewards[-1] if rewards else None,
+            "train_reward_last": rewards[-1] if rewards else None, "train_rewards": rewards,
             "zero_spread_share_mean": sum(zero_spread) / len(zero_spread) if zero_spread else None,
             **{key: value for key, value in read_stage_result(out / "train_results.json").items()
                if key in ("train_runtime", "train_loss")}}
