@@ -6,13 +6,14 @@ configs/pipeline/demo.yaml, each stage chained on the one before:
     prepare -> extend the vocabulary -> continued pretraining (LoRA + embeddings) -> merge
     -> SFT (generated arithmetic) on that merged model -> reward model (review sentiment pairs)
     -> PPO with that reward -> merge the PPO policy into a standalone model (verified) -> chat with it
-    and next to reward + PPO, the DPO path: DPO of the SFT policy on the reward model's training pairs
+    and next to reward + PPO, the DPO path: DPO of the SFT policy on the reward model's training pairs,
+    and the GRPO path: GRPO of the SFT policy on arithmetic with an exact-match reward
 
 Every stage's figure is then measured on held-out data, before and after (every model the
 chain went through stays on disk), and written to
 outputs/demo/report.md (with loss.png, every stage's training curves) and report.json.
 
-    make demo            # about 22 minutes on 2 CPU cores
+    make demo            # about 23 minutes on 2 CPU cores
     make demo QUICK=1    # a few minutes: the same stages with tiny settings (the test suite runs it)
 
 Each stage is a function that takes the shared Demo state and returns a dict of figures;
