@@ -10,7 +10,7 @@ every row's answer starts right after its own last prompt token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -102,8 +102,13 @@ def sampled_exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
             "per_question": per_question}
 
 
+class Interval(NamedTuple):
+    low: float
+    high: float
+
+
 def paired_bootstrap_interval(before: list[float], after: list[float], resamples: int = 10_000, seed: int = 0,
-                              level: float = 0.95) -> tuple[float, float]:
+                              level: float = 0.95) -> Interval:
     """The level-interval (percentile bootstrap) of the gain in accuracy from before to after, both scored on the same
     questions (each question 0 or 1, or its share of right answers): the questions are resampled with replacement,
     each resample keeping its question's pair, so what the two models share (an easy question) does not widen the
@@ -115,4 +120,4 @@ def paired_bootstrap_interval(before: list[float], after: list[float], resamples
     gains = differences[rows].mean(axis=1)
     tail = (1 - level) / 2
     low, high = np.quantile(gains, [tail, 1 - tail])
-    return float(low), float(high)
+    return Interval(float(low), float(high))
