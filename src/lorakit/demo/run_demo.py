@@ -382,13 +382,18 @@ def ppo_second_seed(demo: Demo) -> Figures:
     planned = next(stage for stage in plan_stages(load_config(str(DEMO_CONFIG), demo.overrides()), sys.executable)
                    if stage.config.name == "ppo")
     out = demo.path(f"ppo_seed{PPO_SECOND_SEED}")
-    shutil.rmtree(out, ignore_errors=True)  # this run's own output: a rerun of the demo trains it again
-    command = with_flag(planned.command, "output_dir", str(out)) + ["--seed", str(PPO_SECOND_SEED)]
-    logger.info("running: %s", shlex.join(command))
-    if subprocess.run(command).returncode != 0:
-        raise StageError(f"PPO with --seed {PPO_SECOND_SEED} failed")
+    run_beside_the_chain(with_flag(planned.command, "output_dir", str(out)) + ["--seed", str(PPO_SECOND_SEED)], out,
+                         f"PPO with --seed {PPO_SECOND_SEED}")
     return {"seed": PPO_SECOND_SEED, "kl_last": last_logged(log_history(out), "kl"),
             **heldout_reward(demo, out / "ppo_lora_model")}
+
+
+def run_beside_the_chain(command: list[str], out: Path, what: str) -> None:
+    """A stage the demo runs itself, into out, afresh: out is its own, so a rerun of the demo trains it again."""
+    shutil.rmtree(out, ignore_errors=True)
+    logger.info("running: %s", shlex.join(command))
+    if subprocess.run(command).returncode != 0:
+        raise StageError(f"{what} failed")
 
 
 def with_flag(command: list[str], name: str, value: str) -> list[str]:
@@ -408,10 +413,7 @@ def dpo(demo: Demo) -> Figures:
     before training it is 0.5, since the policy is its reference and every implicit reward is 0."""
     planned = dpo_stage(demo)
     out = Path(planned.out_dir)
-    shutil.rmtree(out, ignore_errors=True)  # this run's own output: a rerun of the demo trains it again
-    logger.info("running: %s", shlex.join(planned.command))
-    if subprocess.run(planned.command).returncode != 0:
-        raise StageError("the DPO stage failed")
+    run_beside_the_chain(planned.command, out, "the DPO stage")
     flags, results = planned.config.flags, read_stage_result(out / "eval_results.json")
     logger.info("DPO: held-out implicit-reward accuracy 0.5 -> %.3f on %d pairs", results["eval_rewards/accuracies"],
                 results["eval_samples"])
@@ -444,10 +446,7 @@ def grpo(demo: Demo) -> Figures:
     """GRPO of the SFT policy on arithmetic with a program's reward (exact match), its adapter continuing SFT's."""
     planned = grpo_stage(demo)
     out = Path(planned.out_dir)
-    shutil.rmtree(out, ignore_errors=True)  # this run's own output: a rerun of the demo trains it again
-    logger.info("running: %s", shlex.join(planned.command))
-    if subprocess.run(planned.command).returncode != 0:
-        raise StageError("the GRPO stage failed")
+    run_beside_the_chain(planned.command, out, "the GRPO stage")
     flags, logged = planned.config.flags, log_history(out)
     rewards = [entry["reward_mean"] for entry in logged if "reward_mean" in entry]
     zero_spread = [entry["zero_spread_share"] for entry in logged if "zero_spread_share" in entry]
