@@ -230,7 +230,22 @@ def test_report_names_every_shipped_config(tiny_config_dir):
     assert "PPO with --enable_hybrid_engine adds" in result.stdout
 
 
+def test_a_token_budget_is_the_activations_of_that_many_tokens(tiny_config_dir):
+    """--max_tokens_per_batch 3072 holds the activations of 3072 tokens a GPU, whatever the batch size says."""
+    common = ["--model_name_or_path", tiny_config_dir, "--lora_rank", "8", "--max_seq_length", "1024"]
+    budget = run_in_process(SCRIPT, common + ["--max_tokens_per_batch", "3072", "--per_device_train_batch_size", "8"])
+    rows = run_in_process(SCRIPT, common + ["--per_device_train_batch_size", "3"])
+    assert budget.returncode == rows.returncode == 0, budget.stderr[-2000:]
+    config = em.read_model_config(tiny_config_dir, None)
+    expected = em.gib(em.activation_bytes(config, 8, 3072, checkpointing=True))
+    line = next(line for line in budget.stdout.splitlines() if line.startswith("activations per GPU"))
+    assert f"{expected} GiB with --activation_checkpointing" in line and "a budget of 3072 tokens" in line
+    assert line.split(" GiB without")[0] == next(
+        line for line in rows.stdout.splitlines() if line.startswith("activations per GPU")).split(" GiB without")[0]
+
+
 @pytest.mark.parametrize("args, expected", [
+    (["--model_shape", "llama2-7b", "--max_tokens_per_batch", "512"], "--max_tokens_per_batch 512 is below"),
     (["--model_name_or_path", "{missing}"], "config.json does not exist"),
     (["--model_shape", "llama2-7b", "--num_gpus", "0"], "--num_gpus"),
     (["--model_shape", "llama2-7b", "--num_nodes", "eight"], "--num_nodes"),

@@ -324,21 +324,30 @@ def test_sft_deepspeed_zero2_and_zero3_two_processes_train_alike(tiny_model_dir,
     assert max((zero2_weights[k] - zero3_weights[k]).abs().max().item() for k in zero2_weights) <= 1e-4
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one_process", "zero2_two_processes"])
+# (processes, token budget): --max_tokens_per_batch's batches (trainers.token_batches) resume under ZeRO-2 too.
+SFT_RESUME_CASES = {"one_process": (1, None), "zero2_two_processes": (2, None),
+                    "zero2_two_processes_token_budget": (2, 640)}
+
+
+@pytest.fixture(scope="module", params=list(SFT_RESUME_CASES))
 def sft_resume(request, tiny_model_dir, arithmetic_files, tmp_path_factory):
     """An uninterrupted packed run and the same run killed at seeded random steps and while writing a checkpoint,
     rerun after each kill until it finished (and, forked, one killed as it ends): each process forked (one
-    process), or under torchrun with ZeRO-2 (helpers/kill_points.py)."""
+    process), or under torchrun with ZeRO-2 (helpers/kill_points.py); the last case's batches are token budgets of
+    rows of up to 256 tokens, 640 a batch (2 to many rows)."""
     train_dir, _ = arithmetic_files
-    root = tmp_path_factory.mktemp(f"sft_resume{request.param}")
-    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if request.param == 2 else {}
+    nproc, budget = SFT_RESUME_CASES[request.param]
+    root = tmp_path_factory.mktemp(f"sft_resume_{request.param}")
+    extra = {"deepspeed": os.path.join(REPO, "ds_configs", "ds_zero2_no_offload.json")} if nproc == 2 else {}
+    if budget:
+        extra["max_tokens_per_batch"] = budget
 
     def args_for(output_dir):
         return tiny_sft_args(tiny_model_dir, output_dir, root / "cache", dataset_dir=train_dir, template="llama2",
                              packing=True, save_steps=2, **extra)
 
-    return resume_proof(request.param, SFT_SCRIPT, args_for, root, seed=f"sft-{request.param}", total=10,
-                        save_steps=2)
+    seed = f"sft-{request.param}" if budget else f"sft-{nproc}"  # the cases before token budgets keep their kills
+    return resume_proof(nproc, SFT_SCRIPT, args_for, root, seed=seed, total=10, save_steps=2)
 
 
 @pytest.mark.slow

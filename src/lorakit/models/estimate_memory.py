@@ -122,6 +122,9 @@ class EstimateArguments:
         metadata={"help": "Precision of the frozen weights and activations (the run's --bf16/--fp16).",
                   "choices": list(TRAINING_DTYPES)})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per GPU per step."})
+    max_tokens_per_batch: int | None = field(
+        default=None, metadata={"help": "SFT's token-budget batching: tokens per GPU per micro-batch, in place of "
+                                        "--per_device_train_batch_size x --max_seq_length."})
     chunked_loss: bool = field(
         default=True, metadata={"help": "As in training (its default): the loss holds one chunk of logits at a "
                                         "time; false: transformers' loss over every token's logits."})
@@ -401,6 +404,20 @@ def check_numbers(args: EstimateArguments) -> None:
     for flag in ("num_gpus", "num_nodes", "lora_rank", "per_device_train_batch_size", "max_seq_length"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag} must be a positive whole number, not {getattr(args, flag)}")
+    if args.max_tokens_per_batch is not None and args.max_tokens_per_batch < args.max_seq_length:
+        raise InputError(f"--max_tokens_per_batch {args.max_tokens_per_batch} is below --max_seq_length "
+                         f"{args.max_seq_length}: training refuses a budget a full row does not fit in")
+
+
+def batch_tokens(args: EstimateArguments) -> int:
+    """Tokens one micro-batch holds per GPU: the token budget, or batch size x sequence length."""
+    return args.max_tokens_per_batch or args.per_device_train_batch_size * args.max_seq_length
+
+
+def batch_label(args: EstimateArguments) -> str:
+    if args.max_tokens_per_batch:
+        return f"a budget of {args.max_tokens_per_batch} tokens (--max_tokens_per_batch)"
+    return f"{args.per_device_train_batch_size} x {args.max_seq_length} tokens"
 
 
 def describe_model(config: "PreTrainedConfig", args: EstimateArguments, counts: ParameterCounts) -> list[str]:
@@ -418,7 +435,7 @@ def describe_model(config: "PreTrainedConfig", args: EstimateArguments, counts: 
 
 def report_lines(config: "PreTrainedConfig", args: EstimateArguments, counts: ParameterCounts) -> list[str]:
     """The per-config table for this model and GPU count."""
-    tokens = args.per_device_train_batch_size * args.max_seq_length
+    tokens = batch_tokens(args)
     with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
     without = activation_bytes(config, args.lora_rank, tokens, False, args.chunked_loss)
     cards = " ".join(f"{card:>3}G" for card in CARDS_GIB)
@@ -440,7 +457,7 @@ def report_lines(config: "PreTrainedConfig", args: EstimateArguments, counts: Pa
     lines += [
         "",
         f"activations per GPU come on top: {gib(with_ckpt)} GiB with --activation_checkpointing, {gib(without)} "
-        f"GiB without, for {args.per_device_train_batch_size} x {args.max_seq_length} tokens",
+        f"GiB without, for {batch_label(args)}",
         "(rule: 2 x layers x tokens x hidden bytes of checkpoints + one layer recomputed + the loss over the "
         "vocabulary; see activation_bytes)",
         f"PPO with --enable_hybrid_engine adds {gib(counts.lora_targeted_bytes)} GiB per GPU during each rollout: "
@@ -478,7 +495,7 @@ def smallest_fit(counts: ParameterCounts, config: "PreTrainedConfig", args: Esti
     """Fit (GPUs, config, model states + activations per GPU, model states' CPU per node) with the fewest
     GPUs, then the fastest config, that fits the card; offloading configs only when offload, the
     others otherwise; None if nothing fits up to the largest of GPU_COUNTS."""
-    tokens = args.per_device_train_batch_size * args.max_seq_length
+    tokens = batch_tokens(args)
     act = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
     configs = [z for z in shipped_zero_configs() if (z.offload_optimizer or z.offload_param) == offload]
     for total in GPU_COUNTS:
@@ -518,7 +535,7 @@ def fit_table_lines(args: EstimateArguments) -> list[str]:
     return lines + [
         "",
         f"xN: GPUs (nodes of {GPUS_PER_NODE}); in brackets GiB per GPU: model states + activations of "
-        f"{args.per_device_train_batch_size} x {args.max_seq_length} tokens with --activation_checkpointing, "
+        f"{batch_label(args)} with --activation_checkpointing, "
         f"within {USABLE_CARD_FRACTION:.0%} of the card. {files}.",
     ]
 

@@ -1,6 +1,6 @@
 """The Trainer every stage builds on: ResumableTrainer (a resume provably continues the same run: sample order, data
 read, a non-finite loss stops it), the causal-LM Trainer of pretraining and SFT with its chunked loss, the epoch-
-seeded length-grouped sampler, and next-token metrics."""
+seeded length-grouped sampler and the token-budget batches (trainers.token_batches), and next-token metrics."""
 
 import logging
 import math
@@ -27,6 +27,8 @@ from lorakit.core.cli import ReportedError
 from lorakit.core.model_files import complete_checkpoints
 from lorakit.models.chunked_loss import agreed_across_ranks, causal_lm_loss, head_reproduces_logits
 from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint
+from lorakit.trainers.common import padding_multiple
+from lorakit.trainers.token_batches import TokenBudgetBatchSampler
 
 if TYPE_CHECKING:
     import datasets
@@ -171,9 +173,14 @@ class ResumableTrainer(Trainer):
             self.args.save_total_limit = save_total_limit
 
     def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler | None:
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        max_tokens = getattr(self.args, "max_tokens_per_batch", None)
+        if max_tokens:
+            dataset = train_dataset if train_dataset is not None else self.train_dataset
+            return TokenBudgetBatchSampler(dataset["length"], max_tokens, padding_multiple(self.args), seed,
+                                           self.args.world_size, self.args.process_index)
         sampler = super()._get_train_sampler(train_dataset)
         if isinstance(sampler, LengthGroupedSampler):
-            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
             return EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
         return sampler
 

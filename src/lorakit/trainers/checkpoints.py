@@ -67,7 +67,8 @@ MODEL_FLAGS = ("model_name_or_path", "peft_path", "actor_model_name_or_path", "a
 RUN_DEFINING_FLAGS = (
     "seed", "data_seed", "full_finetuning", "lora_rank", "lora_alpha", "trainable", "modules_to_save",
     "load_in_kbits", "torch_dtype", "per_device_train_batch_size", "gradient_accumulation_steps", "block_size",
-    "max_seq_length", "packing", "validation_split_percentage", "max_train_samples", "data_split", "data_phase",
+    "max_seq_length", "packing", "max_tokens_per_batch", "validation_split_percentage", "max_train_samples",
+    "data_split", "data_phase",
     "train_on_last_turn_only", "loss_type", "shared_base", "max_prompt_seq_len", "max_answer_seq_len",
     "per_device_generation_batch_size", "generation_batches", "ppo_epochs", "enable_ema", "num_generations",
     "max_completion_length", "num_iterations",

@@ -32,6 +32,7 @@ from lorakit.trainers.arguments import CausalLMTrainingArguments, DeepSpeedChatD
 from lorakit.trainers.causal_lm import build_trainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import padding_multiple, resolve_sequence_length, start_run, train_and_finish
+from lorakit.trainers.token_batches import check_token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,13 @@ class SFTDataArguments(DeepSpeedChatDataArguments):
 @dataclass
 class SFTArguments(CausalLMTrainingArguments):
     packing: bool = field(default=False, metadata={"help": "Pack samples into padding-free rows of max_seq_length."})
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={"help": "Token-budget batching: each micro-batch holds as many rows (packed rows with --packing, "
+                          "else samples) as fit this many tokens, rows x their padded width, in place of "
+                          "--per_device_train_batch_size rows. At least --max_seq_length. The loss is the mean over "
+                          "the labelled tokens of the whole accumulated batch, as without it."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +99,8 @@ def main() -> None:
     if training_args.packing:
         check_packing_attention(model_args.attn_implementation)
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
+    if training_args.max_tokens_per_batch:
+        check_token_budget(training_args.max_tokens_per_batch, max_length, padding_multiple(training_args))
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     pad_id = choose_pad_token(tokenizer, chat_template)  # before loading: the model config takes it
