@@ -4,6 +4,7 @@ logged samples. Each stage's arguments add their own objective's flags."""
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from lorakit.core.cli import InputError
 from lorakit.trainers.arguments import CausalLMTrainingArguments
@@ -12,6 +13,8 @@ from lorakit.trainers.arguments import CausalLMTrainingArguments
 @dataclass
 class RolloutArguments(CausalLMTrainingArguments):
     """TrainingArguments plus the rollout's flags (see the module's docstring)."""
+
+    accepts_kernel_flags: ClassVar[bool] = False  # not proven here: trainers.arguments.check_kernel_flags
 
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (log-probs use the same)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 = off."})

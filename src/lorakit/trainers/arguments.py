@@ -4,6 +4,7 @@ DeepSpeed configs a ZeRO stage picks, and the data flags of DeepSpeed-Chat's con
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import TrainingArguments
@@ -12,6 +13,7 @@ from lorakit.core.cli import InputError
 from lorakit.core.package_data import DS_CONFIGS
 from lorakit.data.build_dataset import ConversationDataArguments
 from lorakit.models.arguments import FlagTable, MappedFlag, ModelArguments, map_flags, note_accepted_flags
+from lorakit.models.kernels import check_liger_importable
 
 # Where DeepSpeed-Chat's --zero_stage (with --offload) points: the configs shipped in ds_configs/.
 SHIPPED_ZERO_CONFIGS = {(2, False): "ds_zero2_no_offload.json", (3, False): "ds_zero3_no_offload.json",
@@ -105,6 +107,8 @@ class ToolkitTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: every column of our datasets is read by a collator."}
     )
+    # Whether --use_liger_kernel and --torch_compile are proven with this stage's loss (check_kernel_flags).
+    accepts_kernel_flags: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         # Logging is not configured yet; setup_logging() reports these notes on rank 0. All of them
@@ -116,6 +120,20 @@ class ToolkitTrainingArguments(TrainingArguments):
         map_fp16_on_cpu(self)
         note_accepted_flags(self, ACCEPTED_TRAINER_FLAGS, self.mapped_flags)
         super().__post_init__()
+        check_kernel_flags(self)
+
+
+def check_kernel_flags(args: ToolkitTrainingArguments) -> None:
+    """--use_liger_kernel and --torch_compile (TrainingArguments' own flags) only where they are proven with the
+    stage's loss (accepts_kernel_flags): Liger replaces the model classes' forward, which DPO's answer log-probs,
+    the reward head and PPO's shared base call in their own ways; refused there in one line, never silently passed
+    on."""
+    for flag, given in (("use_liger_kernel", args.use_liger_kernel), ("torch_compile", args.torch_compile)):
+        if given and not args.accepts_kernel_flags:
+            raise InputError(f"--{flag}: not proven for this stage, only for pretraining and SFT "
+                             "(run_clm_pt_with_peft.py, run_sft_with_peft.py); drop the flag")
+    if args.use_liger_kernel:
+        check_liger_importable()
 
 
 def map_dtype_flag(args: ToolkitTrainingArguments) -> None:
@@ -188,6 +206,8 @@ class CausalLMTrainingArguments(ToolkitTrainingArguments):
 
     # On by default: where it is used (the first batch checks the head alone reproduces the model's logits) its
     # loss and gradients equal transformers' to float32 rounding, and lie at least as close to a float64 loss.
+    accepts_kernel_flags: ClassVar[bool] = True  # pretraining and SFT; DPO and the RL stages set it back
+
     chunked_loss: bool = field(
         default=True,
         metadata={"help": "Compute the loss and log-probabilities from the hidden states over chunks of positions, "

@@ -26,6 +26,7 @@ from transformers.trainer_utils import TrainOutput
 from lorakit.core.cli import ReportedError
 from lorakit.core.model_files import complete_checkpoints
 from lorakit.models.chunked_loss import agreed_across_ranks, causal_lm_loss, head_reproduces_logits
+from lorakit.models.kernels import compile_decoder_layers
 from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint
 from lorakit.trainers.common import padding_multiple
 from lorakit.trainers.token_batches import TokenBudgetBatchSampler
@@ -196,6 +197,22 @@ class CausalLMTrainer(ResumableTrainer):
     of the whole batch and vocabulary. The model runs with logits_to_keep=1 and returns its hidden states."""
 
     chunked_loss_exact: bool | None = None  # decided on the first batch (head_reproduces_logits)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.torch_compile:
+            compile_decoder_layers(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # --torch_compile compiles the decoder layers in place (__init__), not the whole model in accelerate's
+        # prepare: a whole-model compile would wrap the model the chunked loss reads the head of, and recompile
+        # the head and the loss for every new batch width.
+        args = super()._build_accelerator_args(**kwargs)
+        if self.args.torch_compile and "dynamo_plugin" in args:
+            from accelerate.utils import TorchDynamoPlugin
+
+            args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return args
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         add_perplexity(logs)

@@ -27,7 +27,7 @@ import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from datasets import Dataset, concatenate_datasets
@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 class DPOArguments(CausalLMTrainingArguments):
     """Training arguments (--chunked_loss: the answers' log-probabilities) plus the preference loss (names as
     TRL's DPOConfig / CPOConfig)."""
+
+    accepts_kernel_flags: ClassVar[bool] = False  # not proven here: trainers.arguments.check_kernel_flags
 
     loss_type: str = field(
         default="sigmoid",
