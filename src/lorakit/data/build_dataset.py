@@ -7,7 +7,7 @@ import os
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain, pairwise
+from itertools import chain
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
@@ -436,6 +436,9 @@ def cached_packed_rows(dataset: Dataset, max_length: int, cache_dir: str) -> Dat
 # Attention implementations whose masks transformers builds from position_ids (masking_utils finds
 # the packed samples where positions restart), so packed samples stay apart at any batch size.
 POSITION_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+# torch's own varlen attention kernel (torch.nn.attention.varlen), registered with transformers under this name by
+# models.varlen_attention: it takes the packed samples' bounds, as flash attention does.
+TORCH_VARLEN = "torch_varlen"
 
 
 def is_flash_attention(attn_implementation: str | None) -> bool:
@@ -444,28 +447,63 @@ def is_flash_attention(attn_implementation: str | None) -> bool:
     return attn_implementation is not None and "flash" in attn_implementation
 
 
+def takes_sample_bounds(attn_implementation: str | None) -> bool:
+    """Whether packed rows must carry their samples' bounds (flash_varlen_kwargs) for this attention: a flash
+    attention (transformers finds them from position_ids only in a batch of one row) and torch_varlen (never)."""
+    return is_flash_attention(attn_implementation) or attn_implementation == TORCH_VARLEN
+
+
 def check_packing_attention(attn_implementation: str | None) -> None:
     """Refuse --packing with an attention implementation that cannot keep packed samples apart:
     transformers builds no mask for it, and it takes no sequence boundaries (None: transformers'
     default, sdpa or eager)."""
     if (attn_implementation is None or attn_implementation in POSITION_MASKED_ATTENTION
-            or is_flash_attention(attn_implementation)):
+            or takes_sample_bounds(attn_implementation)):
         return
     raise InputError(f"--packing with --attn_implementation {attn_implementation}: that attention gets no mask and no "
                      "sample boundaries, so packed samples would attend to each other; use sdpa, eager, "
-                     "flex_attention or a flash attention, or drop --packing")
+                     f"flex_attention, {TORCH_VARLEN} or a flash attention, or drop --packing")
 
 
-def flash_varlen_kwargs(position_rows: list[list[int]], width: int) -> dict[str, torch.Tensor | int]:
+class SampleBounds(NamedTuple):
+    """The segments of packed rows in the batch flattened to one sequence, as varlen attention kernels take them."""
+
+    cu_seqlens: torch.Tensor  # int32 [segments + 1]: where each segment starts, then the end of the last
+    max_length: int  # the longest segment's length
+
+
+def sample_bounds(position_ids: torch.Tensor) -> SampleBounds:
+    """The SampleBounds of packed rows from their position_ids, [batch, width] or [width]: a segment (a sample, or
+    a row's padding) starts where positions restart at 0, and at each row's start whatever its first position, so
+    that no segment crosses from one row into the next."""
+    rows = position_ids.reshape(-1, position_ids.shape[-1])
+    starts = rows == 0
+    starts[:, :1] = True
+    end = torch.tensor([rows.numel()], device=rows.device)
+    cu_seqlens = torch.cat([starts.flatten().nonzero().flatten(), end]).to(torch.int32)
+    return SampleBounds(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+
+def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
     """transformers' FlashAttentionKwargs for padded packed rows (as DataCollatorWithFlattening
-    writes them): cu_seq_lens_q/k, where each segment (a sample, or a row's padding) starts in
-    the batch flattened to one sequence, then its end; max_length_q/k, the longest segment."""
-    bounds = [row * width + i for row, positions in enumerate(position_rows)
-              for i, position in enumerate(positions) if position == 0] + [len(position_rows) * width]
-    longest = max(end - start for start, end in pairwise(bounds))
-    cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
-            "max_length_k": longest}
+    writes them), which torch_varlen takes too: cu_seq_lens_q/k and max_length_q/k, the rows'
+    sample_bounds (queries and keys alike: no cache)."""
+    bounds = sample_bounds(position_ids)
+    return {"cu_seq_lens_q": bounds.cu_seqlens, "cu_seq_lens_k": bounds.cu_seqlens,
+            "max_length_q": bounds.max_length, "max_length_k": bounds.max_length}
+
+
+def whole_row_causal_mask(batch_size: int, width: int, dtype: torch.dtype = torch.bool,
+                          device: torch.device | str | None = None) -> torch.Tensor:
+    """A 4D attention mask [batch_size, 1, width, width], causal over each whole row, as the control that packing
+    can fail: passed as attention_mask with packed rows and their restarting position_ids (so RoPE is unchanged),
+    it lets each sample attend to the samples before it in its row, since transformers takes a 4D mask as it is
+    and derives none from the positions. bool: True attends (sdpa); a float dtype: additive, 0 or the dtype's
+    minimum (eager)."""
+    allowed = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(batch_size, 1, width, width)
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 class DataCollatorForSupervisedDataset:
@@ -473,15 +511,15 @@ class DataCollatorForSupervisedDataset:
     padding. Masks come from the lengths, never from comparing ids with the pad id (the pad id may
     be EOS, which answers end with). Packed rows carry position_ids and no attention mask: padding becomes one more
     segment with positions from 0, which attends only to itself and has no labels. Under a flash
-    attention (attn_implementation, the model's) packed rows also carry the segments' bounds: its
-    flash path finds them from position_ids only in a batch of one row, and would otherwise run
-    each row as one causal sequence across its samples."""
+    attention or torch_varlen (attn_implementation, the model's: takes_sample_bounds) packed rows also carry the
+    segments' bounds: flash finds them from position_ids only in a batch of one row, and would otherwise run
+    each row as one causal sequence across its samples; torch_varlen runs packed rows on the bounds alone."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8,
                  attn_implementation: str | None = None) -> None:
         self.pad_token_id = pad_token_id
         self.multiple = pad_to_multiple_of
-        self.flash = is_flash_attention(attn_implementation)
+        self.with_bounds = takes_sample_bounds(attn_implementation)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor | int]:
         longest = max(len(f["input_ids"]) for f in features)
@@ -497,8 +535,8 @@ class DataCollatorForSupervisedDataset:
             else:
                 batch["attention_mask"].append([1] * len(feature["input_ids"]) + [0] * pad)
         tensors = {name: torch.tensor(values, dtype=torch.long) for name, values in batch.items()}
-        if packed and self.flash:
-            tensors.update(flash_varlen_kwargs(batch["position_ids"], width))
+        if packed and self.with_bounds:
+            tensors.update(flash_varlen_kwargs(tensors["position_ids"]))
         return tensors
 
 

@@ -318,6 +318,7 @@ def check_load_plan(model_args: ModelArguments, training_args: "TrainingArgument
     adapt), found by doing what load_model does on the model's empty skeleton (empty_model: no
     weight read or allocated; about a second for a 70B Llama). The real load follows unchanged."""
     check_quantization(model_args)
+    prepare_attention(model_args, training_args)
     if fold_adapter and model_args.peft_path:
         check_foldable(model_args.peft_path, adapter_flag)
     if model_args.peft_path and (fold_adapter or not trainable):
@@ -332,6 +333,16 @@ def check_load_plan(model_args: ModelArguments, training_args: "TrainingArgument
 def check_quantization(model_args: ModelArguments) -> None:
     if model_args.load_in_kbits in (4, 8) and is_deepspeed_zero3_enabled():
         raise InputError("--load_in_kbits 4/8 cannot be combined with a ZeRO-3 DeepSpeed config; use ZeRO-2")
+
+
+def prepare_attention(model_args: ModelArguments, training_args: "TrainingArguments | None") -> None:
+    """--attn_implementation torch_varlen is ours (models.varlen_attention): registered with transformers before
+    from_pretrained reads the name, or refused where this torch cannot run it. Imported only when asked: it loads the
+    training data layer, which serving does without."""
+    if model_args.attn_implementation == "torch_varlen":
+        from lorakit.models.varlen_attention import use_torch_varlen
+
+        use_torch_varlen(uses_gpu(training_args))
 
 
 def empty_model(model_args: ModelArguments, config: PreTrainedConfig, task: str,
@@ -457,6 +468,7 @@ def load_base(model_args: ModelArguments, training_args: "TrainingArguments | No
     """LoadedBase (the base model, whether it is quantized), its pad id the tokenizer's and its embeddings
     grown to the tokenizer."""
     check_quantization(model_args)
+    prepare_attention(model_args, training_args)
     init_deepspeed_distributed(training_args)
     quant = quantization_config(model_args, compute_dtype(model_args, training_args))
     # A copy: a run hands one config to several roles, and each load sets its own task on it.
