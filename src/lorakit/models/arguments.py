@@ -49,7 +49,9 @@ class ModelArguments:
     quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["nf4", "fp4"]})
     double_quant: bool = field(default=True, metadata={"help": "Quantize the 4-bit quantization constants too."})
     attn_implementation: str | None = field(
-        default=None, metadata={"help": "eager, sdpa, flash_attention_2, ...; default: transformers' choice."}
+        default=None, metadata={"help": "eager, sdpa, flash_attention_2, flex_attention, torch_varlen (torch's varlen "
+                                        "attention for --packing on a CUDA GPU), ...; default: transformers' "
+                                        "choice."}
     )
     trust_remote_code: bool = trust_remote_code_field()
     trainable: str = field(
