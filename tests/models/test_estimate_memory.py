@@ -131,13 +131,14 @@ def test_quantized_base_bytes_are_what_bitsandbytes_stores(tiny_config_dir, kbit
 
 
 def saved_bytes_per_token(layers: int, checkpointing: bool, vocab_size: int = TINY["vocab_size"],
-                          chunked: bool = False) -> float:
+                          chunked: bool = False, lora_dropout: float = 0.05) -> float:
     """What autograd keeps for backward after one forward of a tiny bf16 Llama with LoRA (all-linear,
-    dropout 0.05) and its loss (transformers' own, or the chunked loss), per token; the weights left out."""
+    dropout 0.05 unless given) and its loss (transformers' own, or the chunked loss), per token; the weights left
+    out."""
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY, "num_hidden_layers": layers, "vocab_size": vocab_size}, attn_implementation="sdpa")
     model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16),
-                           LoraConfig(r=8, target_modules=LLAMA_LINEARS, lora_dropout=0.05))
+                           LoraConfig(r=8, target_modules=LLAMA_LINEARS, lora_dropout=lora_dropout))
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -166,6 +167,11 @@ def test_activation_rule_matches_what_autograd_keeps():
     config = LlamaConfig(**TINY)
     per_layer = (saved_bytes_per_token(3, checkpointing=False) - saved_bytes_per_token(1, checkpointing=False)) / 2
     assert per_layer == em.layer_activation_bytes(config, lora_rank=8)
+    # LoRA's dropout keeps 4 bytes per token of each adapted layer's input: a third of the layer here.
+    no_dropout = (saved_bytes_per_token(3, False, lora_dropout=0.0)
+                  - saved_bytes_per_token(1, False, lora_dropout=0.0)) / 2
+    assert no_dropout == em.layer_activation_bytes(config, lora_rank=8, lora_dropout=0.0)
+    assert per_layer - no_dropout == 4 * (6 * TINY["hidden_size"] + TINY["intermediate_size"])
     per_checkpoint = (saved_bytes_per_token(3, checkpointing=True) - saved_bytes_per_token(1, checkpointing=True)) / 2
     assert per_checkpoint == em.CHECKPOINT_BYTES_PER_HIDDEN * TINY["hidden_size"]
     per_vocab_entry = (saved_bytes_per_token(1, True, vocab_size=600) - saved_bytes_per_token(1, True)) / 300

@@ -92,6 +92,11 @@ BNB_4BIT_CODE_BYTES = 16 * FP32_BYTES
 # 60 per hidden unit, 14 per MLP unit, 4 per key/value unit, 4 per head (fp32 logsumexp), 28 per
 # LoRA rank, 8 more.
 LAYER_BYTES_PER = {"hidden": 60, "intermediate": 14, "kv": 4, "heads": 4, "rank": 28, "fixed": 8}
+# Of those, what LoRA's dropout keeps (--lora_dropout > 0, measured the same way): 4 bytes per token for each
+# adapted layer's input (peft's dropout output and its mask, for lora_A's backward): q, k, v, o, gate and up
+# are hidden-wide, down is MLP-wide; 24 of the 60 per hidden unit and 4 of the 14 per MLP unit. With
+# --lora_dropout 0 peft's dropout is the identity and lora_A reads the input the base layer keeps anyway.
+DROPOUT_BYTES_PER_INPUT = 4
 # Activation checkpointing keeps only each layer's 16-bit input: 2 bytes per hidden unit per layer.
 CHECKPOINT_BYTES_PER_HIDDEN = 2
 # The loss per logit: 16-bit logits, the fp32 copy the loss makes and its fp32 log-softmax, which
@@ -112,6 +117,9 @@ class EstimateArguments:
     num_nodes: int = field(default=1, metadata={"help": "Nodes."})
     lora_rank: int = field(
         default=64, metadata={"help": "LoRA rank r (Chinese-LLaMA-Alpaca-2's 64; training's default is 8)."})
+    lora_dropout: float = field(
+        default=0.05, metadata={"help": "As in training (its default): above 0, each adapted layer keeps a copy of "
+                                        "its input for backward (a third of a layer's activations); 0: none."})
     trainable: str = field(default="all-linear", metadata={"help": "LoRA target modules, as in training."})
     modules_to_save: str | None = field(
         default=None, metadata={"help": "Modules trained in full, comma list (e.g. embed_tokens,lm_head)."})
@@ -345,17 +353,24 @@ def model_state_bytes(counts: ParameterCounts, zero: ZeroConfig, gpus_per_node: 
     return MemoryEstimate(int(trained_gpu), int(trained_cpu), int(frozen_gpu), int(frozen_cpu))
 
 
-def layer_activation_bytes(config: "PreTrainedConfig", lora_rank: int) -> int:
+def layer_activation_bytes(config: "PreTrainedConfig", lora_rank: int, lora_dropout: float = 0.05) -> int:
     """Bytes per token one Llama-family decoder layer with all-linear LoRA keeps for backward in
-    16-bit (LAYER_BYTES_PER)."""
+    16-bit (LAYER_BYTES_PER), less the dropout's copies (DROPOUT_BYTES_PER_INPUT) without dropout."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    return (LAYER_BYTES_PER["hidden"] * hidden + LAYER_BYTES_PER["intermediate"] * intermediate
-            + LAYER_BYTES_PER["kv"] * kv_heads * head_dim + LAYER_BYTES_PER["heads"] * heads
-            + LAYER_BYTES_PER["rank"] * lora_rank + LAYER_BYTES_PER["fixed"])
+    with_dropout = (LAYER_BYTES_PER["hidden"] * hidden + LAYER_BYTES_PER["intermediate"] * intermediate
+                    + LAYER_BYTES_PER["kv"] * kv_heads * head_dim + LAYER_BYTES_PER["heads"] * heads
+                    + LAYER_BYTES_PER["rank"] * lora_rank + LAYER_BYTES_PER["fixed"])
+    return with_dropout - (0 if lora_dropout > 0 else dropout_bytes(hidden, intermediate))
+
+
+def dropout_bytes(hidden: int, intermediate: int) -> int:
+    """What LoRA's dropout keeps per token in one layer: the inputs of q, k, v, o, gate and up (hidden-wide; o's
+    is heads x head_dim, hidden in the families the rule was measured on) and down (MLP-wide)."""
+    return DROPOUT_BYTES_PER_INPUT * (6 * hidden + intermediate)
 
 
 def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
@@ -366,7 +381,7 @@ def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
 
 
 def activation_bytes(config: "PreTrainedConfig", lora_rank: int, tokens: int, checkpointing: bool,
-                     chunked_loss: bool = True) -> int:
+                     chunked_loss: bool = True, lora_dropout: float = 0.05) -> int:
     """Per-GPU activation bytes for `tokens` tokens (batch x sequence length) of a Llama-family model.
 
     With activation checkpointing: each decoder layer's 16-bit input (2 x layers x tokens x hidden
@@ -374,7 +389,7 @@ def activation_bytes(config: "PreTrainedConfig", lora_rank: int, tokens: int, ch
     vocabulary (loss_bytes): the 16-bit logits, their fp32 copy and the fp32 log-softmax kept for backward,
     alive together. Without it, every layer's activations are kept. An upper bound: the loss and a
     layer's recompute do not peak at the same time."""
-    per_layer = layer_activation_bytes(config, lora_rank)
+    per_layer = layer_activation_bytes(config, lora_rank, lora_dropout)
     layers = config.num_hidden_layers
     if checkpointing:
         kept = CHECKPOINT_BYTES_PER_HIDDEN * config.hidden_size * layers + per_layer
@@ -436,8 +451,8 @@ def describe_model(config: "PreTrainedConfig", args: EstimateArguments, counts: 
 def report_lines(config: "PreTrainedConfig", args: EstimateArguments, counts: ParameterCounts) -> list[str]:
     """The per-config table for this model and GPU count."""
     tokens = batch_tokens(args)
-    with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
-    without = activation_bytes(config, args.lora_rank, tokens, False, args.chunked_loss)
+    with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss, args.lora_dropout)
+    without = activation_bytes(config, args.lora_rank, tokens, False, args.chunked_loss, args.lora_dropout)
     cards = " ".join(f"{card:>3}G" for card in CARDS_GIB)
     lines = describe_model(config, args, counts) + [
         "",
@@ -496,7 +511,7 @@ def smallest_fit(counts: ParameterCounts, config: "PreTrainedConfig", args: Esti
     GPUs, then the fastest config, that fits the card; offloading configs only when offload, the
     others otherwise; None if nothing fits up to the largest of GPU_COUNTS."""
     tokens = batch_tokens(args)
-    act = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss)
+    act = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss, args.lora_dropout)
     configs = [z for z in shipped_zero_configs() if (z.offload_optimizer or z.offload_param) == offload]
     for total in GPU_COUNTS:
         per_node, nodes = min(total, GPUS_PER_NODE), max(1, total // GPUS_PER_NODE)
