@@ -401,3 +401,10 @@ def test_packing_refuses_an_attention_that_cannot_keep_samples_apart(tiny_model_
 def test_torch_varlen_training_is_refused_without_cuda(tiny_model_dir, tmp_path):
     check_sft_refused(tiny_model_dir, tmp_path, "torch_varlen",
                       "--attn_implementation torch_varlen runs on a CUDA GPU only")
+
+
+def test_flex_attention_training_is_refused_without_cuda(tiny_model_dir, tmp_path):
+    """torch's CPU flex attention runs forward (the test above) but has no backward: refused before anything is
+    written, not as a traceback at the first step."""
+    check_sft_refused(tiny_model_dir, tmp_path, "flex_attention",
+                      "--attn_implementation flex_attention trains on a CUDA GPU only")

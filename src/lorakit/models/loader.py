@@ -338,7 +338,12 @@ def check_quantization(model_args: ModelArguments) -> None:
 def prepare_attention(model_args: ModelArguments, training_args: "TrainingArguments | None") -> None:
     """--attn_implementation torch_varlen is ours (models.varlen_attention): registered with transformers before
     from_pretrained reads the name, or refused where this torch cannot run it. Imported only when asked: it loads the
-    training data layer, which serving does without."""
+    training data layer, which serving does without. flex_attention trains on a GPU only: torch's CPU flex attention
+    runs forward but has no backward (refused here, not at the first step)."""
+    if model_args.attn_implementation == "flex_attention" and training_args is not None and not uses_gpu(
+            training_args):
+        raise InputError("--attn_implementation flex_attention trains on a CUDA GPU only (torch's flex attention "
+                         "has no backward on a CPU); use sdpa on this machine")
     if model_args.attn_implementation == "torch_varlen":
         from lorakit.models.varlen_attention import use_torch_varlen
 
