@@ -15,9 +15,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,28 +87,83 @@ def loadavg() -> list:
 
 @dataclass
 class ChildUsage:
-    """One child process's own figures: os.wait4's rusage for that child alone."""
+    """One child process's own figures: os.wait4's rusage for that child alone (its own children included), and
+    how it ended."""
 
     wall_s: float
     peak_rss_mb: float  # ru_maxrss (KiB on Linux) / 1024
     cpu_s: float  # user + system
+    exit_code: int = 0  # negative: the signal that ended it
+    timed_out: bool = False  # stopped at its time limit
+
+
+# After SIGTERM at its time limit, a child gets this long to end before SIGKILL.
+STOP_GRACE_S = 10.0
+
+
+class TimeLimit:
+    """Stops a child's whole process group (compile and dataloader workers included) once timeout_s have passed:
+    SIGTERM, then SIGKILL after STOP_GRACE_S unless it has ended. Only signals: the thread that waits for the
+    child reaps it (ended() then), so two waiters never race for it."""
+
+    def __init__(self, pid: int, timeout_s: float):
+        self.pid, self.fired, self.gone = pid, False, threading.Event()
+        self.timer = threading.Timer(timeout_s, self.stop)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.fired = True
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.gone.is_set():
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+            self.gone.wait(STOP_GRACE_S)
+
+    def ended(self) -> None:
+        self.gone.set()
+        self.timer.cancel()
+
+
+def run_child_until(command: list, log_path: Path, timeout_s: float | None = None,
+                    env: dict | None = None) -> ChildUsage:
+    """Runs command (from the repo root), its stdout and stderr into log_path, to its end or until timeout_s
+    (TimeLimit); how it ended is in the ChildUsage, nothing is raised for it."""
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        # Its own session under a time limit, so that the limit stops the workers it started too.
+        child = subprocess.Popen([str(part) for part in command], cwd=REPO, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=timeout_s is not None)
+        limit = TimeLimit(child.pid, timeout_s) if timeout_s is not None else None
+        try:
+            _, status, usage = os.wait4(child.pid, 0)
+        except BaseException:  # interrupted while waiting: the child (and its workers) must not outlive this process
+            if limit:
+                os.killpg(child.pid, signal.SIGKILL)
+            else:
+                child.kill()
+            raise
+        finally:
+            if limit:
+                limit.ended()
+    code = os.waitstatus_to_exitcode(status)
+    return ChildUsage(time.perf_counter() - start, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime, code,
+                      bool(limit and limit.fired and code != 0))
+
+
+def log_tail(log_path: Path, chars: int = 4000) -> str:
+    return Path(log_path).read_text(encoding="utf-8", errors="replace")[-chars:]
 
 
 def run_child(command: list, log_path: Path, what: str, env: dict | None = None,
               expect: Path | None = None) -> ChildUsage:
     """Runs command (from the repo root) to completion, its stdout and stderr into log_path.
     Raises SystemExit with the log's tail when it fails, or leaves no `expect` file."""
-    start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        child = subprocess.Popen([str(part) for part in command], cwd=REPO, env=env, stdout=log,
-                                 stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0 or (expect is not None and not expect.is_file()):
-        tail = log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
-        raise SystemExit(f"{what} failed (exit {code}); last lines of {log_path}:\n{tail}")
-    return ChildUsage(wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime)
+    usage = run_child_until(command, log_path, env=env)
+    if usage.exit_code != 0 or (expect is not None and not expect.is_file()):
+        raise SystemExit(f"{what} failed (exit {usage.exit_code}); last lines of {log_path}:\n{log_tail(log_path)}")
+    return usage
 
 
 def run_child_benchmark(python: str, script: str, run: str, run_dir: Path, flags: list) -> tuple:
