@@ -14,7 +14,8 @@ Converting a GGUF vocabulary and checking the saved result takes 1-13 s (about 3
 clone), so each tokenizer is converted once and kept under .cache/fixtures/tokenizers/, keyed by a hash of
 everything it is built from; the models are tiny and built fresh.
 
-    FAMILIES                         name -> FamilySpec
+    FAMILIES                         name -> FamilySpec (dense)
+    MOE_FAMILIES                     name -> FamilySpec (mixtures of experts)
     family_tokenizer_dir(name)       the cached tokenizer directory (built on first use)
     build_family_model(name, out)    tokenizer + tiny model saved into `out`; returns `out`
 """
@@ -114,6 +115,34 @@ _SPECS = [
                special_tokens=("<start_of_turn>", "<end_of_turn>"), tokenizer_class="GemmaTokenizer"),
 ]
 FAMILIES = {spec.name: spec for spec in _SPECS}
+
+# Mixtures of experts: transformers 5 fuses each layer's experts into 3-D weights (mlp.experts.gate_up_proj and
+# down_proj) behind a top-k router (mlp.gate). Kept apart from FAMILIES, whose tests run every dense family through
+# every check; tests/test_moe.py runs these through what differs for experts.
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16, "router_aux_loss_coef": 0.001}
+_MOE_SPECS = [
+    # Qwen3-30B-A3B's kind: Qwen3's vocabulary and template, q/k norms, head_dim apart from hidden / heads, no
+    # shared expert, untied embeddings.
+    FamilySpec("qwen3-moe", "ggml-vocab-qwen2.gguf", "Qwen-Qwen3-0.6B.jinja", "Qwen3MoeConfig",
+               {**_TINY, **_MOE, "num_experts": 4, "head_dim": 16, "tie_word_embeddings": False}, bos=None,
+               eos="<|im_end|>", pad="<|endoftext|>", add_bos=False,
+               added_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                             "</think>"), tokenizer_class="Qwen2Tokenizer"),
+    # Mixtral's kind: Llama-2's SentencePiece vocabulary (Mixtral-8x7B's), the Mistral family's template, experts as
+    # wide as the dense MLP (intermediate_size), no moe_intermediate_size.
+    FamilySpec("mixtral", "ggml-vocab-llama-spm.gguf", "mistralai-Mistral-Nemo-Instruct-2407.jinja", "MixtralConfig",
+               {**_TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+                "tie_word_embeddings": False}, bos="<s>", eos="</s>", pad=None, add_bos=True,
+               tokenizer_class="TokenizersBackend"),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B's kind): a shared expert (plain Linear layers) beside the routed ones, gated by
+    # its own one-unit Linear.
+    FamilySpec("qwen2-moe", "ggml-vocab-qwen2.gguf", "Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen2MoeConfig",
+               {**_TINY, **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 32,
+                "tie_word_embeddings": False}, bos=None, eos="<|im_end|>", pad="<|endoftext|>", add_bos=False,
+               added_tokens=("<tool_call>", "</tool_call>"), tokenizer_class="Qwen2Tokenizer"),
+]
+MOE_FAMILIES = {spec.name: spec for spec in _MOE_SPECS}
+_ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
 
 
 def _vendored(*parts) -> str:
@@ -223,7 +252,7 @@ def _save_checked(tokenizer, directory: str) -> None:
 
 def family_tokenizer_dir(name: str) -> str:
     """The directory of `name`'s tokenizer, converted from its GGUF on first use and cached across runs."""
-    spec = FAMILIES[name]
+    spec = _ALL_FAMILIES[name]
     final = os.path.join(TOKENIZER_CACHE, f"{name}-{_cache_key(spec)}")
     if os.path.isdir(final):
         return final
@@ -249,7 +278,7 @@ def build_family_model(name: str, out_dir: str) -> str:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    spec = FAMILIES[name]
+    spec = _ALL_FAMILIES[name]
     tokenizer_dir = family_tokenizer_dir(name)
     with open(os.path.join(tokenizer_dir, _IDS_FILE), encoding="utf-8") as handle:
         ids = json.load(handle)

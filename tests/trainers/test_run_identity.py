@@ -155,6 +155,17 @@ def test_each_stage_records_its_objective_and_sample_order(stage, flag, value):
     assert note is None and [d.split(" ")[0] for d in differences] == [f"--{flag}"]
 
 
+def test_a_flag_added_to_the_identity_since_a_marker_is_named_not_compared():
+    """A checkpoint written before --lora_experts joined the identity resumes, with one line naming it."""
+    from lorakit.trainers.checkpoints import check_identity
+
+    current = parsed_identity(stage_classes("sft"), ["--output_dir", "unused", "--model_name_or_path", "hub/model"])
+    before = {name: value for name, value in current.items() if name != "--lora_experts"}
+    differences, note = check_identity("checkpoint-4", {"identity_version": 2, "identity": before}, current)
+    assert differences == [] and note == ("checkpoint-4: written before --lora_experts joined the run identity: "
+                                          "resuming without checking them")
+
+
 def test_deepspeed_records_stage_offload_and_precision_not_the_file(tmp_path):
     from lorakit.trainers.checkpoints import deepspeed_identity
 

@@ -237,7 +237,8 @@ def base_weight(name: str, base: dict[str, Any]) -> str | None:
     return None
 
 
-def adapter_updates(adapter_config: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+def adapter_updates(adapter_config: dict[str, Any],
+                    tensors: dict[str, dict[str, Any]]) -> dict[str, tuple[int, ...] | None]:
     """{weight name: the shape the adapter needs the base's weight to have} for every LoRA module (B @ A,
     transposed for fan_in_fan_out and embeddings) and every tensor the adapter saved whole (modules_to_save)."""
     pairs, needed = {}, {}
@@ -249,6 +250,12 @@ def adapter_updates(adapter_config: dict[str, Any], tensors: dict[str, dict[str,
         elif not any(part in name for part in (".modules_to_save.", ".original_module.", ".base_layer.")):
             needed[name] = tuple(info["shape"])
     for module, parts in pairs.items():
+        if expert_wrapper(module, adapter_config):
+            # peft's ParamWrapper of fused expert weights (target_parameters, nested once per parameter): only that
+            # the base has that experts module is checked here (a checkpoint stores its experts fused or one by one,
+            # as transformers' conversion for the architecture has it); a shape peft cannot fit, its load refuses.
+            needed[module.removesuffix(".base_layer")] = None
+            continue
         embedding = "eA" in parts
         lora_a, lora_b = (parts.get("eA"), parts.get("eB")) if embedding else (parts.get("A"), parts.get("B"))
         if lora_a is None or lora_b is None or len(lora_a) != 2 or len(lora_b) != 2:
@@ -258,9 +265,20 @@ def adapter_updates(adapter_config: dict[str, Any], tensors: dict[str, dict[str,
     return needed
 
 
-def shape_mismatch(name: str, needed: tuple[int, ...], base: dict[str, Any],
+def expert_wrapper(module: str, adapter_config: dict[str, Any]) -> bool:
+    """Whether an adapter's LoRA module is peft's wrapper of a targeted parameter (target_parameters: a MoE
+    model's fused experts), whose names and shapes are not a Linear's."""
+    owners = {parameter.rpartition(".")[0] for parameter in adapter_config.get("target_parameters") or ()}
+    return any(module.removesuffix(".base_layer").endswith(owner) for owner in owners)
+
+
+def shape_mismatch(name: str, needed: tuple[int, ...] | None, base: dict[str, Any],
                    adapter_config: dict[str, Any]) -> str | None:
-    """Why the base cannot take the adapter's weight `name` of shape `needed`, or None if it can."""
+    """Why the base cannot take the adapter's weight `name` of shape `needed` (None: a module, any weights under
+    it), or None if it can."""
+    if needed is None:
+        prefixes = (f"{name}.", f"{name.split('.', 1)[-1]}.")
+        return None if any(key.startswith(prefixes) for key in base) else f"{name} matches no module of the base"
     found = base_weight(name, base)
     if found is None:
         if adapter_config.get("task_type") == "SEQ_CLS" and name.startswith("score."):

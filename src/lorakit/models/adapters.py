@@ -60,6 +60,17 @@ def attach_lora(model: "PreTrainedModel", model_args: ModelArguments, task: str 
         raise InputError("--trainable must name at least one module for LoRA (or use --full_finetuning)")
     if model_args.trainable.strip() == ALL_LINEAR and not empty:
         logger.info("LoRA targets (%s): %s", ALL_LINEAR, ",".join(targets))
+    experts = expert_targets(model, model_args)
+    dropout = model_args.lora_dropout
+    if experts and dropout > 0:
+        if not empty:
+            logger.info("LoRA on the experts (%s): --lora_dropout %g -> 0 for this adapter, as peft's wrapper of "
+                        "fused expert weights takes no dropout", ",".join(experts), dropout)
+        dropout = 0.0
+    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    if expert_parameter_names(model) and quantized and not empty:
+        logger.info("QLoRA on a mixture of experts: bitsandbytes quantizes nn.Linear layers only, so the fused "
+                    "experts stay in %s (estimate_memory.py counts them so)", model.dtype)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # A tied model keeps one matrix for embed_tokens and lm_head; training two separate copies
     # would untie them and change what the merged model means.
@@ -68,9 +79,10 @@ def attach_lora(model: "PreTrainedModel", model_args: ModelArguments, task: str 
         # SEQ_CLS also trains the score head in full and saves it with the adapter.
         task_type=TaskType.SEQ_CLS if task == "reward" else TaskType.CAUSAL_LM,
         target_modules=targets,
+        target_parameters=experts or None,
         r=model_args.lora_rank,
         lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout,
+        lora_dropout=dropout,
         modules_to_save=modules_to_save or None,
         ensure_weight_tying=ensure_tying,
     )
@@ -87,6 +99,48 @@ def lora_target_modules(model: "PreTrainedModel", trainable: str, modules_to_sav
     if trainable.strip() != ALL_LINEAR:
         return comma_list(trainable)
     return [name for name in linear_layer_names(model) if name not in modules_to_save]
+
+
+def expert_parameter_names(model: "PreTrainedModel") -> list[str]:
+    """peft target_parameters names (matched as suffixes) of a mixture-of-experts model's fused experts: the 3-D
+    weights (experts x out x in) of every module named `experts`, as transformers 5 keeps them (Qwen3-MoE's and
+    Mixtral's `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`): no nn.Linear, so all-linear's search by type
+    never finds them. Empty for a dense model."""
+    names = []
+    for path, module in model.base_model.named_modules():
+        if path.rsplit(".", 1)[-1] != "experts":
+            continue
+        for parameter_name, parameter in module.named_parameters(recurse=False):
+            name = f"{below_layer_index(path)}.{parameter_name}"
+            if parameter.ndim == 3 and name not in names:
+                names.append(name)
+    return names
+
+
+def below_layer_index(path: str) -> str:
+    """The module path after its last numeric part (the layer index): "model.layers.0.mlp.experts" ->
+    "mlp.experts"; the whole path where there is none."""
+    parts = path.split(".")
+    last_index = max((i for i, part in enumerate(parts) if part.isdigit()), default=-1)
+    return ".".join(parts[last_index + 1:])
+
+
+def expert_targets(model: "PreTrainedModel", model_args: ModelArguments) -> list[str]:
+    """The expert weights this adapter trains (--lora_experts): auto and yes train them with all-linear, yes with
+    a --trainable list too; an explicit list that would leave a MoE model's experts frozen is refused under auto,
+    so that a run never trains none of them without saying so; no leaves them frozen."""
+    experts = expert_parameter_names(model)
+    mode, explicit = model_args.lora_experts, model_args.trainable.strip() != ALL_LINEAR
+    if mode == "yes" and not experts:
+        raise InputError("--lora_experts yes: this model has no fused expert weights (it is not a mixture of "
+                         "experts); drop the flag")
+    if not experts or mode == "no":
+        return []
+    if explicit and mode == "auto":
+        raise InputError(f"--trainable {model_args.trainable} leaves the experts of this mixture-of-experts model "
+                         f"frozen ({', '.join(experts)}): add --lora_experts yes to train them too, or "
+                         "--lora_experts no if frozen experts are meant")
+    return experts
 
 
 def linear_layer_names(model: "PreTrainedModel") -> list[str]:
@@ -131,7 +185,27 @@ def load_peft_adapter(model: "PreTrainedModel", path: str, is_trainable: bool, f
         raise
 
 
+# Kinds of trained parameters, by a part of their name, first match wins: what a mixture-of-experts run trains is
+# named in the log (a run that trains no expert says so by its zero).
+PARAMETER_KINDS = (("shared experts", ("shared_expert.",)), ("experts", (".experts.",)),
+                   ("router", ("shared_expert_gate", ".gate.weight", "router")),
+                   ("embeddings", ("embed_tokens", "lm_head", "wte", "score")), ("attention", ("attn",)),
+                   ("MLP", ("mlp",)))
+
+
+def parameter_kind(name: str) -> str:
+    return next((kind for kind, parts in PARAMETER_KINDS if any(part in name for part in parts)), "other")
+
+
 def log_trainable(model: torch.nn.Module) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100.0 * trainable / max(total, 1))
+    if any(".experts." in name for name, _ in model.named_parameters()):
+        kinds = dict.fromkeys(("attention", "experts", "shared experts", "router", "embeddings"), 0)
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                kind = parameter_kind(name)
+                kinds[kind] = kinds.get(kind, 0) + parameter.numel()
+        logger.info("trainable parameters by kind (mixture of experts): %s",
+                    ", ".join(f"{kind} {count:,}" for kind, count in kinds.items()))

@@ -62,6 +62,14 @@ class ModelArguments:
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r."})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_experts: str = field(
+        default="auto",
+        metadata={"help": "A mixture-of-experts model's fused expert weights (transformers 5's experts.gate_up_proj, "
+                          "experts.down_proj: no nn.Linear, so --trainable never names them): auto trains them with "
+                          "--trainable all-linear and refuses a --trainable list that would leave them frozen; yes "
+                          "trains them with any --trainable; no leaves them frozen. Their adapter takes no dropout.",
+                  "choices": ["auto", "yes", "no"]},
+    )
     modules_to_save: str | None = field(
         default=None,
         metadata={"help": "Modules trained in full and saved with the adapter, "
