@@ -178,6 +178,49 @@ def test_activation_rule_matches_what_autograd_keeps():
     assert per_vocab_entry == 4  # the fp32 log-softmax, one of LOGIT_BYTES' three tensors
 
 
+def tiny_moe_config(experts: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=experts,
+                          num_experts_per_tok=2, vocab_size=300, attn_implementation="sdpa")
+
+
+def moe_saved_bytes(config, tokens: int, lora_experts: bool) -> int:
+    """What autograd keeps after one forward of a bf16 Qwen3-MoE with LoRA on its attention and, if lora_experts,
+    on its fused experts (peft's target_parameters); the weights left out."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if lora_experts else None
+    model = get_peft_model(Qwen3MoeForCausalLM(config).to(torch.bfloat16),
+                           LoraConfig(r=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      target_parameters=targets)).train()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def keep(tensor):
+        if tensor.untyped_storage().data_ptr() not in weights:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model(input_ids=torch.randint(300, (1, tokens)), use_cache=False, logits_to_keep=1)
+    return sum(kept.values())
+
+
+def test_lora_on_fused_experts_keeps_their_effective_weights_whatever_the_tokens():
+    """peft's expert wrapper builds every expert's W + B A in each forward and keeps it for the backward: what the
+    expert LoRA adds, less its per-token part, is expert_lora_bytes exactly, and grows with the experts."""
+    for experts in (4, 8):
+        config = tiny_moe_config(experts)
+        added = {tokens: moe_saved_bytes(config, tokens, True) - moe_saved_bytes(config, tokens, False)
+                 for tokens in (64, 128)}
+        per_token = (added[128] - added[64]) / 64
+        assert added[64] - 64 * per_token == em.expert_lora_bytes(config, lora_rank=8)
+    assert em.expert_lora_bytes(config, 8) == 2 * 8 * (3 * 64 * 32 + 8 * (2 * 64 + 3 * 32))
+
+
 def test_the_rollouts_kv_cache_is_what_generate_holds():
     """kv_cache_bytes against the static cache transformers' generate() allocates for a batch (grouped-query heads,
     bf16), and at the Llama-2-7B shape by hand: 2 x 32 layers x 32 heads x 128 x 2 bytes = 0.5 MiB per token."""

@@ -97,6 +97,11 @@ LAYER_BYTES_PER = {"hidden": 60, "intermediate": 14, "kv": 4, "heads": 4, "rank"
 # are hidden-wide, down is MLP-wide; 24 of the 60 per hidden unit and 4 of the 14 per MLP unit. With
 # --lora_dropout 0 peft's dropout is the identity and lora_A reads the input the base layer keeps anyway.
 DROPOUT_BYTES_PER_INPUT = 4
+# A mixture of experts with LoRA on its fused experts (peft's ParamWrapper, models.adapters.expert_targets): each
+# forward builds every expert's effective weight W + B A and keeps it, with the per-expert A and B it reshapes, for
+# the backward, whatever the number of tokens: per MoE layer, 16-bit, E x (3 H I + r (2 H + 3 I)) values (gate_up
+# and down; measured with saved_tensors_hooks, tests/models/test_estimate_memory.py).
+EXPERT_WEIGHT_BYTES = 2
 # Activation checkpointing keeps only each layer's 16-bit input: 2 bytes per hidden unit per layer.
 CHECKPOINT_BYTES_PER_HIDDEN = 2
 # The loss per logit: 16-bit logits, the fp32 copy the loss makes and its fp32 log-softmax, which
@@ -121,6 +126,9 @@ class EstimateArguments:
         default=0.05, metadata={"help": "As in training (its default): above 0, each adapted layer keeps a copy of "
                                         "its input for backward (a third of a layer's activations); 0: none."})
     trainable: str = field(default="all-linear", metadata={"help": "LoRA target modules, as in training."})
+    lora_experts: str = field(
+        default="auto", metadata={"help": "As in training: a mixture of experts' fused experts carry LoRA (auto, "
+                                          "yes) or not (no).", "choices": ["auto", "yes", "no"]})
     modules_to_save: str | None = field(
         default=None, metadata={"help": "Modules trained in full, comma list (e.g. embed_tokens,lm_head)."})
     load_in_kbits: int = field(default=16, metadata={"help": "4 or 8: QLoRA; 16: no.", "choices": [4, 8, 16]})
@@ -232,7 +240,7 @@ def build_meta_model(config: "PreTrainedConfig", args: EstimateArguments) -> "Pe
     from lorakit.models.arguments import ModelArguments, comma_list
 
     model_args = ModelArguments(model_name_or_path=args.model_name_or_path or args.model_shape,
-                                lora_rank=args.lora_rank, trainable=args.trainable,
+                                lora_rank=args.lora_rank, trainable=args.trainable, lora_experts=args.lora_experts,
                                 modules_to_save=args.modules_to_save, load_in_kbits=args.load_in_kbits,
                                 double_quant=args.double_quant)
     with torch.device("meta"):
@@ -360,7 +368,7 @@ def layer_activation_bytes(config: "PreTrainedConfig", lora_rank: int, lora_drop
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    intermediate = mlp_width(config)
     with_dropout = (LAYER_BYTES_PER["hidden"] * hidden + LAYER_BYTES_PER["intermediate"] * intermediate
                     + LAYER_BYTES_PER["kv"] * kv_heads * head_dim + LAYER_BYTES_PER["heads"] * heads
                     + LAYER_BYTES_PER["rank"] * lora_rank + LAYER_BYTES_PER["fixed"])
@@ -373,6 +381,44 @@ def dropout_bytes(hidden: int, intermediate: int) -> int:
     return DROPOUT_BYTES_PER_INPUT * (6 * hidden + intermediate)
 
 
+class ExpertShape(NamedTuple):
+    """What a mixture-of-experts config says of its MLPs (transformers' field names differ by family)."""
+
+    experts: int  # routed experts per layer (0: a dense model)
+    top_k: int  # experts each token goes to
+    width: int  # one routed expert's intermediate size
+    shared_width: int  # the shared expert(s)' intermediate size, 0 for none
+
+
+def expert_shape(config: "PreTrainedConfig") -> ExpertShape:
+    experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+               or getattr(config, "n_routed_experts", None) or 0)
+    if not experts:
+        return ExpertShape(0, 0, 0, 0)
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = (getattr(config, "shared_expert_intermediate_size", None)
+              or (getattr(config, "n_shared_experts", None) or 0) * width)
+    return ExpertShape(experts, config.num_experts_per_tok, width, shared)
+
+
+def mlp_width(config: "PreTrainedConfig") -> int:
+    """The MLP width a token's activations follow: a dense model's intermediate size; for a mixture of experts,
+    its top-k routed experts' and its shared expert's together (an approximation: the rule was measured on
+    dense layers)."""
+    shape = expert_shape(config)
+    if not shape.experts:
+        return getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    return shape.top_k * shape.width + shape.shared_width
+
+
+def expert_lora_bytes(config: "PreTrainedConfig", lora_rank: int) -> int:
+    """Bytes one MoE layer keeps for backward when its experts carry LoRA (EXPERT_WEIGHT_BYTES), whatever the
+    tokens; 0 for a dense model."""
+    shape, hidden = expert_shape(config), config.hidden_size
+    values = shape.experts * (3 * hidden * shape.width + lora_rank * (2 * hidden + 3 * shape.width))
+    return EXPERT_WEIGHT_BYTES * values
+
+
 def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
     """The loss's logits, their fp32 copy and log-softmax (LOGIT_BYTES each): for every token, or with the
     chunked loss for the positions of one chunk."""
@@ -381,21 +427,23 @@ def loss_bytes(vocab_size: int, tokens: int, chunked_loss: bool) -> int:
 
 
 def activation_bytes(config: "PreTrainedConfig", lora_rank: int, tokens: int, checkpointing: bool,
-                     chunked_loss: bool = True, lora_dropout: float = 0.05) -> int:
+                     chunked_loss: bool = True, lora_dropout: float = 0.05, lora_experts: bool = True) -> int:
     """Per-GPU activation bytes for `tokens` tokens (batch x sequence length) of a Llama-family model.
 
     With activation checkpointing: each decoder layer's 16-bit input (2 x layers x tokens x hidden
     bytes), plus one layer's activations while it is recomputed in backward, plus the loss over the
     vocabulary (loss_bytes): the 16-bit logits, their fp32 copy and the fp32 log-softmax kept for backward,
     alive together. Without it, every layer's activations are kept. An upper bound: the loss and a
-    layer's recompute do not peak at the same time."""
+    layer's recompute do not peak at the same time. A mixture of experts whose experts carry LoRA (lora_experts)
+    adds expert_lora_bytes per layer kept: one layer with checkpointing, every layer without."""
     per_layer = layer_activation_bytes(config, lora_rank, lora_dropout)
     layers = config.num_hidden_layers
+    experts = expert_lora_bytes(config, lora_rank) if lora_experts else 0
     if checkpointing:
-        kept = CHECKPOINT_BYTES_PER_HIDDEN * config.hidden_size * layers + per_layer
+        kept, fixed = CHECKPOINT_BYTES_PER_HIDDEN * config.hidden_size * layers + per_layer, experts
     else:
-        kept = per_layer * layers
-    return tokens * kept + loss_bytes(config.vocab_size, tokens, chunked_loss)
+        kept, fixed = per_layer * layers, experts * layers
+    return tokens * kept + fixed + loss_bytes(config.vocab_size, tokens, chunked_loss)
 
 
 def kv_cache_bytes(config: "PreTrainedConfig", answers: int, tokens: int, dtype_bytes: int = 2) -> int:
@@ -424,6 +472,11 @@ def check_numbers(args: EstimateArguments) -> None:
                          f"{args.max_seq_length}: training refuses a budget a full row does not fit in")
 
 
+def lora_dropout(config: "PreTrainedConfig", args: EstimateArguments) -> float:
+    """The dropout training gives the adapter: none where it puts LoRA on fused experts (models.adapters)."""
+    return 0.0 if expert_shape(config).experts and args.lora_experts != "no" else args.lora_dropout
+
+
 def batch_tokens(args: EstimateArguments) -> int:
     """Tokens one micro-batch holds per GPU: the token budget, or batch size x sequence length."""
     return args.max_tokens_per_batch or args.per_device_train_batch_size * args.max_seq_length
@@ -445,14 +498,28 @@ def describe_model(config: "PreTrainedConfig", args: EstimateArguments, counts: 
         f"trainable: {counts.trainable:,} parameters (largest layer {counts.largest_trainable_layer:,}); "
         f"frozen base: {gib(counts.frozen_bytes)} GiB",
         f"hardware: {args.num_nodes} node(s) x {args.num_gpus} GPU(s)",
-    ]
+    ] + expert_lines(config, args)
+
+
+def expert_lines(config: "PreTrainedConfig", args: EstimateArguments) -> list[str]:
+    shape = expert_shape(config)
+    if not shape.experts:
+        return []
+    lines = [f"mixture of experts: {shape.experts} experts a layer, {shape.top_k} per token"
+             + (f", a shared expert of width {shape.shared_width}" if shape.shared_width else "")
+             + ("; LoRA on the experts keeps their effective weights for backward: "
+                f"{gib(expert_lora_bytes(config, args.lora_rank))} GiB a layer" if args.lora_experts != "no" else "")]
+    if args.load_in_kbits < 16:
+        lines.append("QLoRA: bitsandbytes quantizes nn.Linear layers only; the fused experts stay 16-bit")
+    return lines
 
 
 def report_lines(config: "PreTrainedConfig", args: EstimateArguments, counts: ParameterCounts) -> list[str]:
     """The per-config table for this model and GPU count."""
     tokens = batch_tokens(args)
-    with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss, args.lora_dropout)
-    without = activation_bytes(config, args.lora_rank, tokens, False, args.chunked_loss, args.lora_dropout)
+    dropout, experts = lora_dropout(config, args), args.lora_experts != "no"
+    with_ckpt = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss, dropout, experts)
+    without = activation_bytes(config, args.lora_rank, tokens, False, args.chunked_loss, dropout, experts)
     cards = " ".join(f"{card:>3}G" for card in CARDS_GIB)
     lines = describe_model(config, args, counts) + [
         "",
@@ -511,7 +578,8 @@ def smallest_fit(counts: ParameterCounts, config: "PreTrainedConfig", args: Esti
     GPUs, then the fastest config, that fits the card; offloading configs only when offload, the
     others otherwise; None if nothing fits up to the largest of GPU_COUNTS."""
     tokens = batch_tokens(args)
-    act = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss, args.lora_dropout)
+    act = activation_bytes(config, args.lora_rank, tokens, True, args.chunked_loss, lora_dropout(config, args),
+                           args.lora_experts != "no")
     configs = [z for z in shipped_zero_configs() if (z.offload_optimizer or z.offload_param) == offload]
     for total in GPU_COUNTS:
         per_node, nodes = min(total, GPUS_PER_NODE), max(1, total // GPUS_PER_NODE)
