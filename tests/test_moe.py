@@ -163,3 +163,31 @@ def test_every_stage_runs_on_qwen3_moe_one_after_the_other(qwen3_moe_chain):
             assert experts and any(value.abs().max() > 0 for value in experts.values()), (stage, name)
     assert "placement: shared base" in qwen3_moe_chain["ppo"][1]
     assert all(saved.values()), saved
+
+
+@pytest.mark.slow
+def test_roles_training_other_experts_take_separate_models(qwen3_moe_chain, family_model_dir, data_files,  # noqa: F811
+                                                           tmp_path):
+    """An actor adapter that leaves the experts frozen (--lora_experts no) beside a reward adapter that trains them:
+    peft cannot hold both on one base, so PPO places the roles on separate models, saying why; GRPO, whose reward
+    adapter sits on the actor's base, refuses in one line."""
+    base = family_model_dir("qwen3-moe")
+    assert_ran(run_in_process(SFT_SCRIPT, training_args(
+        base, tmp_path / "sft", tmp_path / "cache", data_path=data_files["sft"], trainable="q_proj,v_proj",
+        lora_experts="no", max_steps=1, max_seq_length=128)))
+    reward = qwen3_moe_chain["reward"][0] / "rm_lora_model"
+    rl = {"reward_model_name_or_path": base, "reward_lora_model": reward, "lora_experts": "no",
+          "data_path": os.path.join(REPO, "data", "ppo_sample", "prompts.jsonl"), "max_prompt_seq_len": 96,
+          "max_answer_seq_len": 8, "max_steps": 1, "torch_dtype": "float32", "report_to": "none",
+          "save_strategy": "no", "logging_steps": 1, "seed": 1}
+    log = assert_ran(run_in_process(PPO_SCRIPT, ["--use_cpu"] + options_to_argv(
+        {**rl, "actor_model_name_or_path": base, "actor_lora_model": tmp_path / "sft" / "sft_lora_model",
+         "per_device_generation_batch_size": 4, "per_device_training_batch_size": 4, "output_dir": tmp_path / "ppo"})))
+    assert ("placement: separate models, as the actor's adapter trains the experts (none) and the reward model's "
+            "mlp.experts.down_proj, mlp.experts.gate_up_proj") in log
+    assert losses_of(tmp_path / "ppo")
+    grpo = run_in_process(GRPO_SCRIPT, ["--use_cpu"] + options_to_argv(
+        {**rl, "model_name_or_path": base, "peft_path": tmp_path / "sft" / "sft_lora_model", "num_generations": 2,
+         "per_device_train_batch_size": 4, "output_dir": tmp_path / "grpo"}))
+    check_refused(grpo, f"--reward_lora_model {reward} trains the experts mlp.experts.down_proj, "
+                        "mlp.experts.gate_up_proj, the actor's adapter (none)")

@@ -3,17 +3,18 @@ continued, folded into the base in memory, or kept on a frozen model; a saved ad
 in one line."""
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from lorakit.core.cli import InputError
+from lorakit.core.cli import InputError, read_json
 from lorakit.models.arguments import ALL_LINEAR, ModelArguments, comma_list
 
 if TYPE_CHECKING:  # peft is imported where an adapter is made or loaded; transformers' models where they are built
     from peft import PeftModel
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,20 @@ def expert_targets(model: "PreTrainedModel", model_args: ModelArguments) -> list
                          f"frozen ({', '.join(experts)}): add --lora_experts yes to train them too, or "
                          "--lora_experts no if frozen experts are meant")
     return experts
+
+
+def saved_expert_targets(adapter_dir: str) -> list[str]:
+    """The fused expert weights a saved adapter trains (its target_parameters), sorted; [] for none."""
+    config = read_json(os.path.join(adapter_dir, "adapter_config.json"), "adapter_config.json")
+    return sorted(config.get("target_parameters") or [])
+
+
+def planned_expert_targets(config: "PreTrainedConfig", model_args: ModelArguments, like: list[str]) -> list[str]:
+    """The expert weights a new adapter on a base of this config would train (expert_targets, before the model is
+    built): those of a saved adapter of the same base (`like`) when the base is a mixture of experts and
+    --lora_experts does not say no, else none."""
+    moe = any(getattr(config, field, None) for field in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return like if moe and model_args.lora_experts != "no" else []
 
 
 def linear_layer_names(model: "PreTrainedModel") -> list[str]:

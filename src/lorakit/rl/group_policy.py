@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def check_same_experts(actor: list[str], reward: list[str], reward_dir: str) -> None:
+    """peft holds several adapters on a mixture of experts' fused experts only when they train the same ones: the
+    reward adapter, on the actor's base here, must (else one line, before peft's own error)."""
+    if actor != reward:
+        raise InputError(f"--reward_lora_model {reward_dir} trains the experts {', '.join(reward) or '(none)'}, the "
+                         f"actor's adapter {', '.join(actor) or '(none)'}: one base holds adapters of fused experts "
+                         "only when they train the same; train both with the same --lora_experts")
+
+
 def load_group_policy(model_args: "GRPOModelArguments", training_args: "GRPOArguments",
                       tokenizer: "PreTrainedTokenizerBase", config: "PreTrainedConfig") -> SharedBasePolicy:
     """The actor via the shared loader (on a quantized base with --load_in_kbits), then the reference and reward
@@ -35,6 +44,8 @@ def load_group_policy(model_args: "GRPOModelArguments", training_args: "GRPOArgu
         lora_weights, score_weights = reward_adapter_parts(model_args.reward_lora_model)
         reward_config = LoraConfig.from_pretrained(model_args.reward_lora_model)
         reward_config.task_type, reward_config.modules_to_save = TaskType.CAUSAL_LM, None
+        check_same_experts(sorted(policy.peft_config["default"].target_parameters or []),
+                           sorted(reward_config.target_parameters or []), model_args.reward_lora_model)
         policy.add_adapter("reward", reward_config)
         result = set_peft_model_state_dict(policy, lora_weights, adapter_name="reward")
         if getattr(result, "unexpected_keys", None):

@@ -46,6 +46,7 @@ from lorakit.data.cache import cache_key, data_cache_dir, report_prepared_data, 
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.prompts import build_prompt_sets
 from lorakit.data.run_record import note_data
+from lorakit.models.adapters import planned_expert_targets, saved_expert_targets
 from lorakit.models.arguments import FlagTable, MappedFlag, ModelArguments, map_flags
 from lorakit.models.loader import (
     check_load_plan,
@@ -311,7 +312,7 @@ def check_models(model_args: PPOModelArguments, data_args: PPODataArguments) -> 
                              "critic", model_args.critic_model_name_or_path)
         check_reward_source(model_args.critic_model_name_or_path, None, "--critic_model_name_or_path")
     check_lengths(data_args, configs)
-    return CheckedModels(tokenizer, configs, shared_placement(model_args))
+    return CheckedModels(tokenizer, configs, shared_placement(model_args, configs["actor"]))
 
 
 def check_role_loading(model_args: PPOModelArguments, training_args: PPOArguments,
@@ -343,17 +344,38 @@ def check_lengths(data_args: PPODataArguments, configs: dict[str, "PreTrainedCon
                              f"max_position_embeddings {positions} (config.json)")
 
 
-def shared_placement(model_args: PPOModelArguments) -> bool:
-    """--shared_base as given, else whether every role can sit on the actor's base."""
+def shared_placement(model_args: PPOModelArguments, actor_config: "PreTrainedConfig") -> bool:
+    """--shared_base as given, else whether every role can sit on the actor's base: the same base, the reward model
+    an adapter, and (a mixture of experts) the roles' adapters training the same expert weights, which peft needs
+    of adapters sharing fused experts (else separate models, logged)."""
     shareable = (same_directory(model_args.actor_model_name_or_path, model_args.reward_model_name_or_path)
                  and model_args.reward_lora_model is not None
                  and (model_args.critic_model_name_or_path is None
                       or same_directory(model_args.critic_model_name_or_path, model_args.reward_model_name_or_path)))
+    mismatch = shareable and expert_mismatch(model_args, actor_config)
+    if mismatch and model_args.shared_base is None:
+        logger.info("placement: separate models, as %s", mismatch)
+        return False
     shared = shareable if model_args.shared_base is None else model_args.shared_base
     if shared and not shareable:
         raise InputError("--shared_base true needs the reward model as an adapter (--reward_lora_model) on the actor's "
                          "base (--reward_model_name_or_path = --actor_model_name_or_path) and no other critic model")
+    if shared and mismatch:
+        raise InputError(f"--shared_base true: {mismatch}; drop --shared_base (separate models) or train both "
+                         "adapters with the same --lora_experts")
     return shared
+
+
+def expert_mismatch(model_args: PPOModelArguments, actor_config: "PreTrainedConfig") -> str | None:
+    """Why the actor's and the reward model's adapters cannot share one mixture-of-experts base (peft holds
+    several adapters on fused experts only when they train the same ones), or None."""
+    reward = saved_expert_targets(model_args.reward_lora_model)
+    actor = (saved_expert_targets(model_args.actor_lora_model) if model_args.actor_lora_model
+             else planned_expert_targets(actor_config, model_args, reward))
+    if actor == reward:
+        return None
+    return (f"the actor's adapter trains the experts {', '.join(actor) or '(none)'} and the reward model's "
+            f"{', '.join(reward) or '(none)'}: one base holds adapters of fused experts only when they train the same")
 
 
 def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
