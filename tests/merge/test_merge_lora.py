@@ -424,8 +424,6 @@ BAD_INPUT_CASES = ["another_base", "no_adapter_config", "output_exists", "output
 
 @pytest.mark.parametrize("case", BAD_INPUT_CASES)
 def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir):
-    import shutil
-
     base, adapter, out = small_base / "base", small_base / "adapter", tmp_path / "out"
     if case == "another_base":
         adapter, expected = small_base / "other_adapter", "an adapter for another model"
@@ -438,10 +436,7 @@ def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir):
     elif case == "output_is_base":
         out, expected = base, "--output_dir is the same directory as --base_model"
     else:  # an adapter whose tokenizer is larger than the embeddings it trained
-        adapter = tmp_path / "adapter_with_big_tokenizer"
-        shutil.copytree(small_base / "adapter", adapter)
-        for name in os.listdir(extended_tokenizer_dir):
-            shutil.copy(os.path.join(extended_tokenizer_dir, name), adapter)
+        adapter = with_tokenizer(small_base / "adapter", extended_tokenizer_dir, tmp_path)
         expected = "the tokenizer has 404 tokens but the merged embeddings have 400 rows"
     before = snapshot(small_base)
     # The first case runs as a real process; the others in-process through the same run_cli.
@@ -561,3 +556,14 @@ def test_merge_killed_mid_write_publishes_nothing(small_base, tmp_path, caplog):
     never_crashed = tmp_path / "clean" / "merged"
     merge(base, [adapter], never_crashed, *layout)
     assert snapshot(out) == snapshot(never_crashed)
+
+
+def with_tokenizer(adapter, tokenizer_dir, tmp_path):
+    """A copy of the adapter carrying the files of another tokenizer (a larger one: the refusal cases)."""
+    import shutil
+
+    copy = tmp_path / "adapter_with_big_tokenizer"
+    shutil.copytree(adapter, copy)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), copy)
+    return copy

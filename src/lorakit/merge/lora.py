@@ -17,6 +17,8 @@ Memory: the base's safetensors files are read with plain reads, never mapped or 
 and every output tensor is computed and written in row chunks of at most --chunk_mb of float32,
 so the peak is the torch runtime plus a few chunks, whatever the model's size. Only torch is
 imported on this path (transformers and peft cost ~4 s to import; --verify loads them).
+An adapter with target_parameters (LoRA on a mixture-of-experts model's fused expert parameters) is
+merged instead by lorakit.merge.experts, through peft in memory (about 3 x the base's size).
 
 Safety: inputs are only read; everything is checked (adapter configs, every tensor's shape
 against the base, vocabulary and tokenizer sizes, free disk space) before anything is written;
@@ -386,26 +388,32 @@ def read_adapter_tensors(path: str) -> AdapterTensors:
     raise InputError(f"{path}: the adapter has no adapter_model.safetensors (or adapter_model.bin)")
 
 
-def read_adapter(path: str) -> Adapter:
+def read_adapter_config(path: str) -> dict[str, Any]:
+    """The adapter directory's adapter_config.json, or an InputError naming what is missing."""
     if not os.path.isdir(path):
         raise InputError(f"{path}: --lora_model directory does not exist")
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise InputError(f"{path}: --lora_model is not a LoRA adapter (no adapter_config.json)")
-    config = read_json(config_path, "adapter_config.json")
-    check_adapter_config(config_path, config)
+    return read_json(config_path, "adapter_config.json")
+
+
+def read_adapter(path: str) -> Adapter:
+    config = read_adapter_config(path)
+    check_adapter_config(os.path.join(path, "adapter_config.json"), config)
     weights_file, tensors = read_adapter_tensors(path)
     pairs, replacements = sort_adapter_tensors(weights_file, tensors)
     lora = lora_modules(path, config, pairs, weights_file)
     return Adapter(path, config, lora, replacements, weights_file)
 
 
-def check_adapter_config(config_path: str, config: dict[str, Any]) -> None:
-    """Refuse an adapter whose merge is not W += scaling * B @ A on the unchanged base."""
+def check_adapter_config(config_path: str, config: dict[str, Any], allowed: frozenset[str] = frozenset()) -> None:
+    """Refuse an adapter whose merge is not W += scaling * B @ A on the unchanged base. allowed: the
+    UNSUPPORTED_FEATURES keys a caller merges another way (the expert path merges target_parameters in peft)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise InputError(f"{config_path}: peft_type is {config.get('peft_type')}; only LoRA adapters can be merged")
     for key, name in UNSUPPORTED_FEATURES.items():
-        if config.get(key):
+        if config.get(key) and key not in allowed:
             raise InputError(f"{config_path}: {name} adapters are not supported by this merge "
                              f"({key}={config[key]!r}); merge with peft's merge_and_unload instead")
     init = str(config.get("init_lora_weights", True)).lower()
@@ -885,7 +893,7 @@ def verify(base_path: str, adapter_paths: list[str], merged_path: str, plan: Mer
     Earlier adapters are merged by peft (a later adapter was trained on top of them)."""
     import transformers
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     transformers.logging.set_verbosity_error()
     auto = AutoModelForSequenceClassification if plan.sequence_classification else AutoModelForCausalLM
@@ -903,12 +911,7 @@ def verify(base_path: str, adapter_paths: list[str], merged_path: str, plan: Mer
     reference.eval()
     merged = auto.from_pretrained(merged_path, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
 
-    if tokenizer_files(merged_path):
-        tokenizer = AutoTokenizer.from_pretrained(merged_path, trust_remote_code=trust_remote_code)
-        batches = [tokenizer(prompt, return_tensors="pt")["input_ids"] for prompt in VERIFY_PROMPTS]
-    else:
-        generator = torch.Generator().manual_seed(0)
-        batches = [torch.randint(plan.vocab_rows or 2, (1, 16), generator=generator) for _ in VERIFY_PROMPTS]
+    batches = verify_batches(merged_path, plan.vocab_rows, trust_remote_code)
     with torch.no_grad():
         outputs = [merged(input_ids=ids).logits for ids in batches]
         as_trained = max((reference(input_ids=ids).logits - out).abs().max().item()
@@ -925,6 +928,17 @@ def verify(base_path: str, adapter_paths: list[str], merged_path: str, plan: Mer
     return LogitDifferences(difference, as_trained)
 
 
+def verify_batches(tokenizer_dir: str, vocab_rows: int | None, trust_remote_code: bool) -> list[torch.Tensor]:
+    """--verify's inputs: VERIFY_PROMPTS in the tokenizer of tokenizer_dir, or random ids where it holds none."""
+    from transformers import AutoTokenizer
+
+    if tokenizer_files(tokenizer_dir):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+        return [tokenizer(prompt, return_tensors="pt")["input_ids"] for prompt in VERIFY_PROMPTS]
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(vocab_rows or 2, (1, 16), generator=generator) for _ in VERIFY_PROMPTS]
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -936,6 +950,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.verify and base.config.get("auto_map") and not args.trust_remote_code:
         raise InputError(f"{args.base_model}: --verify loads the model with transformers, which needs the model's "
                          "own Python code (config.json auto_map): add --trust_remote_code if you trust that directory")
+    if any(read_adapter_config(path).get("target_parameters") for path in adapter_paths):
+        # LoRA on fused expert parameters: merged by peft in memory. Imported here, as that path imports
+        # transformers and peft, which the streaming path never does.
+        from lorakit.merge.experts import merge_expert_adapters
+
+        merge_expert_adapters(args, adapter_paths, base, max_shard_size, start_time)
+        return
     adapters = [read_adapter(path) for path in adapter_paths]
     check_adapter_bases(args.base_model, adapter_paths, args.allow_other_base)
     # Before any buffer exists: parsing a large tokenizer.json is the other transient peak.
@@ -1071,6 +1092,11 @@ def write_model_files(plan: MergePlan, base_dir: str, tokenizer_dir: str, tokeni
         handle.write("\n")
     if os.path.isfile(os.path.join(base_dir, "generation_config.json")):
         copy_files(base_dir, ["generation_config.json"], out_dir)
+    copy_code_and_tokenizer(base_dir, tokenizer_dir, tokenizer_names, out_dir)
+
+
+def copy_code_and_tokenizer(base_dir: str, tokenizer_dir: str, tokenizer_names: list[str], out_dir: str) -> None:
+    """The base's own model code (config.json auto_map) and the chosen tokenizer, beside the merged weights."""
     copy_files(base_dir, code_files(base_dir), out_dir)
     copy_files(tokenizer_dir, tokenizer_names, out_dir)
     if tokenizer_names:
@@ -1084,8 +1110,14 @@ def verify_or_exit(args: argparse.Namespace, adapter_paths: list[str], merged_di
     print(f"verify: max abs logit difference, peft base+adapters vs merged: {difference:.3g} "
           f"(tolerance {args.verify_tolerance:g}); against the unmerged float32 model as trained: "
           f"{as_trained:.3g}", flush=True)
-    if not difference <= args.verify_tolerance:  # a NaN fails too
-        print(f"error: --verify failed: the merged model's logits differ from peft's merge by up to {difference:.3g}, "
+    check_verified(args, difference, "the merged model's")
+
+
+def check_verified(args: argparse.Namespace, difference: float, written: str) -> None:
+    """Exit 1 (the output is never renamed into place) when the written model's logits (`written` names them) are
+    further from peft's merge than --verify_tolerance; a NaN fails too."""
+    if not difference <= args.verify_tolerance:
+        print(f"error: --verify failed: {written} logits differ from peft's merge by up to {difference:.3g}, "
               f"above --verify_tolerance {args.verify_tolerance:g}; nothing was written to {args.output_dir}",
               file=sys.stderr, flush=True)
         sys.exit(1)
