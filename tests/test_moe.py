@@ -21,6 +21,7 @@ RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
 DPO_SCRIPT = os.path.join(TRAINING, "run_dpo.py")
 PPO_SCRIPT = os.path.join(TRAINING, "run_ppo.py")
 GRPO_SCRIPT = os.path.join(TRAINING, "run_grpo.py")
+MERGE_SCRIPT = os.path.join(REPO, "scripts", "merge", "merge_llama_with_lora.py")
 EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SFT_STEPS = 4
 
@@ -191,3 +192,23 @@ def test_roles_training_other_experts_take_separate_models(qwen3_moe_chain, fami
          "per_device_train_batch_size": 4, "output_dir": tmp_path / "grpo"}))
     check_refused(grpo, f"--reward_lora_model {reward} trains the experts mlp.experts.down_proj, "
                         "mlp.experts.gate_up_proj, the actor's adapter (none)")
+
+
+@pytest.mark.parametrize("name", list(MOE_FAMILIES))
+def test_the_merged_sft_adapter_reloads_with_peft_merges_logits(name, moe_sft, family_model_dir, tmp_path):
+    """merge_llama_with_lora.py on each family's trained SFT adapter (experts included): the merged directory loads
+    in transformers with the logits of peft's merge_and_unload."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, adapter, merged_dir = family_model_dir(name), moe_sft[name][0] / "sft_lora_model", tmp_path / "merged"
+    assert_ran(run_in_process(MERGE_SCRIPT, ["--base_model", base, "--lora_model", adapter, "--output_dir",
+                                             merged_dir]))
+    ids = torch.randint(10, 5000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                             adapter).merge_and_unload()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(input_ids=ids).logits
+    assert (merged - expected).abs().max() <= 1e-4
+    assert (merged - plain).abs().max() > 1e-3
