@@ -16,10 +16,11 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.utils import ModelOutput
 
 from lorakit.core.cli import InputError
-from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_REJECTED
+from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_PADDING, PAIR_REJECTED
 from lorakit.models.chunked_loss import agreed_across_ranks, head_gives_logits, label_logprobs, token_logprobs
 from lorakit.models.dpo_losses import PairScores
 from lorakit.models.positions import last_position, positions_from_mask
+from lorakit.models.router import aux_loss_from_router_logits
 
 if TYPE_CHECKING:  # the classes are built from the checkpoint's own; modeling_utils loads with them
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -102,9 +103,11 @@ def score_pairs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> PairS
 
 @dataclass
 class AnswerLogps(ModelOutput):
-    """answer_logps_forward's output: the log-probability of each answer token, float32 [len(answer_index)]."""
+    """answer_logps_forward's output: the log-probability of each answer token, float32 [len(answer_index)], and,
+    asked with output_router_logits, the routers' load-balancing loss (a scalar, not yet weighted)."""
 
     token_logps: torch.FloatTensor | None = None
+    aux_loss: torch.FloatTensor | None = None
 
 
 def head_alone_gives_logits(model: "PreTrainedModel", input_ids: torch.Tensor) -> bool:
@@ -128,36 +131,47 @@ def head_alone_gives_logits(model: "PreTrainedModel", input_ids: torch.Tensor) -
 def answer_logps_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None = None,
                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                          pair_segments: torch.Tensor | None = None, answer_index: torch.Tensor | None = None,
-                         answer_targets: torch.Tensor | None = None, **kwargs: Any) -> ModelOutput:
+                         answer_targets: torch.Tensor | None = None, output_router_logits: bool = False,
+                         **kwargs: Any) -> ModelOutput:
     """With answer_index (flat indices into the batch's [rows * width] positions) and answer_targets (the
     token each of those positions predicts): AnswerLogps, each answer token's log-probability. The LM head
     runs on those positions only, in chunks of positions recomputed in backward (self.chunked_loss,
     models.chunked_loss.token_logprobs): no vocabulary-wide work on prompt or padding positions, no float32
     [answer tokens, vocabulary] tensor kept. A model that changes its logits after the head (Gemma-2's
     soft-capping; found on the first call) gets its own full forward instead. pair_segments: shared-prefix
-    pair rows with their position ids, masked as the reward model masks them. Without answer_index, the
-    model's own forward."""
+    pair rows with their position ids, masked as the reward model masks them. output_router_logits (a mixture of
+    experts): AnswerLogps.aux_loss too, the routers' load-balancing loss over the batch's real tokens (a pair row's
+    shared prompt once). Without answer_index, the model's own forward."""
     own_forward = super(type(self), self).forward
+    routed = {"output_router_logits": True} if output_router_logits else {}
     if answer_index is None:
-        return own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **routed,
+                           **kwargs)
     if self.answer_head_exact is None:
         self.answer_head_exact = agreed_across_ranks(head_alone_gives_logits(self, input_ids),
                                                      self.get_output_embeddings(), input_ids.device)
         if not self.answer_head_exact:
             logger.info("answer log-probs from the model's full logits: its forward changes the logits after "
                         "the output embeddings")
+    tokens = attention_mask  # the real tokens, which the router's aux loss is over
     if pair_segments is not None:
+        tokens = pair_segments != PAIR_PADDING
         attention_mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
                                              self.get_input_embeddings().weight.dtype)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-              "use_cache": False}
+              "use_cache": False, **routed}
     if not self.answer_head_exact:
-        return AnswerLogps(label_logprobs(own_forward(**inputs).logits.flatten(0, 1)[answer_index], answer_targets))
-    hidden = self.base_model(**inputs).last_hidden_state.flatten(0, 1)[answer_index]
-    head = self.get_output_embeddings()
-    if self.chunked_loss:
-        return AnswerLogps(token_logprobs(hidden, head, answer_targets))
-    return AnswerLogps(label_logprobs(head(hidden), answer_targets))
+        # Its own aux_loss, if any, read a pair row's 4D mask as padding: recomputed from the logits below.
+        outputs = own_forward(**inputs)
+        token_logps = label_logprobs(outputs.logits.flatten(0, 1)[answer_index], answer_targets)
+    else:
+        outputs = self.base_model(**inputs)
+        hidden = outputs.last_hidden_state.flatten(0, 1)[answer_index]
+        head = self.get_output_embeddings()
+        token_logps = (token_logprobs(hidden, head, answer_targets) if self.chunked_loss
+                       else label_logprobs(head(hidden), answer_targets))
+    aux_loss = aux_loss_from_router_logits(self, outputs.router_logits, tokens) if output_router_logits else None
+    return AnswerLogps(token_logps, aux_loss)
 
 
 def answer_logps_model_class(config: "PreTrainedConfig") -> "type[PreTrainedModel]":

@@ -237,6 +237,7 @@ class GRPOTrainer(RLTrainer):
             loss = loss * self.current_gradient_accumulation_steps * args.world_size
         for name, value in (("policy_loss", loss), ("clipfrac", result.clipfrac), ("kl", result.kl)):
             self.train_stats.add(name, value.item())
+        loss = self.add_router_aux(loss, outputs)  # after dapo's scaling: the aux loss is per micro-batch
         return (loss, outputs) if return_outputs else loss
 
     # -- statistics, evaluation, samples ---------------------------------------------

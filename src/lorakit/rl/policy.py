@@ -27,6 +27,7 @@ from lorakit.models.loader import (
     outside_zero3_init,
 )
 from lorakit.models.positions import last_position, positions_from_mask
+from lorakit.models.router import aux_loss_from_router_logits
 from lorakit.models.zero3 import free_memory_bytes, on_every_rank
 from lorakit.rl.ppo_math import length_chunks, logprobs_from_logits
 
@@ -42,6 +43,14 @@ SCORE_KEY_SUFFIX = "score.weight"
 # Separate placement under ZeRO-3 refuses frozen reference + reward models that, whole, take more than this share of
 # a process's free device memory or of its share of the CPU memory (check_frozen_roles_fit).
 FROZEN_ROLES_SHARE = 0.5
+
+
+class RouterAuxPart(NamedTuple):
+    """One actor pass's router load-balancing loss and the real tokens it is over."""
+
+    aux_loss: torch.Tensor
+    tokens: torch.Tensor
+
 
 # A pass over rows of a rollout: (ids, mask, prompt_length) -> {name: [rows, answer] or [rows] tensor}.
 RowPasses = Callable[[torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
@@ -69,6 +78,11 @@ class PPOPolicy(torch.nn.Module):
     # Rows that repeat a prompt (the group-relative methods' answers to one prompt) run it once (prompt_shared_hidden).
     # The group-relative trainer turns it on, except under gradient checkpointing: checkpointed layers keep no cache.
     share_prompts: bool = False
+    # A mixture of experts' router load-balancing weight (models.router.router_aux_coef of the actor; the trainer sets
+    # it): forward() then also returns router_aux_loss, the aux loss of the actor's passes in it, which
+    # router_aux_parts collects while it runs.
+    router_aux_coef: float = 0.0
+    router_aux_parts: "list[RouterAuxPart] | None" = None
 
     def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                position_ids: torch.Tensor, cache: "DynamicCache | None" = None) -> torch.Tensor:
@@ -78,6 +92,21 @@ class PPOPolicy(torch.nn.Module):
 
     def head(self, role: str) -> torch.nn.Module:
         raise NotImplementedError
+
+    def backbone_pass(self, role: str, model: "PreTrainedModel", input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor, cache: "DynamicCache | None") -> torch.Tensor:
+        """hidden() through model's decoder stack (model: the role's causal LM or classifier). In the actor's passes
+        of a training forward (router_aux_parts collecting, grad on) also its routers' load-balancing loss over the
+        pass's real tokens (its mask's last columns: a pass over a cache runs the newest ones)."""
+        routed = role == "actor" and self.router_aux_parts is not None and torch.is_grad_enabled()
+        outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                     past_key_values=cache, use_cache=cache is not None,
+                                     **({"output_router_logits": True} if routed else {}))
+        if routed:
+            tokens = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
+            aux_loss = aux_loss_from_router_logits(model, outputs.router_logits, tokens)
+            self.router_aux_parts.append(RouterAuxPart(aux_loss, tokens.sum()))
+        return outputs.last_hidden_state
 
     def generator(self) -> "PreTrainedModel":
         """The actor as a causal LM, with generate()."""
@@ -191,9 +220,17 @@ class PPOPolicy(torch.nn.Module):
                 result["values"] = self.answer_values(ids, mask, width)
             return result
 
-        outputs = self.over_length_groups(input_ids, attention_mask, prompt_length, passes)
-        if ptx_input_ids is not None:
-            outputs["ptx_loss"] = self.ptx_loss(ptx_input_ids)
+        self.router_aux_parts = [] if self.router_aux_coef > 0 else None
+        try:
+            outputs = self.over_length_groups(input_ids, attention_mask, prompt_length, passes)
+            if ptx_input_ids is not None:
+                outputs["ptx_loss"] = self.ptx_loss(ptx_input_ids)
+        finally:
+            parts, self.router_aux_parts = self.router_aux_parts, None
+        if parts:  # the passes' aux losses weighted by their tokens: groups of rows, a prompt pass, the ptx block
+            tokens = torch.stack([part.tokens for part in parts]).float()
+            aux = torch.stack([part.aux_loss.float() for part in parts])
+            outputs["router_aux_loss"] = (aux * tokens).sum() / tokens.sum().clamp(min=1)
         return outputs
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict[str, Any] | None = None,
@@ -282,9 +319,7 @@ class SharedBasePolicy(PPOPolicy):
     def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                position_ids: torch.Tensor, cache: "DynamicCache | None" = None) -> torch.Tensor:
         self.use(role)
-        return backbone_of(self.causal_lm)(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids, past_key_values=cache,
-                                           use_cache=cache is not None).last_hidden_state
+        return self.backbone_pass(role, self.causal_lm, input_ids, attention_mask, position_ids, cache)
 
     def head(self, role: str) -> torch.nn.Module:
         if role in ("actor", "reference"):
@@ -362,9 +397,7 @@ class SeparatePolicy(PPOPolicy):
     def hidden(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                position_ids: torch.Tensor, cache: "DynamicCache | None" = None) -> torch.Tensor:
         with self.placed(role, input_ids.device):
-            return backbone_of(self.role_model(role))(input_ids=input_ids, attention_mask=attention_mask,
-                                                      position_ids=position_ids, past_key_values=cache,
-                                                      use_cache=cache is not None).last_hidden_state
+            return self.backbone_pass(role, self.role_model(role), input_ids, attention_mask, position_ids, cache)
 
     def head(self, role: str) -> torch.nn.Module:
         model = self.role_model(role)

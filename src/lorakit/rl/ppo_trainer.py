@@ -88,6 +88,7 @@ class PPOTrainer(RLTrainer):
             stats["ptx_loss"] = outputs["ptx_loss"]
         for name, value in stats.items():
             self.train_stats.add(name, value.item())
+        loss = self.add_router_aux(loss, outputs)
         return (loss, outputs) if return_outputs else loss
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:

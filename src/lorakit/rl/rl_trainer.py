@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from lorakit.models.router import router_aux_coef, router_aux_term
 from lorakit.models.zero3 import gathered
 from lorakit.rl.ema import ActorEMA
 from lorakit.rl.experience import ExperienceMaker, ExperienceStream, MicroBatch, PhaseTimes, SumStats
@@ -89,6 +90,8 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         self.train_stats, self.experience_stats = SumStats(), {}
         self.times = PhaseTimes("time_generation", "time_scoring", "time_training")
         self.model.temperature = self.args.temperature
+        # A mixture-of-experts actor's loss carries its routers' load-balancing term (the stage's compute_loss).
+        self.router_aux_coef = self.model.router_aux_coef = router_aux_coef(self.model.generator())
         self.model.chunked_loss = self.args.chunked_loss
         self.model.group_by_length = not (is_deepspeed_zero3_enabled() and self.args.world_size > 1)
         self.add_callback(RLStepCallback(self.times, self.ema, self.save_roles))
@@ -124,6 +127,14 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         self.train_stats.add("sampler_correction/weight_mean", masked_mean(weights, mask).item())
         self.train_stats.add("sampler_correction/capped_fraction", masked_mean((weights >= cap).float(), mask).item())
         return weights
+
+    def add_router_aux(self, loss: torch.Tensor, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """loss + router_aux_coef * the actor's router aux loss, where the training pass returned one (a mixture of
+        experts); the aux loss is logged as router_aux_loss. Per micro-batch, as the stages' losses are."""
+        if "router_aux_loss" not in outputs:
+            return loss
+        self.train_stats.add("router_aux_loss", outputs["router_aux_loss"].item())
+        return loss + router_aux_term(self.router_aux_coef, outputs["router_aux_loss"])
 
     # -- logging ----------------------------------------------------------------
 

@@ -27,8 +27,10 @@ from lorakit.core.cli import ReportedError
 from lorakit.core.model_files import complete_checkpoints
 from lorakit.models.chunked_loss import agreed_across_ranks, causal_lm_loss, head_reproduces_logits
 from lorakit.models.kernels import compile_decoder_layers
+from lorakit.models.router import router_aux_coef, router_aux_term
 from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint
 from lorakit.trainers.common import padding_multiple
+from lorakit.trainers.router_monitor import add_router_monitor
 from lorakit.trainers.token_batches import TokenBudgetBatchSampler
 
 if TYPE_CHECKING:
@@ -131,7 +133,9 @@ class StopOnNonFinite(TrainerCallback):
 class ResumableTrainer(Trainer):
     """Trainer whose length-grouped sampling is reproducible across a resume, which stops a run whose loss
     diverged (StopOnNonFinite) before it saves non-finite weights, and whose checkpoints are complete only once
-    their completion marker is written, after everything else (trainers.checkpoints.CheckpointCompletion)."""
+    their completion marker is written, after everything else (trainers.checkpoints.CheckpointCompletion). Every
+    stage's Trainer builds on it, so a mixture-of-experts model's router statistics (trainers.router_monitor) are
+    installed here, once for all, and their figures join each training log."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -140,6 +144,12 @@ class ResumableTrainer(Trainer):
             self.add_callback(StopOnNonFinite(max_nonfinite_steps))
         if not any(isinstance(callback, CheckpointCompletion) for callback in self.callback_handler.callbacks):
             self.add_callback(CheckpointCompletion())  # a full fine-tuning run has no SavePeftModelCallback
+        self.router_monitor = add_router_monitor(self)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if "loss" in logs and self.router_monitor is not None:  # a training log: the figures since the last one
+            logs.update(self.router_monitor.pop_figures())
+        super().log(logs, *args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         # The marker's writer last (a stable sort, after any callback added since __init__): after every on_save.
@@ -194,12 +204,17 @@ def without_labels(batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tens
 class CausalLMTrainer(ResumableTrainer):
     """Trainer whose eval logs carry perplexity next to the loss, during training and at the end, and whose
     loss is models.chunked_loss.causal_lm_loss (--chunked_loss) where that equals the model's own: no float32 logits
-    of the whole batch and vocabulary. The model runs with logits_to_keep=1 and returns its hidden states."""
+    of the whole batch and vocabulary. The model runs with logits_to_keep=1 and returns its hidden states.
+
+    A mixture-of-experts model's training loss carries its router load-balancing term (models.router), as
+    transformers' own loss does with output_router_logits: router_aux_coef * aux_loss. The eval loss does not: its
+    perplexity stays the language model's."""
 
     chunked_loss_exact: bool | None = None  # decided on the first batch (head_reproduces_logits)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.router_aux_coef = router_aux_coef(self.model)
         if self.args.torch_compile:
             compile_decoder_layers(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
 
@@ -220,9 +235,12 @@ class CausalLMTrainer(ResumableTrainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        routed = {"output_router_logits": True} if self.router_aux_coef and model.training else {}
         if return_outputs or not self.uses_chunked_loss(model, inputs):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        outputs = model(**without_labels(inputs), output_hidden_states=True, logits_to_keep=1)
+            # transformers' own loss, which adds the router term itself when asked for the router logits.
+            return super().compute_loss(model, {**inputs, **routed} if routed else inputs, return_outputs,
+                                        num_items_in_batch)
+        outputs = model(**without_labels(inputs), output_hidden_states=True, logits_to_keep=1, **routed)
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         with self.accelerator.autocast():  # the mixed precision the model's forward ran its head in
             loss = causal_lm_loss(outputs.hidden_states[-1], head, inputs.get("labels"), num_items_in_batch,
@@ -230,7 +248,24 @@ class CausalLMTrainer(ResumableTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # As Trainer.compute_loss: the count spans every process, whose gradients are averaged.
             loss = loss * self.accelerator.num_processes
+        if routed:
+            loss = loss + self.router_aux_share(outputs.aux_loss, num_items_in_batch)
         return loss
+
+    def router_aux_share(self, aux_loss: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+        """This micro-batch's router term: coef * aux_loss, the step's mean over its micro-batches. Not multiplied by
+        the processes (the data-parallel mean of the gradients averages it, as it should); divided by the
+        accumulation steps where the Trainer leaves the loss undivided because the token loss is already normalised
+        over the whole accumulated batch (num_items_in_batch). On one process, without accumulation, the loss is
+        transformers' own: mean cross-entropy + coef * aux_loss."""
+        term = router_aux_term(self.router_aux_coef, aux_loss)
+        scaled_for_accumulation = self.loss_is_scaled_for_ga
+        if scaled_for_accumulation is None:  # Trainer.training_step's guess, which decides whether it divides
+            scaled_for_accumulation = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                                       or self.compute_loss_func is not None)
+        if scaled_for_accumulation:
+            term = term / getattr(self, "current_gradient_accumulation_steps", 1)
+        return term
 
     def uses_chunked_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any]) -> bool:
         """--chunked_loss, a batch with labels, plain data parallelism (no tensor, sequence or context

@@ -52,6 +52,7 @@ from lorakit.models.dpo_losses import (
     sequence_log_probs,
 )
 from lorakit.models.loader import load_model
+from lorakit.models.router import router_aux_coef, router_aux_term
 from lorakit.trainers.arguments import CausalLMTrainingArguments
 from lorakit.trainers.causal_lm import ResumableTrainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
@@ -153,12 +154,26 @@ class DataCollatorForAnswerLogps(DataCollatorForPreferencePairs):
         return batch
 
 
-def answer_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogps:
-    """(summed log-probabilities, token counts) of the batch's answers, chosen ones then rejected."""
+class PolicyAnswers(NamedTuple):
+    """The answers' (summed log-probabilities, token counts), chosen ones then rejected, and the routers'
+    load-balancing loss of the pass (None unless asked for, of a mixture of experts)."""
+
+    logps: SequenceLogps
+    router_aux: torch.Tensor | None
+
+
+def policy_answers(model: nn.Module, batch: dict[str, torch.Tensor], routed: bool = False) -> PolicyAnswers:
+    """The batch's answers under the model; routed: with its router aux loss (models.heads.answer_logps_forward)."""
     inputs = {name: value for name, value in batch.items() if name not in ("answer_owner",) + REFERENCE_COLUMNS}
     rows = batch["input_ids"].shape[0]
     sequences = 2 * rows if "pair_segments" in batch else rows
-    return sequence_log_probs(model(**inputs).token_logps, batch["answer_owner"], sequences)
+    outputs = model(**inputs, **({"output_router_logits": True} if routed else {}))
+    return PolicyAnswers(sequence_log_probs(outputs.token_logps, batch["answer_owner"], sequences), outputs.aux_loss)
+
+
+def answer_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogps:
+    """(summed log-probabilities, token counts) of the batch's answers, chosen ones then rejected."""
+    return policy_answers(model, batch).logps
 
 
 def reference_logps(model: nn.Module, unwrapped_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -173,12 +188,14 @@ def reference_logps(model: nn.Module, unwrapped_model: nn.Module, batch: dict[st
 
 class DPOTrainer(ResumableTrainer):
     """compute_loss: policy and reference log-probs of each pair's answers -> the --loss_type loss
-    (+ the NLL term of ORPO and --rpo_alpha); the pair metrics are summed per mode and logged,
+    (+ the NLL term of ORPO and --rpo_alpha, + a mixture of experts' router load-balancing term on the policy's
+    pass, models.router); the pair metrics are summed per mode and logged,
     averaged over every pair since the last log, with TRL's names."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.metric_sums = {"train": torch.zeros(len(METRICS) + 1), "eval": torch.zeros(len(METRICS) + 1)}
+        self.router_aux_coef = router_aux_coef(self.model)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
@@ -190,7 +207,8 @@ class DPOTrainer(ResumableTrainer):
             else:
                 ref_chosen, ref_rejected = reference_logps(model, self.accelerator.unwrap_model(model),
                                                            inputs).chunk(2)
-        sums, counts = answer_logps(model, inputs)
+        # A mixture of experts' training loss carries its routers' load-balancing term, as its own loss would.
+        (sums, counts), router_aux = policy_answers(model, inputs, routed=bool(self.router_aux_coef) and model.training)
         (chosen, rejected), (chosen_tokens, rejected_tokens) = sums.chunk(2), counts.chunk(2)
         losses, chosen_rewards, rejected_rewards = preference_loss(
             args.loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, args.beta,
@@ -199,6 +217,7 @@ class DPOTrainer(ResumableTrainer):
         weight = nll_weight(args.loss_type, args.rpo_alpha)
         if weight:
             loss = loss + weight * nll_loss(chosen, chosen_tokens)
+        loss = loss + router_aux_term(self.router_aux_coef, router_aux)
         self.record_metrics("train" if model.training else "eval", chosen_rewards, rejected_rewards,
                             chosen.detach(), rejected.detach())
         return (loss, {"chosen": chosen_rewards, "rejected": rejected_rewards}) if return_outputs else loss
