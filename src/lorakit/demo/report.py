@@ -421,33 +421,60 @@ def render_chat(by_stage: dict[str, Figures]) -> list[str]:
 
 def plot_losses(curves: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     """One panel per training stage: the logged training loss by step (and eval loss when
-    logged); PPO also shows its mean reward on a second axis."""
+    logged); PPO also shows its mean reward on a second axis. Below the RL stages (those that log a KL), a second
+    panel: KL to the reference and the policy's entropy by step, what collapse shows first in."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a server
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
-    for axis, (name, history) in zip(axes[0], curves.items(), strict=True):  # one panel per stage
-        for key, style in (("loss", "-o"), ("eval_loss", "s")):
-            points = [(entry["step"], entry[key]) for entry in history if key in entry]
-            if points:
-                axis.plot(*zip(*points, strict=True), style, markersize=3, label=key.replace("_", " "))
-        rewards = [(entry["step"], entry["reward_mean"]) for entry in history if "reward_mean" in entry]
-        if rewards:
-            twin = axis.twinx()
-            twin.plot(*zip(*rewards, strict=True), "-^", color="tab:green", markersize=3, label="reward mean")
-            twin.set_ylabel("reward mean", color="tab:green")
-        axis.set_title(name)
-        axis.set_xlabel("step")
-        axis.set_ylabel("loss")
-        axis.grid(alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend(fontsize=8)
+    health = any(any("kl" in entry for entry in history) for history in curves.values())
+    figure, axes = plt.subplots(1 + health, len(curves), figsize=(4.2 * len(curves), 3.4 * (1 + health)),
+                                squeeze=False)
+    for column, (name, history) in enumerate(curves.items()):  # one column per stage
+        plot_stage_losses(axes[0][column], name, history)
+        if health:
+            plot_kl_and_entropy(axes[1][column], name, history)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def plot_stage_losses(axis: Any, name: str, history: list[dict[str, Any]]) -> None:
+    for key, style in (("loss", "-o"), ("eval_loss", "s")):
+        points = [(entry["step"], entry[key]) for entry in history if key in entry]
+        if points:
+            axis.plot(*zip(*points, strict=True), style, markersize=3, label=key.replace("_", " "))
+    rewards = [(entry["step"], entry["reward_mean"]) for entry in history if "reward_mean" in entry]
+    if rewards:
+        twin = axis.twinx()
+        twin.plot(*zip(*rewards, strict=True), "-^", color="tab:green", markersize=3, label="reward mean")
+        twin.set_ylabel("reward mean", color="tab:green")
+    axis.set_title(name)
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss")
+    axis.grid(alpha=0.3)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8)
+
+
+def plot_kl_and_entropy(axis: Any, name: str, history: list[dict[str, Any]]) -> None:
+    """KL to the reference (left axis) and entropy (right) by step; an empty panel for a stage that logs no KL."""
+    kl = [(entry["step"], entry["kl"]) for entry in history if "kl" in entry]
+    if not kl:
+        axis.axis("off")
+        return
+    axis.plot(*zip(*kl, strict=True), "-o", color="tab:red", markersize=3)
+    axis.set_ylabel("KL to the reference", color="tab:red")
+    entropy = [(entry["step"], entry["entropy"]) for entry in history if "entropy" in entry]
+    if entropy:
+        twin = axis.twinx()
+        twin.plot(*zip(*entropy, strict=True), "-s", color="tab:blue", markersize=3)
+        twin.set_ylabel("entropy", color="tab:blue")
+    axis.set_title(f"{name}: KL and entropy")
+    axis.set_xlabel("step")
+    axis.grid(alpha=0.3)
 
 
 # ----------------------------------------------------------------------------- helpers
