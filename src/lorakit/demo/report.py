@@ -103,9 +103,10 @@ def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
                                                              "PPO, second seed"))
     if before and after and second:
         gain, spread = after["reward_mean"] - before["reward_mean"], abs(after["reward_mean"] - second["reward_mean"])
-        rows.append(("PPO held-out reward gain > the spread between two seeds",
-                     f"gain {gain:+.3f}, spread {spread:.3f} (seed {second['seed']}: {second['reward_mean']:.3f})",
-                     gain > spread))
+        collapse = alarm_verdict(by_stage.get("PPO"), gain)
+        rows.append(("PPO held-out reward gain > the spread between two seeds, with no health alarm",
+                     f"{collapse}gain {gain:+.3f}, spread {spread:.3f} (seed {second['seed']}: "
+                     f"{second['reward_mean']:.3f})", gain > spread and not collapse))
     dpo_reward = by_stage.get("reward after DPO")
     if before and dpo_reward:
         rows.append(("DPO held-out reward > the SFT policy's (the reward model's score)",
@@ -116,15 +117,46 @@ def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
     if grpo:
         sampled = grpo["sampled_gain"]
         low, high = sampled["interval"]
+        collapse = alarm_verdict(by_stage.get("GRPO"), sampled["gain"])
         rows.append((f"GRPO held-out exact match ({sampled_label(grpo)}) above SFT's, beyond the 95% paired-bootstrap "
-                     "interval", f"{sampled['before']:.3f} -> {sampled['after']:.3f}: gain "
-                     f"{100 * sampled['gain']:+.1f} points, interval [{100 * low:+.1f}, {100 * high:+.1f}]", low > 0))
+                     "interval, with no health alarm", f"{collapse}{sampled['before']:.3f} -> {sampled['after']:.3f}: "
+                     f"gain {100 * sampled['gain']:+.1f} points, interval [{100 * low:+.1f}, {100 * high:+.1f}]",
+                     low > 0 and not collapse))
     if not rows:
         return []
     lines = [f"Targets{' (set for the full demo; --quick is not expected to meet them)' if quick else ''}:", "",
              "| target | figure | met |", "|---|---|---|"]
     lines += [f"| {target} | {figure} | {'yes' if met else '**not met**'} |" for target, figure, met in rows]
     return lines + [""]
+
+
+def alarm_verdict(stage: Figures | None, gain: float) -> str:
+    """"" for an RL stage that raised no health alarm; else what its gain means, the alarms named: a gain that
+    comes with an alarm is never a met target."""
+    alarms = (stage or {}).get("alarms") or {}
+    if not alarms.get("first"):
+        return ""
+    what = "reward rose, policy collapsed" if gain > 0 else "health alarms raised"
+    return f"**{what}** ({alarm_names(alarms)}): "
+
+
+def alarm_names(alarms: dict[str, Any]) -> str:
+    return ", ".join(f"{alarm['signal']} at step {alarm['step']}" for alarm in alarms["first"])
+
+
+def alarm_lines(name: str, stage: Figures | None) -> list[str]:
+    """The health monitors' verdict on an RL stage, for its section of the report."""
+    alarms = (stage or {}).get("alarms")
+    if not alarms or not alarms.get("monitored"):
+        return []
+    if not alarms["first"]:
+        return [f"Health alarms ({name}, rl_alarms.json): none raised.", ""]
+    listed = "; ".join(f"{alarm['signal']} {alarm['value']:.3g} {alarm['direction']} its threshold "
+                       f"{alarm['threshold']:.3g} at step {alarm['step']}" for alarm in alarms["first"])
+    active = f" Still active at the end: {', '.join(alarms['active'])}." if alarms["active"] else ""
+    ending = alarms.get("ending") or {}
+    published = f" Published: {ending['published']}." if ending.get("published") else ""
+    return [f"**Health alarms ({name}, rl_alarms.json):** {listed}.{active}{published}", ""]
 
 
 # ----------------------------------------------------------------------------- stages
@@ -284,12 +316,14 @@ def render_ppo(by_stage: dict[str, Figures]) -> list[str]:
         else:
             lines += [f"Result: PPO did NOT raise the held-out mean reward: {before['reward_mean']:.3f} before, "
                       f"{after['reward_mean']:.3f} after.", ""]
+    lines += alarm_lines("PPO", ppo)
     second = by_stage.get("PPO, second seed")
     if second:
         lines += [f"The same PPO stage with --seed {second['seed']} (output ppo_seed{second['seed']}/): held-out "
                   f"mean reward {second['reward_mean']:.3f}"
                   + (f", KL to the reference at the end {second['kl_last']:.4f}." if second.get("kl_last") is not None
                      else "."), ""]
+        lines += alarm_lines(f"PPO, seed {second['seed']}", second)
     return lines
 
 
@@ -363,7 +397,7 @@ def render_grpo(by_stage: dict[str, Figures]) -> list[str]:
              f"rate {grpo['learning_rate']:g}, {grpo.get('train_runtime', 0):.0f} s of training. The mean reward of "
              f"the rollout logged every {grpo['logging_steps']} steps ({grpo['prompts_per_step']} questions each, so "
              f"noisy): {rewards}; on average {100 * (grpo['zero_spread_share_mean'] or 0):.0f}% of the groups scored "
-             "all alike (no gradient).", ""]
+             "all alike (no gradient).", ""] + alarm_lines("GRPO", grpo)
     if not (sft and after):
         return lines
     low, high = after["gain_interval"]

@@ -367,7 +367,7 @@ def ppo(demo: Demo) -> Figures:
     return {"steps": flags["max_steps"], "prompts_per_step": flags["per_device_generation_batch_size"],
             "train_reward_first": rewards[0] if rewards else None,
             "train_reward_last": rewards[-1] if rewards else None,
-            "kl_last": last_logged(logged, "kl"),
+            "kl_last": last_logged(logged, "kl"), "alarms": health_alarms(out),
             **{key: value for key, value in read_stage_result(out / "train_results.json").items()
                if key in ("train_runtime", "train_loss")}}
 
@@ -384,7 +384,7 @@ def ppo_second_seed(demo: Demo) -> Figures:
     out = demo.path(f"ppo_seed{PPO_SECOND_SEED}")
     run_beside_the_chain(with_flag(planned.command, "output_dir", str(out)) + ["--seed", str(PPO_SECOND_SEED)], out,
                          f"PPO with --seed {PPO_SECOND_SEED}")
-    return {"seed": PPO_SECOND_SEED, "kl_last": last_logged(log_history(out), "kl"),
+    return {"seed": PPO_SECOND_SEED, "kl_last": last_logged(log_history(out), "kl"), "alarms": health_alarms(out),
             **heldout_reward(demo, out / "ppo_lora_model")}
 
 
@@ -459,6 +459,7 @@ def grpo(demo: Demo) -> Figures:
             "train_reward_first": rewards[0] if rewards else None,
             "train_reward_last": rewards[-1] if rewards else None, "train_rewards": rewards,
             "zero_spread_share_mean": sum(zero_spread) / len(zero_spread) if zero_spread else None,
+            "alarms": health_alarms(out),
             **{key: value for key, value in read_stage_result(out / "train_results.json").items()
                if key in ("train_runtime", "train_loss")}}
 
@@ -731,6 +732,20 @@ def flat_numbers(report: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 def log_history(output_dir: Path) -> list[dict[str, Any]]:
     return read_stage_result(output_dir / "trainer_state.json")["log_history"]
+
+
+def health_alarms(output_dir: Path) -> dict[str, Any]:
+    """What an RL stage's health monitors raised (its rl_alarms.json, rl.alarms): each signal's first alarm (step,
+    value, threshold), the alarms still active at the last iteration, and how training ended."""
+    path = output_dir / "rl_alarms.json"
+    if not path.is_file():
+        return {"monitored": False, "first": [], "active": [], "ending": None}
+    record = json.loads(path.read_text(encoding="utf-8"))
+    first = {}
+    for alarm in record["alarms"]:
+        first.setdefault(alarm["signal"], alarm)
+    return {"monitored": True, "first": list(first.values()), "active": sorted({a["signal"] for a in record["active"]}),
+            "ending": record.get("ending")}
 
 
 def last_logged(logged: list[dict[str, Any]], key: str) -> Any:

@@ -1,0 +1,31 @@
+"""The demo report's verdicts on RL stages: a reward gain that comes with a health alarm is reported as "reward rose,
+policy collapsed", never as a met target; the same gain with no alarm is met."""
+
+from lorakit.demo.report import alarm_lines, render_targets
+
+KL_ALARM = {"signal": "kl", "step": 12, "iteration": 6, "value": 6.7, "threshold": 1.2, "direction": "above",
+            "baseline": 0.05}
+
+
+def ppo_figures(alarms: list) -> dict:
+    ppo = {"alarms": {"monitored": True, "first": alarms, "active": [a["signal"] for a in alarms], "ending": None}}
+    return {"reward before PPO": {"reward_mean": -2.614}, "reward after PPO": {"reward_mean": -0.879},
+            "PPO, second seed": {"reward_mean": -0.95, "seed": 7}, "PPO": ppo}
+
+
+def target_row(by_stage: dict) -> str:
+    return next(line for line in render_targets(by_stage, quick=False) if line.startswith("| PPO"))
+
+
+def test_a_reward_gain_with_an_alarm_is_a_collapse_not_a_met_target():
+    row = target_row(ppo_figures([KL_ALARM]))
+    assert "**reward rose, policy collapsed** (kl at step 12): gain +1.735" in row and row.endswith("| **not met** |")
+    lines = alarm_lines("PPO", ppo_figures([KL_ALARM])["PPO"])
+    assert lines[0] == ("**Health alarms (PPO, rl_alarms.json):** kl 6.7 above its threshold 1.2 at step 12. Still "
+                        "active at the end: kl.")
+
+
+def test_the_same_gain_with_no_alarm_is_met():
+    row = target_row(ppo_figures([]))
+    assert "collapsed" not in row and row.endswith("| yes |")
+    assert alarm_lines("PPO", ppo_figures([])["PPO"])[0] == "Health alarms (PPO, rl_alarms.json): none raised."
