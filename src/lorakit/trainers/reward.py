@@ -7,9 +7,10 @@ pair scores above the rejected one.
         --model_name_or_path SFT_MERGED --dataset_dir PAIRS --max_seq_length 512 \
         --output_dir OUT --do_train --deepspeed ds_configs/ds_zero2_no_offload.json ...
 
-Writes checkpoint-N/ (resumable), OUT/rm_lora_model/ (adapter + score head + tokenizer) and,
-with --merge_on_save, OUT/rm_merged_model/ (a plain model the PPO stage loads as reward/critic),
-merged by scripts/merge/merge_llama_with_lora.py in a separate process once every rank is done.
+Writes checkpoint-N/ (resumable), OUT/rm_lora_model/ (adapter + score head + tokenizer), the report of what the
+model learned (OUT/rm_report.json, .md, .png: lorakit.trainers.reward_report) on the held-out pairs and --eval_sets,
+and, with --merge_on_save, OUT/rm_merged_model/ (a plain model the PPO stage loads as reward/critic), merged by
+scripts/merge/merge_llama_with_lora.py in a separate process once every rank is done.
 """
 
 import logging
@@ -43,8 +44,16 @@ from lorakit.records.chat_templates import ChatTemplate, parse_template_kwargs, 
 from lorakit.records.readers import find_record_files
 from lorakit.trainers.arguments import DeepSpeedChatDataArguments, ToolkitTrainingArguments
 from lorakit.trainers.causal_lm import ResumableTrainer
-from lorakit.trainers.checkpoints import SavePeftModelCallback
+from lorakit.trainers.checkpoints import SavePeftModelCallback, rank_zero_decides
 from lorakit.trainers.common import padding_multiple, resolve_sequence_length, start_run, train_and_finish
+from lorakit.trainers.reward_report import (
+    PairRendering,
+    ReportSet,
+    pair_tokenizer,
+    prepare_report,
+    read_eval_sets,
+    write_reward_report,
+)
 
 if TYPE_CHECKING:
     from lorakit.trainers.dpo import DPOArguments
@@ -68,6 +77,12 @@ class RewardArguments(ToolkitTrainingArguments):
         default=True,
         metadata={"help": "One row per pair: the tokens chosen and rejected share (system prompt, question) run "
                           "once, the same scores for fewer tokens. Needs sdpa or eager attention; off otherwise."},
+    )
+    eval_sets: list[str] | None = field(
+        default=None,
+        metadata={"help": "Pair files, or directories of them, the end-of-training report (rm_report.*) also scores: "
+                          "each file a set named by its stem (RewardBench's subsets as they are). Evaluation only.",
+                  "nargs": "+"},
     )
 
 
@@ -179,14 +194,21 @@ def save_merged(model_args: ModelArguments, training_args: RewardArguments) -> N
 ARGUMENT_CLASSES = (ModelArguments, RewardDataArguments, RewardArguments)
 
 
-def prepared_pairs(data_args: RewardDataArguments, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase,
-                   config: PreTrainedConfig) -> ValidationSplit:
-    """(train pairs, eval pairs or None), tokenized with the chat template (the pad token chosen for it), the
-    main process first; shared with the DPO stage, which reads the same pairs."""
+def pair_rendering(data_args: RewardDataArguments, tokenizer: PreTrainedTokenizerBase,
+                   config: PreTrainedConfig) -> PairRendering:
+    """The chat template (the pad token chosen for it) and the sequence length the pairs are tokenized with."""
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     choose_pad_token(tokenizer, chat_template)
+    return PairRendering(chat_template, max_length)
+
+
+def prepared_pairs(data_args: RewardDataArguments, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase,
+                   config: PreTrainedConfig, rendering: PairRendering | None = None) -> ValidationSplit:
+    """(train pairs, eval pairs or None), tokenized with the chat template (the pad token chosen for it), the
+    main process first; shared with the DPO stage, which reads the same pairs."""
+    chat_template, max_length = rendering or pair_rendering(data_args, tokenizer, config)
     set_seed(training_args.seed)
     with training_args.main_process_first(desc="tokenize the preference pairs"):
         train_dataset, eval_dataset = build_datasets(data_args, tokenizer, chat_template, max_length,
@@ -195,6 +217,16 @@ def prepared_pairs(data_args: RewardDataArguments, training_args: TrainingArgume
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train pairs: %d, eval pairs: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
     return ValidationSplit(train_dataset, eval_dataset)
+
+
+def checked_eval_sets(data_args: RewardDataArguments, training_args: RewardArguments,
+                      tokenizer: PreTrainedTokenizerBase, rendering: PairRendering) -> list[ReportSet]:
+    """--eval_sets read and tokenized on rank 0 (given to every rank) before anything is written: a bad file is
+    refused (file:line: field) before the training data is cached."""
+    has_held_out = bool(data_args.validation_file) or data_args.validation_split_percentage > 0
+    return rank_zero_decides(lambda: read_eval_sets(training_args.eval_sets, has_held_out,
+                                                    pair_tokenizer(tokenizer, rendering),
+                                                    data_args.preprocessing_num_workers))
 
 
 def shares_pair_prefix(model: nn.Module, training_args: "RewardArguments | DPOArguments") -> bool:
@@ -210,9 +242,13 @@ def main() -> None:
     model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES,
                                                                                            task="reward")
     check_mergeable(model_args, training_args)
-    train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
+    rendering = pair_rendering(data_args, tokenizer, config)
+    eval_sets = checked_eval_sets(data_args, training_args, tokenizer, rendering)
+    train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config, rendering)
     if data_args.prepare_data_only:
         return report_prepared_data()
+    report_inputs = rank_zero_decides(lambda: prepare_report(data_args, training_args.seed, tokenizer, rendering,
+                                                             eval_dataset, eval_sets))
     model = load_model(model_args, training_args, tokenizer, task="reward", config=config)
     share_prefix = shares_pair_prefix(model, training_args)
     trainer = RewardTrainer(
@@ -227,6 +263,7 @@ def main() -> None:
         callbacks=[] if model_args.full_finetuning else [SavePeftModelCallback("rm_lora_model")],
     )
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))
+    write_reward_report(trainer, report_inputs)
     if training_args.merge_on_save and not model_args.full_finetuning:
         merge_after_every_rank(model_args, training_args)
 
