@@ -284,7 +284,34 @@ def render_reward(by_stage: dict[str, Figures]) -> list[str]:
     else:
         lines += [f"Result: the reward model did NOT learn the preference: held-out accuracy "
                   f"{rm['eval_accuracy']:.3f}, no better than chance.", ""]
-    return lines
+    return lines + reward_report_lines(rm.get("report"))
+
+
+def reward_report_lines(held_out: Figures | None) -> list[str]:
+    """What the reward model's report (reward/rm_report.md) says of the held-out pairs, in one table."""
+    if not held_out:
+        return []
+
+    def accuracy(block: Figures) -> str:
+        if not block or block.get("accuracy") is None:
+            return "-"
+        low, high = block["ci95"] or (float("nan"), float("nan"))
+        return f"{block['accuracy']:.3f} [{low:.3f}, {high:.3f}] ({block['pairs']} pairs)"
+
+    bias, robustness = held_out["length_bias"], held_out["robustness"]
+    flips = [f"{name.replace('_', ' ')} {change['flip_share']:.1%}" for name, change in robustness.items()
+             if change.get("flip_share") is not None]
+    correlation = bias.get("score_length_correlation")
+    rows = [("accuracy (95% Wilson interval)", accuracy(held_out["accuracy"])),
+            ("accuracy where the chosen answer is the shorter", accuracy(bias["chosen_shorter"])),
+            ("accuracy where the chosen answer is the longer", accuracy(bias["chosen_longer"])),
+            ("correlation of score with answer length", f"{correlation:+.3f}" if correlation is not None else "-"),
+            ("preferences flipped by a change that must not matter", "; ".join(flips) or "-"),
+            ("calibration error of sigmoid(score difference)", f"{held_out['calibration']['ece']:.3f}"
+             if held_out["calibration"]["ece"] is not None else "-"),
+            ("ties (scores within 1e-6)", f"{held_out['ties']['count']}")]
+    return (["What the reward model learned (its report, reward/rm_report.md, on the held-out pairs):", "",
+             "| figure | held-out |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows] + [""])
 
 
 def render_ppo(by_stage: dict[str, Figures]) -> list[str]:

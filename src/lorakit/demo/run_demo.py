@@ -349,8 +349,10 @@ def reward_model(demo: Demo) -> Figures:
     """Pairwise reward model (LoRA + score head) on pt_merged, the SFT adapter's base: asked for a
     review, a positive one is preferred. Held-out accuracy on pairs whose reviews were never trained on."""
     flags, out = demo.flags["reward"], demo.path("reward")
+    report = out / "rm_report.json"
     return {"steps": flags["max_steps"], "batch_size": flags["per_device_train_batch_size"],
             "learning_rate": flags["learning_rate"], "logging_steps": flags["logging_steps"],
+            "report": json.loads(report.read_text(encoding="utf-8"))["sets"]["held_out"] if report.is_file() else None,
             **demo.reward_data, **loss_summary(out), **read_stage_result(out / "eval_results.json")}
 
 
