@@ -13,6 +13,7 @@ run has been gone (no lock) for NODE_ZERO_GRACE_SECONDS. OUTPUT must be a filesy
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -40,6 +41,9 @@ from lorakit.pipeline.stages import PlannedStage
 LOG_DIR = "logs"
 POLL_SECONDS = 2
 NODE_ZERO_GRACE_SECONDS = 60
+# The alarm file an RL stage writes into its output (lorakit.rl.alarms.ALARM_FILE; the pipeline imports no stage's
+# code): how its run ended, read when the stage published no adapter.
+ALARM_FILE = "rl_alarms.json"
 
 
 class StageFailed(ReportedError):
@@ -95,6 +99,7 @@ def run_stage(stage: PlannedStage, decision: Decision, inputs: dict[str, str | N
     write_stage_marker(run.output_dir, name, {**old, "attempt": attempt} if old else attempt)
     try:
         seconds = run_on_this_node(stage, decision, run)
+        check_products(stage, decision.build_dir)
         if decision.build_dir != stage.out_dir:
             replace_directory(decision.build_dir, stage.out_dir)
     except (StageFailed, Stopped) as failure:
@@ -123,6 +128,26 @@ def run_on_this_node(stage: PlannedStage, decision: Decision, run: RunContext) -
     if stage.config.kind == "chat":
         write_transcript(stage, output, decision.build_dir)
     return time.time() - started
+
+
+def check_products(stage: PlannedStage, build_dir: str) -> None:
+    """A stage that exited 0 wrote what the next stages read, or it failed: an RL stage that ended with a health
+    alarm active and no checkpoint saved before it publishes no adapter (lorakit.rl.alarms), exit status 4 as if
+    the alarm had stopped it (a rerun would train into the same alarm); anything else missing, 1."""
+    missing = [os.path.relpath(product, stage.out_dir) for product in stage.product_dirs
+               if not os.path.isdir(os.path.join(build_dir, os.path.relpath(product, stage.out_dir)))]
+    if not missing:
+        return
+    name, alarms = stage.config.name, os.path.join(build_dir, ALARM_FILE)
+    try:
+        with open(alarms, encoding="utf-8") as handle:
+            ending = json.load(handle).get("ending") or {}
+    except (OSError, ValueError, AttributeError):
+        ending = {}
+    if ending.get("alarm_active"):
+        raise StageFailed(f"stage '{name}' ended with a health alarm active and no checkpoint saved before it, so "
+                          f"it published no {missing[0]} for the next stages (its alarms: {alarms})", 4)
+    raise StageFailed(f"stage '{name}' exited 0 but wrote no {missing[0]} for the next stages", 1)
 
 
 def record_failure(output_dir: str, name: str, failure: StageFailed | Stopped, session: str) -> None:

@@ -57,7 +57,7 @@ OWNED_FLAGS = ("output_dir", "overwrite_output_dir")
 PATH_FLAGS = ("dataset_dir", "validation_file", "train_corpus", "extra_sp_model", "eval_corpus", "deepspeed",
               "model_name_or_path", "tokenizer_name_or_path", "peft_path", "actor_model_name_or_path",
               "actor_lora_model", "reward_model_name_or_path", "reward_lora_model", "critic_model_name_or_path",
-              "sft_only_data_path", "data_path", "data_file", "base_model", "lora_model")
+              "sft_only_data_path", "data_path", "data_file", "base_model", "lora_model", "sft_answers_file")
 CHAT_DEFAULTS = {"temperature": 0, "max_new_tokens": 48}
 # {"model" | "adapter" | "tokenizer" | "reward": the name of the stage that produced the chain's current one, or None}
 Producers = dict[str, str | None]

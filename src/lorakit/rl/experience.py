@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lorakit.rl.health import moment_sums, pop_moments
 from lorakit.rl.ppo_math import (
     advantages_and_returns,
     kl_penalty_rewards,
@@ -415,9 +416,11 @@ def experience_metrics(experience: Experience, device: torch.device,
     """The statistics of an experience, means over all processes' rows (weighted by row_weights [B],
     default 1): reward_mean and reward_std of the sequence reward (sum of the per-token rewards:
     clipped penalised score minus kl_coef x KL), score_mean (the penalised score), kl (sequence KL
-    to the reference), response_length, eos_fraction, value_mean, entropy (per real token), and
-    sampler_gap/logprob_abs and sampler_gap/kl (per real token, ppo_math.sampler_gap). The one
-    definition training and evaluation both log."""
+    to the reference), response_length, eos_fraction, value_mean, entropy (per real token),
+    sampler_gap/logprob_abs and sampler_gap/kl (per real token, ppo_math.sampler_gap),
+    reward_length_corr (the score's Pearson correlation with the answer length) and explained_variance
+    (the critic's values of the returns, per real token; rl.health.PairMoments). The one definition
+    training and evaluation both log."""
     mask = experience.response_mask
     weights = torch.ones(mask.shape[0], device=mask.device) if row_weights is None else row_weights.to(mask.device)
     sequence_rewards = experience.rewards.sum(-1)
@@ -433,9 +436,26 @@ def experience_metrics(experience: Experience, device: torch.device,
         gap = sampler_gap(experience.old_logprobs, experience.sampler_logprobs, token_weights)
         stats.add("sampler_gap/logprob_abs", gap.logprob_abs, gap.count)
         stats.add("sampler_gap/kl", gap.kl, gap.count)
+    add_moments(stats, "length_moments", experience.scores, mask.sum(-1), weights)
+    add_moments(stats, "value_moments", experience.returns, experience.returns - experience.old_values, token_weights)
     metrics = stats.reduced(device)
     metrics["reward_std"] = math.sqrt(max(metrics.pop("reward_sq") - metrics["reward_mean"] ** 2, 0.0))
+    with_figure(metrics, "reward_length_corr", pop_moments(metrics, "length_moments").correlation())
+    with_figure(metrics, "explained_variance", pop_moments(metrics, "value_moments").explained_variance())
     return metrics
+
+
+def add_moments(stats: SumStats, prefix: str, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> None:
+    """PairMoments of x and y under weights into stats as prefix/<part>, reduced with the other statistics."""
+    count = weights.sum().item()
+    for part, total in moment_sums(x, y, weights).items():
+        stats.add(f"{prefix}/{part}", total, count)
+
+
+def with_figure(metrics: dict[str, float], name: str, value: float | None) -> None:
+    """metrics[name] = value where the batch defines it (a correlation of a constant does not exist)."""
+    if value is not None:
+        metrics[name] = value
 
 
 def training_metrics(experience: Experience, kl_coef: float, device: torch.device) -> dict[str, float]:

@@ -53,6 +53,7 @@ from lorakit.rl.group_math import (
     SCALE_REWARDS,
 )
 from lorakit.rl.group_policy import load_group_policy
+from lorakit.rl.health import read_sft_answers
 from lorakit.rl.ppo import check_reward_source, check_same_tokenizer, config_of, same_directory, tokenizer_of
 from lorakit.rl.reward_functions import check_record_fields, load_reward_functions
 from lorakit.rl.rollout_arguments import RolloutArguments, check_save_steps
@@ -292,6 +293,7 @@ def main() -> None:
                                     training_args.max_completion_length, training_args.overlong_buffer)
     resume_checkpoint = resolve_resume_checkpoint(training_args, model_args, data_args)
     tokenizer, config = check_grpo_models(model_args, data_args, training_args)
+    sft_answers = read_sft_answers(training_args.sft_answers_file)
     chat_template = use_template(data_args.template, tokenizer,
                                  parse_template_kwargs(data_args.template_kwargs, data_args.enable_thinking))
     choose_pad_token(tokenizer, chat_template)
@@ -319,6 +321,7 @@ def main() -> None:
         max_prompt_len=data_args.max_prompt_seq_len,
         after_turn_end_ids=answers.after_turn_end_ids(),
         answer_end_id=answers.answer_end_id(),
+        sft_answers=sft_answers,
     )
     train_and_finish(trainer, resume_checkpoint, False, prompt_sets.evaluation, len(prompt_sets.train))
 

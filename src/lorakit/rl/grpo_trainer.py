@@ -10,14 +10,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from lorakit.rl.alarms import HealthPlan
 from lorakit.rl.experience import (
     MicroBatch,
     Rollout,
     SumStats,
+    add_moments,
     append_turn_end,
     derived_seed,
     epoch_chunks,
     iteration_prompt_indices,
+    with_figure,
 )
 from lorakit.rl.group_math import (
     global_whiten,
@@ -27,8 +30,9 @@ from lorakit.rl.group_math import (
     reinforce_pp_returns,
     zero_spread_groups,
 )
-from lorakit.rl.ppo_math import FixedKLController
-from lorakit.rl.reward_functions import RewardBatch, RewardFunction, RewardScores, score_completions
+from lorakit.rl.health import pop_moments
+from lorakit.rl.ppo_math import FixedKLController, sampler_gap
+from lorakit.rl.reward_functions import RewardBatch, RewardFunction, RewardScores, function_label, score_completions
 from lorakit.rl.rl_trainer import RLTrainer
 
 if TYPE_CHECKING:
@@ -46,7 +50,8 @@ class GroupExperience(NamedTuple):
     """One rollout's experience, rows in groups of num_generations consecutive answers to one prompt:
     the rollout (ids, masks, the sampler's log-probs and entropy), the old policy's and the reference's log-probs
     [N, A] (the reference's zero without one), the advantages ([N], or [N, A] for REINFORCE++), the rewards, the
-    mask the update trains on (response_mask less the rows dynamic sampling leaves out) and the zero-spread groups."""
+    mask the update trains on (response_mask less the rows dynamic sampling leaves out), the zero-spread groups, and
+    whether the update's own log-probs are the old policy's (no pass before it)."""
 
     rollout: Rollout
     old_logprobs: torch.Tensor
@@ -55,6 +60,7 @@ class GroupExperience(NamedTuple):
     rewards: RewardScores
     training_mask: torch.Tensor
     zero_spread: torch.Tensor
+    old_from_update: bool
 
 
 def all_reduce_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -107,6 +113,9 @@ class GRPOTrainer(RLTrainer):
         experience = self.make_experience(indices, self.prompts, self.records, args.num_generations, seeds,
                                           old_from_update=self.steps_per_iteration == 1, row_chunks=first_update)
         self.experience_stats = self.experience_metrics(experience)
+        rollout = experience.rollout
+        self.experience_stats.update(self.answer_figures(rollout.input_ids, rollout.prompt_length,
+                                                         rollout.response_mask, args.num_generations))
         if args.log_completions and iteration % args.log_completions == 0 and args.should_log:
             self.log_group(iteration, experience, self.records[indices[0]])
         return self.micro_batches(experience, iteration)
@@ -138,7 +147,7 @@ class GRPOTrainer(RLTrainer):
                 training_mask = mask * kept[:, None].to(mask.dtype)
             if self.args.mask_truncated_completions:  # an answer cut at the limit: scored, not trained on
                 training_mask = training_mask * rollout.has_eos[:, None].to(mask.dtype)
-        return GroupExperience(rollout, old, ref, advantages, rewards, training_mask, zero_spread)
+        return GroupExperience(rollout, old, ref, advantages, rewards, training_mask, zero_spread, old_from_update)
 
     def frozen_passes(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """The reference's log-probs (where --beta > 0) and the reward model's scores (where one is given), one
@@ -237,8 +246,53 @@ class GRPOTrainer(RLTrainer):
             loss = loss * self.current_gradient_accumulation_steps * args.world_size
         for name, value in (("policy_loss", loss), ("clipfrac", result.clipfrac), ("kl", result.kl)):
             self.train_stats.add(name, value.item())
+        self.health_stats.add("kl", result.kl.item())  # the iteration's own, for its health check
         loss = self.add_router_aux(loss, outputs)  # after dapo's scaling: the aux loss is per micro-batch
         return (loss, outputs) if return_outputs else loss
+
+    # -- health monitors -------------------------------------------------------------
+
+    def reward_weights(self) -> dict[str, float]:
+        """{component as logged (reward/<name>_mean): its weight in the reward}: the functions, the reward model."""
+        weights = {function_label(function.name): function.weight for function in self.rewards}
+        if self.model.score_head is not None:
+            weights["reward_model"] = 1.0
+        return weights
+
+    def plan_health(self) -> HealthPlan:
+        signals = ["entropy", "response_length", "truncated_share", "reward_length_corr", "sampler_gap", "distinct_2",
+                   "top_answer_share"]
+        left_out = {"explained_variance": "no critic"}
+        if self.args.beta > 0:
+            signals[:0] = ["kl", "kl_acceleration"]
+        else:
+            left_out["kl"] = left_out["kl_acceleration"] = "--beta 0: no reference, no KL to it"
+        components = self.reward_weights()
+        if len(components) > 1:
+            signals += [f"reward_share/{name}" for name in components]
+        else:
+            left_out["reward_share"] = "one reward component: its share is always 1"
+        if self.sft_answers is not None:
+            signals.append("sft_copy_share")
+        else:
+            left_out["sft_copy_share"] = "no --sft_answers_file"
+        return HealthPlan(signals, left_out)
+
+    def health_figures(self, update: dict[str, float]) -> dict[str, float | None]:
+        """The rollout's statistics (experience_metrics, answer_figures), the KL per token to the reference (the
+        loss's, REINFORCE++'s in the reward) and each reward component's share |weight x mean| / their sum."""
+        stats = self.experience_stats
+        figures = {name: stats.get(name) for name in ("entropy", "response_length", "reward_length_corr",
+                                                      "distinct_2", "top_answer_share", "sft_copy_share")}
+        figures["truncated_share"] = stats["clipped_share"]
+        figures["sampler_gap"] = stats.get("sampler_gap/kl", update.get("sampler_gap/kl"))
+        figures["kl"] = stats.get("reward_kl") if self.kl_in_reward else update.get("kl")
+        magnitudes = {name: abs(weight * stats.get(f"reward/{name}_mean", 0.0))
+                      for name, weight in self.reward_weights().items()}
+        total = sum(magnitudes.values())
+        if len(magnitudes) > 1 and total > 0:
+            figures.update({f"reward_share/{name}": value / total for name, value in magnitudes.items()})
+        return figures
 
     # -- statistics, evaluation, samples ---------------------------------------------
 
@@ -248,8 +302,9 @@ class GRPOTrainer(RLTrainer):
         reward/<function>_mean and _std (over the answers it applies to), response_length, clipped_share (answers
         cut at the length limit), entropy (per real token), zero_spread_share (groups whose answers all scored the
         same), reward_kl (REINFORCE++ at --beta > 0: the KL to the reference per token, paid in the reward; the loss's
-        kl is then 0) and trained_token_share (the answer tokens the update trains on: less those dynamic sampling and
-        --mask_truncated_completions leave out)."""
+        kl is then 0), trained_token_share (the answer tokens the update trains on: less those dynamic sampling and
+        --mask_truncated_completions leave out), sampler_gap/* where the old policy's pass ran (else the update
+        measures it) and reward_length_corr (the reward's Pearson correlation with the answer length)."""
         rollout, rewards = experience.rollout, experience.rewards
         weights = torch.ones(len(rewards.scores)) if row_weights is None else row_weights.float().cpu()
         mask = rollout.response_mask.float().cpu()
@@ -270,10 +325,16 @@ class GRPOTrainer(RLTrainer):
             stats.add("reward_kl", (kl * token_weights).sum().item(), token_weights.sum().item())
         stats.add("trained_token_share", (experience.training_mask.float().cpu() * weights[:, None]).sum().item(),
                   token_weights.sum().item())
+        if not experience.old_from_update:  # else the update measures it (RLTrainer.old_logprobs)
+            gap = sampler_gap(experience.old_logprobs.cpu(), rollout.logprobs.cpu(), token_weights)
+            stats.add("sampler_gap/logprob_abs", gap.logprob_abs, gap.count)
+            stats.add("sampler_gap/kl", gap.kl, gap.count)
+        add_moments(stats, "length_moments", rewards.scores, mask.sum(-1), weights)
         metrics = stats.reduced(self.args.device)
         for mean in [name for name in metrics if name.endswith("_mean") and name.startswith("reward")]:
             square = metrics.pop(mean[: -len("_mean")] + "_sq")
             metrics[mean[: -len("_mean")] + "_std"] = max(square - metrics[mean] ** 2, 0.0) ** 0.5
+        with_figure(metrics, "reward_length_corr", pop_moments(metrics, "length_moments").correlation())
         return {f"{prefix}{name}": value for name, value in metrics.items()}
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,

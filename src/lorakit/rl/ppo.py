@@ -57,6 +57,7 @@ from lorakit.models.loader import (
     read_adapter_config,
 )
 from lorakit.records.chat_templates import parse_template_kwargs, use_template
+from lorakit.rl.health import read_sft_answers
 from lorakit.rl.policy import (
     SCORE_KEY_SUFFIX,
     actor_model_args,
@@ -422,6 +423,7 @@ def main() -> None:
     resume_checkpoint = None if data_args.prepare_data_only else resolve_resume_checkpoint(training_args, model_args,
                                                                                          data_args)
     tokenizer, configs, shared = check_models(model_args, data_args)
+    sft_answers = read_sft_answers(training_args.sft_answers_file)
     check_role_loading(model_args, training_args, tokenizer, configs)
     if not shared:
         check_frozen_roles_fit(model_args, training_args, tokenizer, configs)
@@ -470,6 +472,7 @@ def main() -> None:
         steps_per_iteration=steps_per_iteration,
         after_turn_end_ids=after_turn_end_ids,
         answer_end_id=answer_end_id,
+        sft_answers=sft_answers,
     )
     train_and_finish(trainer, resume_checkpoint, False, eval_prompts, len(prompts))
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lorakit.models.zero3 import gathered
+from lorakit.rl.alarms import HealthPlan
 from lorakit.rl.experience import (
     MicroBatch,
     derived_seed,
@@ -56,6 +57,8 @@ class PPOTrainer(RLTrainer):
         experience = self.maker.make(rows, seed, kl_coef, self.times, epoch_chunks(len(rows), iteration, 0, args),
                                      old_from_update=self.steps_per_iteration == 1)
         self.experience_stats = training_metrics(experience, kl_coef, args.device)
+        self.experience_stats.update(self.answer_figures(experience.input_ids, experience.prompt_length,
+                                                         experience.response_mask, 1))
         self.kl_ctl.update(self.experience_stats["kl"], len(rows) * args.world_size)
         if args.print_answers and iteration % args.print_answers_interval == 0 and args.should_log:
             width, row = experience.prompt_length, experience.input_ids[0]
@@ -64,6 +67,31 @@ class PPOTrainer(RLTrainer):
                         self.tokenizer.decode(row[width:], skip_special_tokens=True).strip(),
                         experience.scores[0].item())
         return micro_batches(experience, iteration, args, self.ptx_blocks)
+
+    # -- health monitors -------------------------------------------------------
+
+    def plan_health(self) -> HealthPlan:
+        left_out = {"reward_share": "one component, the reward model: its share is always 1"}
+        signals = ["kl", "kl_acceleration", "entropy", "response_length", "truncated_share", "reward_length_corr",
+                   "explained_variance", "sampler_gap", "distinct_2", "top_answer_share"]
+        if self.sft_answers is not None:
+            signals.append("sft_copy_share")
+        else:
+            left_out["sft_copy_share"] = ("no --sft_answers_file (the ptx data is pretraining text cut into blocks, "
+                                          "not answers to compare with)")
+        return HealthPlan(signals, left_out)
+
+    def health_figures(self, update: dict[str, float]) -> dict[str, float | None]:
+        """The experience's statistics (training_metrics, answer_figures), the KL per answer token, and the
+        sampler gap where the update measured it (one optimizer step per iteration)."""
+        stats = self.experience_stats
+        figures = {name: stats.get(name) for name in ("entropy", "response_length", "reward_length_corr",
+                                                      "explained_variance", "distinct_2", "top_answer_share",
+                                                      "sft_copy_share")}
+        figures["kl"] = stats["kl"] / stats["response_length"] if stats["response_length"] > 0 else None
+        figures["truncated_share"] = 1.0 - stats["eos_fraction"]
+        figures["sampler_gap"] = stats.get("sampler_gap/kl", update.get("sampler_gap/kl"))
+        return figures
 
     # -- loss -----------------------------------------------------------------
 

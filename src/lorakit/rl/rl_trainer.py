@@ -2,23 +2,39 @@
 experience as the Trainer's endless "dataloader" (one iteration of micro-batches at a time, ExperienceStream), the
 rollout (rl.experience's ExperienceMaker and its engine), the old policy's log-probs from the update itself where a
 rollout trains one optimizer step, the sampler-vs-trainer correction, the actor's EMA, the statistics logged with
-each step, and checkpoints that resume the iteration stream exactly (rl.ppo_checkpoint). A stage adds its
-make_iteration (experience -> micro-batches) and compute_loss."""
+each step, the health monitors that judge each iteration (rl.health; what an alarm does: rl.alarms), and
+checkpoints that resume the iteration stream exactly (rl.ppo_checkpoint). A stage adds its make_iteration
+(experience -> micro-batches), compute_loss, and its health signals (plan_health, health_figures)."""
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from lorakit.models.router import router_aux_coef, router_aux_term
 from lorakit.models.zero3 import gathered
-from lorakit.rl.ema import ActorEMA
+from lorakit.rl.alarms import (
+    HealthCallback,
+    HealthPlan,
+    alarm_logs,
+    last_alarm_free_checkpoint,
+    load_health_state,
+    publication_note,
+    publish_from_checkpoint,
+    save_health_state,
+    stop_message,
+    write_alarm_file,
+)
+from lorakit.rl.ema import EMA_DIR_NAME, ActorEMA
 from lorakit.rl.experience import ExperienceMaker, ExperienceStream, MicroBatch, PhaseTimes, SumStats
+from lorakit.rl.health import Alarm, HealthMonitor, StoppedByAlarm, answer_diversity, normalized_answer
 from lorakit.rl.ppo_checkpoint import (
     PPOTrainerPrivateOverrides,
     read_ppo_state,
@@ -27,9 +43,11 @@ from lorakit.rl.ppo_checkpoint import (
 )
 from lorakit.rl.ppo_math import FixedKLController, masked_mean, sampler_correction_weights, sampler_gap
 from lorakit.trainers.causal_lm import ResumableTrainer
+from lorakit.trainers.checkpoints import SavePeftModelCallback, barrier, rank_zero_decides
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_utils import TrainOutput
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +86,7 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
     def __init__(self, *args: Any, prompts: list[list[int]], eval_prompts: list[list[int]] | None,
                  tokenizer: "PreTrainedTokenizerBase", steps_per_iteration: int, max_answer_len: int,
                  max_prompt_len: int | None = None, after_turn_end_ids: Sequence[int] = (),
-                 answer_end_id: int | None = None, **kwargs: Any) -> None:
+                 answer_end_id: int | None = None, sft_answers: frozenset[str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The losses are per micro-batch (PPO's means; GRPO's dapo scales its own): the Trainer divides each by the
         # accumulation steps. Pinned, not left to its guess from num_items_in_batch (RL batches have no labels).
@@ -94,7 +112,11 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         self.router_aux_coef = self.model.router_aux_coef = router_aux_coef(self.model.generator())
         self.model.chunked_loss = self.args.chunked_loss
         self.model.group_by_length = not (is_deepspeed_zero3_enabled() and self.args.world_size > 1)
-        self.add_callback(RLStepCallback(self.times, self.ema, self.save_roles))
+        self.add_callback(RLStepCallback(self.times, self.ema, self.save_final_roles))
+        # The health monitors (rl.health, rl.alarms) start with training (start_health): which signals a stage has
+        # depends on what its own __init__ sets up after this one.
+        self.sft_answers, self.health_stats = sft_answers, SumStats()
+        self.health, self.health_plan, self.health_callback = HealthMonitor([]), HealthPlan([], {}), None
 
     # -- experience -----------------------------------------------------------
 
@@ -116,6 +138,7 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
         gap = sampler_gap(old_logprobs, inputs["sampler_logprobs"], inputs["response_mask"])
         self.train_stats.add("sampler_gap/logprob_abs", gap.logprob_abs, gap.count)
         self.train_stats.add("sampler_gap/kl", gap.kl, gap.count)
+        self.health_stats.add("sampler_gap/kl", gap.kl, gap.count)  # the iteration's own, for its health check
         return old_logprobs
 
     def sampler_weights(self, old_logprobs: torch.Tensor, inputs: MicroBatch) -> torch.Tensor | None:
@@ -143,11 +166,114 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
             logs.update(self.train_stats.reduced(self.args.device))
             logs.update(self.experience_stats)
             logs.update(self.times.drained())
+            logs.update(alarm_logs(self.health))
             logs["iteration"] = self.stream.iteration
             self.train_stats = SumStats()
         super().log(logs, *args, **kwargs)
 
+    # -- health monitors ----------------------------------------------------------
+
+    def plan_health(self) -> HealthPlan:
+        """The signals this stage monitors, and why it has none of the others."""
+        raise NotImplementedError
+
+    def health_figures(self, update: dict[str, float]) -> dict[str, float | None]:
+        """The figures of the iteration just trained, by signal, from its experience statistics and update
+        (update: what its optimizer steps measured, reduced over every process)."""
+        raise NotImplementedError
+
+    def answer_figures(self, input_ids: torch.Tensor, prompt_length: int, response_mask: torch.Tensor,
+                       group_size: int) -> dict[str, float]:
+        """The rollout's answer diversity over every process's answers (gathered; answers in groups of group_size to
+        one prompt): distinct_2, top_answer_share and, with --sft_answers_file, sft_copy_share (the share of answers
+        equal to an SFT answer, whitespace aside)."""
+        answers = input_ids[:, prompt_length:].cpu()
+        mask = response_mask.bool().cpu()
+        ids = [answers[row][mask[row]].tolist() for row in range(answers.shape[0])]
+        gathered_ids = ids
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, ids)
+            gathered_ids = [answer for part in parts for answer in part]
+        figures = {name: value for name, value in answer_diversity(gathered_ids, group_size)._asdict().items()
+                   if value is not None}
+        if self.sft_answers is not None:
+            copies = SumStats()
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            copies.add("sft_copy_share", sum(normalized_answer(text) in self.sft_answers for text in texts), len(texts))
+            figures.update(copies.reduced(self.args.device))
+        return figures
+
+    def start_health(self) -> None:
+        """The stage's monitor and the callback that judges each iteration with it (rl.alarms.HealthCallback)."""
+        self.health_plan = self.plan_health()
+        self.health = HealthMonitor(self.health_plan.signals)
+        self.health_callback = HealthCallback(self.check_health, self.health, self.steps_per_iteration,
+                                              self.args.stop_on_alarm)
+        self.add_callback(self.health_callback)
+        if self.args.should_log:
+            logger.info(self.health_plan.describe(self.stage_name))
+
+    def check_health(self, step: int) -> list[Alarm]:
+        """Judge the iteration just trained: its figures reduced over every process, then rank 0's monitor decides
+        and every process takes its verdict (a broadcast: no process saves or stops while another goes on). Each
+        new alarm is a warning line and goes to the alarm file at once."""
+        update = self.health_stats.reduced(self.args.device) if self.health_stats.sums else {}
+        self.health_stats = SumStats()
+        figures = self.health_figures(update)
+        iteration = self.stream.iteration - 1
+        alarms = rank_zero_decides(lambda: self.health.observe(step, iteration, figures))
+        if self.args.process_index != 0:
+            self.health.record(alarms)
+        elif alarms:
+            for alarm in alarms:
+                logger.warning(alarm.message())
+            write_alarm_file(self.args.output_dir, self.stage_name, self.health_plan, self.health)
+        return alarms
+
+    def adapter_dir_name(self) -> str:
+        """The published adapter's directory name (the stage's SavePeftModelCallback's)."""
+        return next(callback.adapter_dir_name for callback in self.callback_handler.callbacks
+                    if isinstance(callback, SavePeftModelCallback))
+
+    def end_health(self) -> None:
+        """Once training ended: with an alarm active, the adapter (and actor_ema) published are the last checkpoint's,
+        saved with none (or nothing is published); the alarm file gets the ending; a run --stop_on_alarm ended
+        raises StoppedByAlarm (exit status 4) once its state is saved."""
+        adapter, checkpoint, published = self.adapter_dir_name(), None, None
+        if self.health.active:
+            checkpoint = last_alarm_free_checkpoint(self.args.output_dir, self.state.global_step)
+            if self.args.should_save:
+                names = [adapter] + ([EMA_DIR_NAME] if self.args.enable_ema else [])
+                publish_from_checkpoint(self.args.output_dir, checkpoint, names)
+            published = checkpoint and os.path.join(os.path.basename(checkpoint), adapter)
+        stopped = self.health_callback.stopped
+        if self.args.process_index == 0:
+            ending = {"step": self.state.global_step, "stopped": stopped, "alarm_active": bool(self.health.active),
+                      "published_from": published}
+            write_alarm_file(self.args.output_dir, self.stage_name, self.health_plan, self.health, ending)
+            if self.health.active and not stopped:
+                logger.warning("training ended with a health alarm active: %s", publication_note(adapter, checkpoint))
+        if stopped:
+            self.save_state()
+        barrier()  # the files are in place before any process leaves (a launcher stops the rest when one exits)
+        if stopped:
+            raise StoppedByAlarm(stop_message(self.health.active, adapter, checkpoint, self.args.output_dir))
+
+    def train(self, *args: Any, **kwargs: Any) -> "TrainOutput":
+        self.start_health()
+        output = super().train(*args, **kwargs)
+        self.end_health()
+        return output
+
     # -- saving and resuming ----------------------------------------------------
+
+    def save_final_roles(self, directory: str) -> None:
+        """The roles at the end of training, unless an alarm is active (end_health publishes the checkpoint's)."""
+        if self.health.active:
+            logger.info("the roles trained while a health alarm is active are not saved to %s", directory)
+            return
+        self.save_roles(directory)
 
     def save_roles(self, directory: str) -> None:
         """actor_ema into directory (collective under ZeRO-3: every rank calls it); a stage adds its other roles."""
@@ -163,6 +289,7 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
             return
         if _internal_call:
             write_ppo_state(output_dir, self.stream.iteration, self.steps_per_iteration, self.kl_ctl, self.args.seed)
+            save_health_state(output_dir, self.health)
             self.ema.save(output_dir, self.tokenizer)
         else:
             self.tokenizer.save_pretrained(output_dir)
@@ -173,6 +300,7 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
             state = read_ppo_state(resume_from_checkpoint, self.steps_per_iteration)
             self.stream.iteration = state["iteration"]
             self.kl_ctl.load_state_dict(state["kl_controller"])
+            load_health_state(resume_from_checkpoint, self.health)
             if self.args.enable_ema:
                 self.ema.load(resume_from_checkpoint)
         if self.args.enable_ema:

@@ -53,7 +53,19 @@ class RolloutArguments(CausalLMTrainingArguments):
                           "auto: per_batch when the whole actor takes at most half the device's free memory.",
                   "choices": ["auto", "per_batch", "per_layer"]},
     )
-
+    stop_on_alarm: bool = field(
+        default=False,
+        metadata={"help": "End the run at the first health alarm (rl.health: the KL, entropy, length, diversity, "
+                          "... against the run's own first iterations), exit status 4; the published adapter is "
+                          "then the last checkpoint's, saved with no alarm. Without it alarms are logged (and still "
+                          "keep checkpoints from being saved while active). Changeable on resume."},
+    )
+    sft_answers_file: str | None = field(
+        default=None,
+        metadata={"help": "SFT data (.json/.jsonl in any SFT record shape, or a directory of them) whose answers the "
+                          "health monitors compare the rollouts with: sft_copy_share, the share of answers that "
+                          "copy an SFT answer. Changeable on resume."},
+    )
 
     def __post_init__(self) -> None:
         if self.sampler_correction_cap <= 0:
