@@ -101,3 +101,13 @@ def test_stages_where_kernels_are_unproven_refuse_them(script, flag, tiny_model_
     check_refused(refuse(script, args, in_process=True),
                   f"--{flag}: not proven for this stage, only for pretraining and SFT")
     assert not out.exists()
+
+
+def test_compile_under_zero3_is_refused(tiny_model_dir, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"instruction": "hello", "output": "hi"}) + "\n")
+    out = tmp_path / "out"
+    args = tiny_sft_args(tiny_model_dir, out, tmp_path / "cache", data_path=data, torch_compile=True,
+                         deepspeed=os.path.join(TRAINING, "..", "..", "ds_configs", "ds_zero3_no_offload.json"))
+    check_refused(refuse(SFT_SCRIPT, args, in_process=True), "--torch_compile with a ZeRO-3 DeepSpeed config")
+    assert not out.exists()

@@ -164,6 +164,10 @@ def test_a_flag_added_to_the_identity_since_a_marker_is_named_not_compared():
     differences, note = check_identity("checkpoint-4", {"identity_version": 2, "identity": before}, current)
     assert differences == [] and note == ("checkpoint-4: written before --lora_experts joined the run identity: "
                                           "resuming without checking them")
+    # A model flag the marker's run did not give is still a difference, as before.
+    with_adapter = {**current, "--peft_path": "adapter", "--peft_path config": "c", "--peft_path weights": "w"}
+    differences, _ = check_identity("checkpoint-4", {"identity_version": 2, "identity": before}, with_adapter)
+    assert [d.split(" ")[0] for d in differences] == ["--peft_path"] * 3
 
 
 def test_deepspeed_records_stage_offload_and_precision_not_the_file(tmp_path):

@@ -113,7 +113,8 @@ def expert_parameter_names(model: "PreTrainedModel") -> list[str]:
             continue
         for parameter_name, parameter in module.named_parameters(recurse=False):
             name = f"{below_layer_index(path)}.{parameter_name}"
-            if parameter.ndim == 3 and name not in names:
+            # ZeRO-3 (zero.Init) leaves a partitioned parameter 1-D: its full shape is ds_shape.
+            if len(getattr(parameter, "ds_shape", parameter.shape)) == 3 and name not in names:
                 names.append(name)
     return names
 
@@ -155,7 +156,10 @@ def planned_expert_targets(config: "PreTrainedConfig", model_args: ModelArgument
     built): those of a saved adapter of the same base (`like`) when the base is a mixture of experts and
     --lora_experts does not say no, else none."""
     moe = any(getattr(config, field, None) for field in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return like if moe and model_args.lora_experts != "no" else []
+    if not moe or model_args.lora_experts == "no":
+        return []
+    # A saved adapter that trains none tells nothing of the names: the new one trains the experts, whatever they are.
+    return like or ["(the experts)"]
 
 
 def linear_layer_names(model: "PreTrainedModel") -> list[str]:

@@ -13,8 +13,13 @@ logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated blocks: its largest ModuleList whose members are all of one class (the decoder
-    layers of every causal LM the toolkit loads, under a PEFT wrapper or not)."""
+    """The model's repeated blocks: its decoder's `layers` where transformers names them so, else its largest
+    ModuleList whose members are all of one class (a model of its own code; its experts' list could be longer than
+    its layers, so the decoder's own name comes first)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if isinstance(getattr(decoder, "layers", None), nn.ModuleList) and len(decoder.layers) > 0:
+        return decoder.layers
     candidates = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module) > 0
                   and len({type(member) for member in module}) == 1]
     if not candidates:

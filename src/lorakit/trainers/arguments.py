@@ -134,6 +134,14 @@ def check_kernel_flags(args: ToolkitTrainingArguments) -> None:
                              "(run_clm_pt_with_peft.py, run_sft_with_peft.py); drop the flag")
     if args.use_liger_kernel:
         check_liger_importable()
+    if args.torch_compile:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            # ZeRO-3 gathers each layer's weights in hooks around its forward, which a compiled layer would trace
+            # into its graph: not proven, so not run.
+            raise InputError("--torch_compile with a ZeRO-3 DeepSpeed config: not proven (ZeRO-3's weight-gathering "
+                             "hooks would sit inside the compiled layers); use ZeRO-2, or drop --torch_compile")
 
 
 def map_dtype_flag(args: ToolkitTrainingArguments) -> None:

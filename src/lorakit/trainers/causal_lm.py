@@ -188,12 +188,25 @@ class ResumableTrainer(Trainer):
         max_tokens = getattr(self.args, "max_tokens_per_batch", None)
         if max_tokens:
             dataset = train_dataset if train_dataset is not None else self.train_dataset
-            return TokenBudgetBatchSampler(dataset["length"], max_tokens, padding_multiple(self.args), seed,
-                                           self.args.world_size, self.args.process_index)
+            # A list: each row access of a datasets Column costs a lookup, and the cut reads every length thrice.
+            self.epoch_sampler = TokenBudgetBatchSampler(list(dataset["length"]), max_tokens,
+                                                         padding_multiple(self.args), seed, self.args.world_size,
+                                                         self.args.process_index)
+            return self.epoch_sampler
         sampler = super()._get_train_sampler(train_dataset)
         if isinstance(sampler, LengthGroupedSampler):
-            return EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
+            self.epoch_sampler = EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
+            return self.epoch_sampler
         return sampler
+
+    def _run_epoch(self, model: nn.Module, epoch: int, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer sets the epoch through the dataloader's samplers, which a resume on several processes wraps
+        # twice (SkipBatchSampler around accelerate's BatchSamplerShard): it would not reach ours, which would
+        # then order a resumed epoch as epoch 0.
+        sampler = getattr(self, "epoch_sampler", None)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        return super()._run_epoch(model, epoch, *args, **kwargs)
 
 
 def without_labels(batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
@@ -237,9 +250,18 @@ class CausalLMTrainer(ResumableTrainer):
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         routed = {"output_router_logits": True} if self.router_aux_coef and model.training else {}
         if return_outputs or not self.uses_chunked_loss(model, inputs):
-            # transformers' own loss, which adds the router term itself when asked for the router logits.
-            return super().compute_loss(model, {**inputs, **routed} if routed else inputs, return_outputs,
-                                        num_items_in_batch)
+            # transformers' own loss, without the router term: transformers would add it where the Trainer then
+            # multiplies the whole loss by the processes and never divides it by the accumulation steps; the same
+            # term as the chunked path's is added here instead.
+            if not routed:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss, outputs = super().compute_loss(model, {**inputs, "output_router_logits": True}, True,
+                                                 num_items_in_batch)
+            aux = router_aux_term(self.router_aux_coef, outputs.aux_loss)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                aux = aux * self.accelerator.num_processes  # the share of it the Trainer's scaling put in the loss
+            loss = loss - aux + self.router_aux_share(outputs.aux_loss, num_items_in_batch)
+            return (loss, outputs) if return_outputs else loss
         outputs = model(**without_labels(inputs), output_hidden_states=True, logits_to_keep=1, **routed)
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         with self.accelerator.autocast():  # the mixed precision the model's forward ran its head in

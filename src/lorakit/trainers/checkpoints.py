@@ -90,6 +90,9 @@ OBJECTIVE_FLAGS = (
 # file's content hash. A checkpoint of version 1 (no identity_version) resumes with one line naming what its
 # identity could not check (ARCHITECTURE.md, "Upgrades").
 IDENTITY_VERSION = 2
+# Entries that joined the identity after version 2 markers were first written: absent from such a marker, they are
+# named in one line, not compared (ARCHITECTURE.md, "Upgrades").
+ADDED_SINCE_VERSION_2 = ("--lora_experts", "--max_tokens_per_batch")
 
 
 # ----------------------------------------------------------------------------- the run's identity
@@ -180,12 +183,12 @@ def check_identity(checkpoint: str, record: dict[str, Any], identity: dict[str, 
     since: those are not compared, and named in the note (as is its files' content, which it did not hash)."""
     recorded = record.get("identity", {})
     if record.get("identity_version", 1) >= IDENTITY_VERSION:
-        # A flag added to the identity since the marker was written (--lora_experts, --max_tokens_per_batch) is not
-        # in it: not compared, and named, as the Upgrades convention asks.
-        added = [name for name in identity if name not in recorded]
+        # A flag added to the identity since the marker was written is not in it: not compared, and named, as the
+        # Upgrades convention asks. Only those: a model flag absent from a marker is one its run did not give.
+        added = [name for name in identity if name not in recorded and name in ADDED_SINCE_VERSION_2]
         note = (f"{checkpoint}: written before {', '.join(added)} joined the run identity: resuming without checking "
                 "them" if added else None)
-        return IdentityCheck(identity_differences(recorded, {k: v for k, v in identity.items() if k in recorded}),
+        return IdentityCheck(identity_differences(recorded, {k: v for k, v in identity.items() if k not in added}),
                              note)
     unchecked = [name for name in identity if name not in recorded]
     note = (f"{checkpoint}: written by an earlier version of the toolkit: resuming without checking "

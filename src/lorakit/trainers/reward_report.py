@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from datasets import Dataset
 from jinja2 import Environment, TemplateSyntaxError, meta, nodes
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lorakit.core.atomic import write_atomically, write_json_atomically
@@ -401,12 +402,20 @@ def trainer_scorer(trainer: "Trainer") -> Scorer:
         dataset = Dataset.from_dict({"chosen_input_ids": [row.chosen for row in rows],
                                      "rejected_input_ids": [row.rejected for row in rows],
                                      "margin": [0.0] * len(rows)})
-        output = trainer.evaluation_loop(trainer.get_test_dataloader(dataset), "Scoring the report's pairs",
+        output = trainer.evaluation_loop(report_loader(trainer, dataset), "Scoring the report's pairs",
                                          prediction_loss_only=False, metric_key_prefix="report")
         predictions = np.asarray(output.predictions, dtype=np.float64)
         return PairScoreArrays(predictions[:, 0], predictions[:, 1])
 
     return score
+
+
+def report_loader(trainer: "Trainer", dataset: Dataset) -> DataLoader:
+    """Every pair, in order, sharded over the processes by accelerate: not the Trainer's test loader, whose sampler
+    follows --group_by_length (it cannot read lengths from pair rows) and which --dataloader_drop_last would cut."""
+    loader = DataLoader(dataset, batch_size=trainer.args.eval_batch_size, collate_fn=trainer.data_collator,
+                        shuffle=False, drop_last=False, num_workers=trainer.args.dataloader_num_workers)
+    return trainer.accelerator.prepare(loader)
 
 
 class Rescored(NamedTuple):
