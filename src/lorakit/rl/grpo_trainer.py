@@ -260,9 +260,15 @@ class GRPOTrainer(RLTrainer):
         return weights
 
     def plan_health(self) -> HealthPlan:
-        signals = ["entropy", "response_length", "truncated_share", "reward_length_corr", "sampler_gap", "distinct_2",
-                   "top_answer_share"]
+        signals = ["entropy", "response_length", "truncated_share", "sampler_gap", "distinct_2", "top_answer_share"]
         left_out = {"explained_variance": "no critic"}
+        # A reward correlated with length is the sign of a learned reward model being gamed; a program's reward
+        # (exact match, a format check) that prefers some lengths computes what it was written to: measured on the
+        # demo's healthy exact-match run, where short right answers gave a correlation of 0.88 and a false alarm.
+        if self.model.score_head is not None:
+            signals.insert(3, "reward_length_corr")
+        else:
+            left_out["reward_length_corr"] = "no reward model: a program's reward is not gamed by length"
         if self.args.beta > 0:
             signals[:0] = ["kl", "kl_acceleration"]
         else:
