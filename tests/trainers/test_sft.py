@@ -362,7 +362,7 @@ def test_sft_resume_after_a_kill_while_writing_a_checkpoint_starts_from_the_last
     sft_resume.check_process_after_mid_save_kill()
 
 
-@pytest.mark.parametrize("sft_resume", [1], indirect=True, ids=["one_process"])
+@pytest.mark.parametrize("sft_resume", ["one_process"], indirect=True)
 @pytest.mark.slow
 def test_sft_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals_uninterrupted(sft_resume):
     sft_resume.check_process_after_end_kill()
