@@ -344,6 +344,7 @@ def test_torch_varlen_is_refused_where_torch_cannot_run_it(monkeypatch):
 # ----------------------------------------------------------------------------- flex_attention, and the control
 
 
+@pytest.mark.slow  # flex attention compiles on the CPU: ~17 s with a cold inductor cache
 def test_packed_rows_under_flex_attention_equal_each_sample_alone(packed_case):
     """transformers builds flex_attention's block mask from the restarting position ids: each sample's loss is its
     loss alone (sdpa)."""

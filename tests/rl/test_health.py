@@ -309,6 +309,7 @@ def same_weights(first_dir, second_dir) -> bool:
     return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
 
 
+@pytest.mark.slow  # two GRPO runs (stopped, then resumed)
 def test_stop_on_alarm_exits_4_and_publishes_the_last_alarm_free_checkpoint(tiny_model_dir, collapse_inputs,
                                                                            tmp_path):
     """GRPO rewarding short answers at a high learning rate: the answers shrink under half their first three
