@@ -29,3 +29,19 @@ def test_the_same_gain_with_no_alarm_is_met():
     row = target_row(ppo_figures([]))
     assert "collapsed" not in row and row.endswith("| yes |")
     assert alarm_lines("PPO", ppo_figures([])["PPO"])[0] == "Health alarms (PPO, rl_alarms.json): none raised."
+
+
+def test_collapsed_heldout_answers_are_a_collapse_even_without_an_alarm():
+    figures = ppo_figures([])
+    figures["reward after PPO"].update(distinct_answer_share=0.05, other_task_answer_share=1.0)
+    row = target_row(figures)
+    assert ("**reward rose, policy collapsed** (held-out answers: 5% distinct, 100% in the arithmetic task's form): "
+            "gain +1.735") in row and row.endswith("| **not met** |")
+    figures["reward after PPO"].update(distinct_answer_share=0.95, other_task_answer_share=0.0)
+    assert target_row(figures).endswith("| yes |")
+
+
+def test_the_alarm_lines_name_the_checkpoint_published_instead():
+    alarms = {"monitored": True, "first": [KL_ALARM], "active": [],
+              "ending": {"published_from": "checkpoint-4/ppo_lora_model"}}
+    assert alarm_lines("PPO", {"alarms": alarms})[0].endswith("at step 12. Published: checkpoint-4/ppo_lora_model.")

@@ -15,6 +15,9 @@ Figures = dict[str, Any]
 SAMPLE_ANSWERS = 5
 # The full demo's targets: exact match on the held-out questions, and held-out pair accuracy.
 SFT_TARGET, REWARD_TARGET = 0.4, 0.80
+# Greedy answers to the held-out review prompts have collapsed when fewer than this share of them differ (the SFT
+# policy's: all 20) or any is written in the arithmetic task's form ("The answer is 1.").
+MIN_DISTINCT_SHARE = 0.5
 
 
 def render_report(results: list[dict[str, Any]], quick: bool, failed: str | None, plot_path: Path | None) -> str:
@@ -103,10 +106,10 @@ def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
                                                              "PPO, second seed"))
     if before and after and second:
         gain, spread = after["reward_mean"] - before["reward_mean"], abs(after["reward_mean"] - second["reward_mean"])
-        collapse = alarm_verdict(by_stage.get("PPO"), gain)
-        rows.append(("PPO held-out reward gain > the spread between two seeds, with no health alarm",
-                     f"{collapse}gain {gain:+.3f}, spread {spread:.3f} (seed {second['seed']}: "
-                     f"{second['reward_mean']:.3f})", gain > spread and not collapse))
+        collapse = alarm_verdict(by_stage.get("PPO"), gain) or collapse_verdict(after, gain)
+        rows.append(("PPO held-out reward gain > the spread between two seeds, with no health alarm and no collapse "
+                     "of the held-out answers", f"{collapse}gain {gain:+.3f}, spread {spread:.3f} (seed "
+                     f"{second['seed']}: {second['reward_mean']:.3f})", gain > spread and not collapse))
     dpo_reward = by_stage.get("reward after DPO")
     if before and dpo_reward:
         rows.append(("DPO held-out reward > the SFT policy's (the reward model's score)",
@@ -140,6 +143,21 @@ def alarm_verdict(stage: Figures | None, gain: float) -> str:
     return f"**{what}** ({alarm_names(alarms)}): "
 
 
+def collapsed(heldout: Figures) -> bool:
+    """Greedy answers to different held-out prompts that are mostly the same, or any in the other task's form."""
+    return (heldout.get("distinct_answer_share", 1.0) < MIN_DISTINCT_SHARE
+            or heldout.get("other_task_answer_share", 0.0) > 0)
+
+
+def collapse_verdict(heldout: Figures, gain: float) -> str:
+    """"" for held-out answers that did not collapse; else the collapse, in the words alarm_verdict uses."""
+    if not collapsed(heldout):
+        return ""
+    what = "reward rose, policy collapsed" if gain > 0 else "policy collapsed"
+    return (f"**{what}** (held-out answers: {heldout['distinct_answer_share']:.0%} distinct, "
+            f"{heldout['other_task_answer_share']:.0%} in the arithmetic task's form): ")
+
+
 def alarm_names(alarms: dict[str, Any]) -> str:
     return ", ".join(f"{alarm['signal']} at step {alarm['step']}" for alarm in alarms["first"])
 
@@ -155,7 +173,7 @@ def alarm_lines(name: str, stage: Figures | None) -> list[str]:
                        f"{alarm['threshold']:.3g} at step {alarm['step']}" for alarm in alarms["first"])
     active = f" Still active at the end: {', '.join(alarms['active'])}." if alarms["active"] else ""
     ending = alarms.get("ending") or {}
-    published = f" Published: {ending['published']}." if ending.get("published") else ""
+    published = f" Published: {ending['published_from']}." if ending.get("published_from") else ""
     return [f"**Health alarms ({name}, rl_alarms.json):** {listed}.{active}{published}", ""]
 
 

@@ -101,3 +101,20 @@ def preference_pairs(positives: list[str], negatives: list[str], train_pairs: in
     records = [{"prompt": rng.choice(prompts), "chosen": good, "rejected": bad}
                for good, bad in zip(chosen, rejected, strict=True)]  # wanted of each, checked above
     return PreferenceSplit(records[:train_pairs], records[train_pairs:])
+
+
+def with_other_task_rejections(pairs: list[dict[str, str]], other_answers: list[str],
+                               every: int) -> list[dict[str, str]]:
+    """The pairs, with the rejected review of every `every`-th pair (the first, then each `every` on) replaced by
+    the next of other_answers: answers to another task ("The answer is 42."). Sentiment pairs alone never show a
+    reward model a review prompt answered in the wrong task's form, so it may score one above a bad review, and PPO
+    finds that out (the demo's actor once answered every review prompt "The answer is 1.")."""
+    if every < 1:
+        raise ValueError(f"every must be at least 1, got {every}")
+    replaced = [dict(pair) for pair in pairs]
+    slots = range(0, len(replaced), every)
+    if len(other_answers) < len(slots):
+        raise ValueError(f"need {len(slots)} answers of the other task, have {len(other_answers)}")
+    for slot, answer in zip(slots, other_answers[:len(slots)], strict=True):
+        replaced[slot]["rejected"] = answer
+    return replaced

@@ -51,7 +51,7 @@ from lorakit.demo.heldout_eval import heldout_nll
 from lorakit.demo.prepare_default import CORPUS_FILE, prepare_model, sentiment_reviews, write_pretraining_corpus
 from lorakit.demo.report import Figures, plot_losses, render_report
 from lorakit.demo.review_tasks import CLEAR_SENTIMENT, demonstrations, preference_pairs, prompt_split, review_pools
-from lorakit.demo.sft_tasks import arithmetic_records
+from lorakit.demo.sft_tasks import ANSWER_FORMAT, arithmetic_records
 from lorakit.pipeline.config import StageConfig, load_config
 from lorakit.pipeline.stages import PlannedStage, plan_stages
 
@@ -660,12 +660,20 @@ def heldout_exact_match(demo: Demo, adapter: Path | None, sampled: bool = False)
 
 def heldout_reward(demo: Demo, *policy: Path) -> Figures:
     """Mean reward-model score of the policy's greedy answers to the held-out review prompts; the
-    policy is pt_merged + its adapters, folded in in order. Each answer is scored as PPO scores it:
-    prompt + answer + EOS + the template's turn end, read at the last token."""
-    import torch
+    policy is pt_merged + its adapters, folded in in order."""
+    answers = heldout_answers(demo, *policy)
+    scores = score_answers(demo, reward_scorer(demo), answers)
+    mean = sum(scores) / len(scores)
+    logger.info("held-out mean reward with %s: %.3f over %d prompts", "+".join(path.name for path in policy), mean,
+                len(scores))
+    return {"policy": ",".join(map(str, policy)), "prompts": len(scores), "reward_mean": mean,
+            **answer_collapse(answers),
+            "answers": [{"prompt": p, "answer": a, "reward": s}
+                        for p, a, s in zip(demo.ppo_heldout_prompts, answers, scores, strict=True)]}
 
-    from lorakit.models.heads import score_sequences
 
+def heldout_answers(demo: Demo, *policy: Path) -> list[str]:
+    """The policy's greedy answers (pt_merged + its adapters, folded in in order) to the held-out review prompts."""
     model, tokenizer = load_frozen_model(demo.path("pt_merged"), policy)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True) for prompt in demo.ppo_heldout_prompts]
@@ -674,34 +682,51 @@ def heldout_reward(demo: Demo, *policy: Path) -> Figures:
                                batch_size=len(prompts), desc=f"Answers ({policy[-1].name})")
     del model
     gc.collect()
+    return answers
 
-    scorer, rm_tokenizer, turn_end = reward_scorer(demo)
+
+def score_answers(demo: Demo, scorer: RewardScorer, answers: list[str]) -> list[float]:
+    """A reward model's score of each held-out answer, as PPO scores it: prompt + answer + EOS + the template's turn
+    end, read at the last token."""
+    import torch
+
+    from lorakit.models.heads import score_sequences
+
+    model, tokenizer, turn_end = scorer
     scores = []
     with torch.inference_mode():
         for prompt, answer in zip(demo.ppo_heldout_prompts, answers, strict=True):
-            text = rm_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                    add_generation_prompt=True) + answer + rm_tokenizer.eos_token
-            ids = torch.tensor([rm_tokenizer(text, add_special_tokens=False)["input_ids"] + turn_end])
-            scores.append(score_sequences(scorer, ids, torch.ones_like(ids)).item())
-    mean = sum(scores) / len(scores)
-    logger.info("held-out mean reward with %s: %.3f over %d prompts", "+".join(path.name for path in policy), mean,
-                len(scores))
-    return {"policy": ",".join(map(str, policy)), "prompts": len(scores), "reward_mean": mean,
-            "answers": [{"prompt": p, "answer": a, "reward": s}
-                        for p, a, s in zip(demo.ppo_heldout_prompts, answers, scores, strict=True)]}
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True) + answer + tokenizer.eos_token
+            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"] + turn_end])
+            scores.append(score_sequences(model, ids, torch.ones_like(ids)).item())
+    return scores
+
+
+def answer_collapse(answers: list[str]) -> Figures:
+    """How far greedy answers to different held-out review prompts have collapsed, which a mean reward hides: the
+    share of distinct answers, and the share written in the arithmetic task's form ("The answer is N.")."""
+    stripped = [answer.strip() for answer in answers]
+    other_task = ANSWER_FORMAT.split("{}")[0]
+    return {"distinct_answer_share": len(set(stripped)) / len(stripped),
+            "other_task_answer_share": sum(answer.startswith(other_task) for answer in stripped) / len(stripped)}
 
 
 def reward_scorer(demo: Demo) -> RewardScorer:
     """demo.scorer, loaded at the first held-out scoring: the same reward model scores every policy."""
     if demo.scorer is None:
-        from lorakit.data.conversation_tokenizer import ConversationTokenizer
-
-        scorer, tokenizer = load_frozen_model(demo.path("pt_merged"), (demo.path("reward", "rm_lora_model"),),
-                                              task="reward")
-        answer_length = demo.flags["ppo"]["max_answer_seq_len"]
-        turn_end = ConversationTokenizer(tokenizer, tokenizer.chat_template, answer_length).after_turn_end_ids()
-        demo.scorer = RewardScorer(scorer, tokenizer, turn_end)
+        demo.scorer = load_reward_scorer(demo, demo.path("reward", "rm_lora_model"))
     return demo.scorer
+
+
+def load_reward_scorer(demo: Demo, adapter: Path) -> RewardScorer:
+    """pt_merged with a reward adapter, frozen, and the turn-end ids PPO appends to an answer before scoring it."""
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
+
+    scorer, tokenizer = load_frozen_model(demo.path("pt_merged"), (adapter,), task="reward")
+    answer_length = demo.flags["ppo"]["max_answer_seq_len"]
+    turn_end = ConversationTokenizer(tokenizer, tokenizer.chat_template, answer_length).after_turn_end_ids()
+    return RewardScorer(scorer, tokenizer, turn_end)
 
 
 def run_pipeline(demo: Demo) -> None:

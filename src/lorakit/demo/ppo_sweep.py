@@ -1,0 +1,237 @@
+"""The demo's PPO recipe, swept: after a `make demo`, PPO again beside the chain with the KL coefficient at three
+values, and once against a reward model whose rejected answers include the other task's, each run's health alarms,
+held-out figures and minutes in one table; the best recipe that held (no alarm, no collapse on the held-out prompts)
+runs again with a second seed.
+
+    python -m lorakit.demo.ppo_sweep            # after make demo: outputs/demo/ppo_sweep/{sweep.json,sweep.md}
+
+Every run is the pipeline's own PPO command for demo.yaml (the same actor, SFT adapter, prompts, steps and
+learning rates), changed only in the flags its variant names, into outputs/demo/ppo_sweep/<variant>/. Held-out
+figures: the greedy answers to the 20 held-out review prompts, scored by the demo's reward model (so every run is
+comparable) and, for the other-task variant, by its own; how far those answers collapsed (distinct answers, answers
+in the arithmetic task's form). About 2.5 minutes a PPO run and 3 for the other reward model on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from lorakit.core.cli import ArgumentParser, InputError, run_cli
+from lorakit.demo.prepare_default import prepare_model, write_pretraining_corpus
+from lorakit.demo.report import Figures, collapsed
+from lorakit.demo.review_tasks import prompt_split, with_other_task_rejections
+from lorakit.demo.run_demo import (
+    DEMO_CONFIG,
+    FULL,
+    HELDOUT_FRACTION,
+    PPO_SECOND_SEED,
+    SFT_MAX_OPERAND,
+    SPLIT_SEED,
+    Demo,
+    answer_collapse,
+    health_alarms,
+    heldout_answers,
+    last_logged,
+    load_reward_scorer,
+    log_history,
+    read_stage_result,
+    reward_scorer,
+    run_beside_the_chain,
+    score_answers,
+    with_flag,
+    write_jsonl,
+)
+from lorakit.demo.sft_tasks import arithmetic_records
+from lorakit.pipeline.config import load_config
+from lorakit.pipeline.stages import PlannedStage, plan_stages
+
+logger = logging.getLogger("ppo_sweep")
+
+# The KL coefficients tried: the demo's (0.05, which collapsed), 4x and 10x it.
+KL_VALUES = (0.05, 0.2, 0.5)
+# One reward-model pair in this many gets an arithmetic answer ("The answer is 42.") as its rejected answer: 120 of
+# the 480 pairs the reward stage trains on, the rest stay sentiment pairs.
+OTHER_TASK_EVERY = 4
+OTHER_TASK_SEED = 11  # the arithmetic answers' seed: none of SFT's train, validation or held-out sets (0, 1, 2)
+DEMO_SEED = 42  # the Trainer's default, which the demo's PPO stage runs with
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One PPO run of the sweep: the demo's recipe with these changes."""
+
+    name: str
+    kl_ctl: float
+    other_task_rejections: bool = False  # against the reward model trained with other-task rejected answers
+    seed: int = DEMO_SEED
+
+
+def sweep_variants() -> list[Variant]:
+    return [Variant(f"kl{kl:g}", kl) for kl in KL_VALUES] + [
+        Variant(f"kl{KL_VALUES[0]:g}-other-task-rm", KL_VALUES[0], other_task_rejections=True)]
+
+
+def demo_after_run(cache_dir: Path, output_dir: Path) -> Demo:
+    """The Demo of a finished full `make demo` in output_dir: its paths, flags and held-out prompts (nothing is
+    trained or written; the cached model and corpus are found where the demo left them)."""
+    for needed in ("pt_merged", "sft/sft_lora_model", "reward/rm_lora_model", "rm_data/train/pairs.jsonl"):
+        if not (output_dir / needed).exists():
+            raise InputError(f"{output_dir / needed} is missing: run `make demo` (in full, not QUICK) first")
+    demo = Demo(plan=FULL, cache_dir=cache_dir, output_dir=output_dir, model_dir=prepare_model(cache_dir))
+    corpus_dir = cache_dir / f"corpus-heldout{HELDOUT_FRACTION:g}-seed{SPLIT_SEED}"
+    demo.train_dir = write_pretraining_corpus(corpus_dir, HELDOUT_FRACTION, SPLIT_SEED).train
+    demo.flags = {stage.name: stage.flags for stage in load_config(str(DEMO_CONFIG), demo.overrides()).stages}
+    demo.ppo_heldout_prompts = prompt_split().heldout[:FULL.ppo_heldout_prompts]
+    return demo
+
+
+def planned(demo: Demo, name: str) -> PlannedStage:
+    return next(stage for stage in plan_stages(load_config(str(DEMO_CONFIG), demo.overrides()), sys.executable)
+                if stage.config.name == name)
+
+
+def train_other_task_reward_model(demo: Demo, sweep_dir: Path) -> Path:
+    """The demo's reward stage again, on its pairs with one in OTHER_TASK_EVERY rejected answers replaced by
+    arithmetic answers; returns the adapter."""
+    pairs = [json.loads(line) for line in
+             demo.path("rm_data", "train", "pairs.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    answers = [record["output"] for record in
+               arithmetic_records(len(pairs) // OTHER_TASK_EVERY + 1, OTHER_TASK_SEED, SFT_MAX_OPERAND)]
+    data_dir = sweep_dir / "rm_data_other_task" / "train"
+    write_jsonl(data_dir / "pairs.jsonl", with_other_task_rejections(pairs, answers, OTHER_TASK_EVERY))
+    out = sweep_dir / "reward_other_task"
+    command = with_flag(with_flag(planned(demo, "reward").command, "dataset_dir", str(data_dir)), "output_dir",
+                        str(out))
+    run_beside_the_chain(command, out, "the reward stage with other-task rejected answers")
+    return out / "rm_lora_model"
+
+
+def run_variant(demo: Demo, variant: Variant, sweep_dir: Path, reward_adapter: Path, sft_answers: Figures) -> Figures:
+    """One PPO run beside the chain and its figures."""
+    out = sweep_dir / variant.name
+    command = planned(demo, "ppo").command
+    for flag, value in (("output_dir", out), ("kl_ctl", variant.kl_ctl), ("reward_lora_model", reward_adapter)):
+        command = with_flag(command, flag, str(value))
+    start = time.perf_counter()
+    run_beside_the_chain(command + ["--seed", str(variant.seed)], out, f"PPO {variant.name}")
+    minutes = (time.perf_counter() - start) / 60
+    answers = heldout_answers(demo, out / "ppo_lora_model")
+    reward = mean(score_answers(demo, reward_scorer(demo), answers))
+    alarms = health_alarms(out)
+    figures = {"variant": variant.name, "kl_ctl": variant.kl_ctl, "seed": variant.seed,
+               "other_task_rejections": variant.other_task_rejections, "minutes": minutes,
+               "kl_last": last_logged(log_history(out), "kl"), "alarms": alarms,
+               "published": (alarms["ending"] or {}).get("published_from"), "reward_mean": reward,
+               "reward_gain": reward - sft_answers["reward_mean"], **answer_collapse(answers), "answers": answers}
+    if variant.other_task_rejections:
+        own = load_reward_scorer(demo, reward_adapter)
+        figures["own_reward_mean"] = mean(score_answers(demo, own, answers))
+        figures["own_reward_sft"] = mean(score_answers(demo, own, sft_answers["answers"]))
+    figures["holds"] = holds(figures)
+    logger.info("%s: %s", variant.name, summary_line(figures))
+    return figures
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def holds(figures: Figures) -> bool:
+    """No alarm raised, and the held-out greedy answers not collapsed (report.collapsed: the demo report's rule)."""
+    return not figures["alarms"]["first"] and not collapsed(figures)
+
+
+def best_variant(results: list[Figures]) -> str | None:
+    """The name of the run that held with the largest held-out reward gain, or None where none held."""
+    held = [figures for figures in results if figures["holds"]]
+    return max(held, key=lambda figures: figures["reward_gain"])["variant"] if held else None
+
+
+def alarm_text(alarms: dict[str, Any]) -> str:
+    if not alarms["first"]:
+        return "none"
+    return ", ".join(f"{alarm['signal']} at step {alarm['step']}" for alarm in alarms["first"])
+
+
+def summary_line(figures: Figures) -> str:
+    return (f"alarms: {alarm_text(figures['alarms'])}; held-out reward {figures['reward_mean']:+.3f} "
+            f"({figures['reward_gain']:+.3f} over SFT); distinct answers {figures['distinct_answer_share']:.2f}, "
+            f"in the other task's form {figures['other_task_answer_share']:.2f}; {figures['minutes']:.1f} min")
+
+
+def render_table(results: list[Figures], sft: Figures, best: str | None) -> str:
+    """The sweep as a markdown table, with the SFT policy's row first and the verdict last."""
+    lines = ["| run | KL coef | seed | alarms (first step) | published | held-out reward (gain over SFT) | distinct "
+             "answers | other-task answers | KL/token last | minutes | holds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|",
+             f"| SFT policy (before PPO) | | | | | {sft['reward_mean']:+.3f} | {sft['distinct_answer_share']:.2f} | "
+             f"{sft['other_task_answer_share']:.2f} | | | |"]
+    for figures in results:
+        own = (f"; own RM {figures['own_reward_sft']:+.3f} -> {figures['own_reward_mean']:+.3f}"
+               if "own_reward_mean" in figures else "")
+        lines.append(
+            f"| {figures['variant']} | {figures['kl_ctl']:g} | {figures['seed']} | {alarm_text(figures['alarms'])} | "
+            f"{figures['published'] or 'last'} | {figures['reward_mean']:+.3f} ({figures['reward_gain']:+.3f}{own}) | "
+            f"{figures['distinct_answer_share']:.2f} | {figures['other_task_answer_share']:.2f} | "
+            f"{figures['kl_last']:.3f} | {figures['minutes']:.1f} | {'yes' if figures['holds'] else 'no'} |")
+    verdict = (f"Best recipe that held: **{best}**." if best else
+               "**No recipe held** without an alarm or a collapse on SmolLM2-135M.")
+    return "\n".join(lines) + "\n\n" + verdict + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache_dir", type=Path, default=Path.cwd() / ".cache" / "demo")
+    parser.add_argument("--output_dir", type=Path, default=Path.cwd() / "outputs" / "demo",
+                        help="a finished make demo's outputs; the sweep goes to its ppo_sweep/")
+    parser.add_argument("--variants", nargs="+", choices=[variant.name for variant in sweep_variants()],
+                        help="run only these (default: all, then the best again with a second seed)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    demo = demo_after_run(args.cache_dir.resolve(), args.output_dir.resolve())
+    sweep_dir = demo.path("ppo_sweep")
+    sweep_dir.mkdir(exist_ok=True)
+    sft_answers = heldout_answers(demo, demo.path("sft", "sft_lora_model"))
+    sft = {"reward_mean": mean(score_answers(demo, reward_scorer(demo), sft_answers)), "answers": sft_answers,
+           **answer_collapse(sft_answers)}
+    variants = [variant for variant in sweep_variants() if not args.variants or variant.name in args.variants]
+    other_rm = (train_other_task_reward_model(demo, sweep_dir)
+                if any(variant.other_task_rejections for variant in variants) else None)
+    results = []
+    for variant in variants:
+        adapter = other_rm if variant.other_task_rejections else demo.path("reward", "rm_lora_model")
+        results.append(run_variant(demo, variant, sweep_dir, adapter, sft))
+    best = best_variant(results)
+    if best and not args.variants:
+        chosen = next(variant for variant in variants if variant.name == best)
+        second = replace(chosen, name=f"{best}-seed{PPO_SECOND_SEED}", seed=PPO_SECOND_SEED)
+        results.append(run_variant(demo, second, sweep_dir, other_rm if chosen.other_task_rejections
+                                   else demo.path("reward", "rm_lora_model"), sft))
+    if other_rm:
+        report = read_stage_result(other_rm.parent / "rm_report.json")["sets"]["held_out"]
+        logger.info("other-task reward model, held-out sentiment accuracy %.3f", report["accuracy"])
+    table = render_table(results, sft, best)
+    (sweep_dir / "sweep.md").write_text(table, encoding="utf-8")
+    (sweep_dir / "sweep.json").write_text(json.dumps({"sft": sft, "runs": results, "best": best}, indent=2,
+                                                     ensure_ascii=False), encoding="utf-8")
+    print("\n" + table)
+    return 0
+
+
+def entry_point() -> None:
+    run_cli(lambda: sys.exit(main()))
+
+
+if __name__ == "__main__":
+    entry_point()
