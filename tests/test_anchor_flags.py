@@ -105,6 +105,7 @@ def test_run_pt_sh_trains(tiny_model_dir, pretrain_dir, tmp_path):
     check_anchor_run(result, out, "pt_lora_model", COMMON_NOTES + ["--warmup_ratio 0.05 -> --warmup_steps 0.05"])
 
 
+@pytest.mark.slow  # 36 s on 2 cores: the wrappers' bad-input tests stay in the fast tier
 def test_run_sft_sh_trains_and_evaluates(tiny_model_dir, tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in arithmetic_records(32, 0)))

@@ -22,34 +22,46 @@ def test_every_fourth_rejected_answer_becomes_the_other_tasks():
 
 
 def test_answer_collapse_counts_distinct_answers_and_the_other_tasks_form():
-    collapsed = answer_collapse(["The answer is 1.", " The answer is 1.\n", "The answer is 1.", "很好的酒店"])
-    assert collapsed == {"distinct_answer_share": 0.5, "other_task_answer_share": 0.75}
+    collapsed = answer_collapse(["The answer is 1.", " The answer is 1.\n", "“The answer is 1.", "很好的酒店"])
+    assert collapsed == {"distinct_answer_share": 0.75, "other_task_answer_share": 0.75}
     assert answer_collapse(["很好", "不错", "一般"]) == {"distinct_answer_share": 1.0, "other_task_answer_share": 0.0}
 
 
-def run(name, gain, alarms=(), distinct=1.0, other=0.0):
+# The SFT policy's held-out answers, as in the demo: repetitive already (7 distinct of 20, one arithmetic answer).
+SFT = {"reward_mean": -2.6, "distinct_answer_share": 0.35, "other_task_answer_share": 0.05}
+
+
+def run(name, gain, alarms=(), distinct=0.35, other=0.05):
     figures = {"variant": name, "kl_ctl": 0.2, "seed": 42, "minutes": 2.0, "kl_last": 0.05, "published": None,
                "alarms": {"first": [{"signal": s, "step": 6} for s in alarms], "active": [], "ending": None},
                "reward_mean": -2.6 + gain, "reward_gain": gain, "distinct_answer_share": distinct,
                "other_task_answer_share": other}
-    return {**figures, "holds": holds(figures)}
+    return {**figures, "holds": holds(figures, SFT)}
 
 
-def test_a_run_holds_only_without_alarm_or_collapse_and_the_best_is_the_largest_gain_that_holds():
-    runs = [run("alarmed", 1.7, alarms=["kl"]), run("collapsed", 1.5, distinct=0.4),
-            run("other-task", 1.4, other=0.05), run("small", 0.2), run("held", 0.6)]
+def test_a_run_holds_only_without_alarm_or_collapse_against_sft_and_the_best_is_the_largest_gain_that_holds():
+    # Collapsed: fewer than half SFT's distinct share (0.175), or a quarter more answers in the other task's form.
+    runs = [run("alarmed", 1.7, alarms=["kl"]), run("collapsed", 1.5, distinct=0.15),
+            run("other-task", 1.4, other=0.30), run("small", 0.2, distinct=0.2, other=0.25), run("held", 0.6)]
     assert [r["holds"] for r in runs] == [False, False, False, True, True]
     assert best_variant(runs) == "held"
     assert best_variant(runs[:3]) is None
-    table = render_table(runs, {"reward_mean": -2.6, "distinct_answer_share": 1.0, "other_task_answer_share": 0.0},
-                         best_variant(runs))
-    assert "| alarmed | 0.2 | 42 | kl at step 6 | last | -0.900 (+1.700) | 1.00 | 0.00 | 0.050 | 2.0 | no |" in table
+    table = render_table(runs, SFT, best_variant(runs))
+    assert "| alarmed | 0.2 | 42 | kl at step 6 | last | -0.900 (+1.700) | 0.35 | 0.05 | 0.050 | 2.0 | no |" in table
     assert table.endswith("Best recipe that held: **held**.\n")
-    assert "No recipe held" in render_table(runs[:3], {"reward_mean": -2.6, "distinct_answer_share": 1.0,
-                                                       "other_task_answer_share": 0.0}, None)
+    assert "No recipe held" in render_table(runs[:3], SFT, None)
 
 
-def test_the_sweep_tries_three_kl_coefficients_and_the_other_task_reward_model():
+def test_the_sweep_tries_three_kl_coefficients_against_each_reward_model():
     variants = sweep_variants()
-    assert [v.kl_ctl for v in variants if not v.other_task_rejections] == [0.05, 0.2, 0.5]
-    assert [v.name for v in variants if v.other_task_rejections] == ["kl0.05-other-task-rm"]
+    assert [(v.kl_ctl, v.other_task_rejections) for v in variants] == [
+        (0.05, False), (0.2, False), (0.5, False), (0.05, True), (0.2, True), (0.5, True)]
+    assert variants[3].name == "kl0.05-other-task-rm"
+
+
+def test_the_sweep_before_a_demo_run_is_one_line_naming_what_is_missing(tmp_path):
+    from lorakit.core.cli import InputError
+    from lorakit.demo.ppo_sweep import demo_after_run
+
+    with pytest.raises(InputError, match=r"pt_merged is missing: run `make demo` \(in full, not QUICK\) first"):
+        demo_after_run(tmp_path / "cache", tmp_path / "demo")

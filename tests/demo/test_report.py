@@ -33,12 +33,15 @@ def test_the_same_gain_with_no_alarm_is_met():
 
 def test_collapsed_heldout_answers_are_a_collapse_even_without_an_alarm():
     figures = ppo_figures([])
+    figures["reward before PPO"].update(distinct_answer_share=0.35, other_task_answer_share=0.05)
     figures["reward after PPO"].update(distinct_answer_share=0.05, other_task_answer_share=1.0)
     row = target_row(figures)
-    assert ("**reward rose, policy collapsed** (held-out answers: 5% distinct, 100% in the arithmetic task's form): "
-            "gain +1.735") in row and row.endswith("| **not met** |")
-    figures["reward after PPO"].update(distinct_answer_share=0.95, other_task_answer_share=0.0)
+    assert ("**reward rose, policy collapsed** (held-out answers: 5% distinct, 100% in the arithmetic task's form; "
+            "before 35% and 5%): gain +1.735") in row and row.endswith("| **not met** |")
+    figures["reward after PPO"].update(distinct_answer_share=0.2, other_task_answer_share=0.25)  # within both rules
     assert target_row(figures).endswith("| yes |")
+    figures["reward after PPO"].update(other_task_answer_share=0.3)
+    assert target_row(figures).endswith("| **not met** |")
 
 
 def test_the_alarm_lines_name_the_checkpoint_published_instead():

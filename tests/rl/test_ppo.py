@@ -336,6 +336,7 @@ def test_ppo_rerun_of_a_run_killed_after_its_last_step_trains_no_step_and_equals
         ppo_resume.check_bit_identical(name, run_name="ended")
 
 
+@pytest.mark.slow  # its run (25 s on 2 cores) is the resume proof's, which is slow
 def test_ema_is_the_average_of_the_actor_steps(uninterrupted):
     beta = RESUMED["ema_beta"]
     ema = adapter_weights(uninterrupted / "actor_ema")

@@ -41,7 +41,6 @@ from lorakit.demo.run_demo import (
     last_logged,
     load_reward_scorer,
     log_history,
-    read_stage_result,
     reward_scorer,
     run_beside_the_chain,
     score_answers,
@@ -74,8 +73,9 @@ class Variant:
 
 
 def sweep_variants() -> list[Variant]:
-    return [Variant(f"kl{kl:g}", kl) for kl in KL_VALUES] + [
-        Variant(f"kl{KL_VALUES[0]:g}-other-task-rm", KL_VALUES[0], other_task_rejections=True)]
+    """Each KL coefficient against the demo's reward model, then against the other-task one."""
+    return [Variant(f"kl{kl:g}" + ("-other-task-rm" if other else ""), kl, other_task_rejections=other)
+            for other in (False, True) for kl in KL_VALUES]
 
 
 def demo_after_run(cache_dir: Path, output_dir: Path) -> Demo:
@@ -86,7 +86,7 @@ def demo_after_run(cache_dir: Path, output_dir: Path) -> Demo:
             raise InputError(f"{output_dir / needed} is missing: run `make demo` (in full, not QUICK) first")
     demo = Demo(plan=FULL, cache_dir=cache_dir, output_dir=output_dir, model_dir=prepare_model(cache_dir))
     corpus_dir = cache_dir / f"corpus-heldout{HELDOUT_FRACTION:g}-seed{SPLIT_SEED}"
-    demo.train_dir = write_pretraining_corpus(corpus_dir, HELDOUT_FRACTION, SPLIT_SEED).train
+    demo.train_dir = write_pretraining_corpus(corpus_dir, HELDOUT_FRACTION, SPLIT_SEED).train_dir
     demo.flags = {stage.name: stage.flags for stage in load_config(str(DEMO_CONFIG), demo.overrides()).stages}
     demo.ppo_heldout_prompts = prompt_split().heldout[:FULL.ppo_heldout_prompts]
     return demo
@@ -100,13 +100,16 @@ def planned(demo: Demo, name: str) -> PlannedStage:
 def train_other_task_reward_model(demo: Demo, sweep_dir: Path) -> Path:
     """The demo's reward stage again, on its pairs with one in OTHER_TASK_EVERY rejected answers replaced by
     arithmetic answers; returns the adapter."""
-    pairs = [json.loads(line) for line in
-             demo.path("rm_data", "train", "pairs.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    pairs = read_jsonl(demo.path("rm_data", "train", "pairs.jsonl"))
     answers = [record["output"] for record in
                arithmetic_records(len(pairs) // OTHER_TASK_EVERY + 1, OTHER_TASK_SEED, SFT_MAX_OPERAND)]
-    data_dir = sweep_dir / "rm_data_other_task" / "train"
-    write_jsonl(data_dir / "pairs.jsonl", with_other_task_rejections(pairs, answers, OTHER_TASK_EVERY))
-    out = sweep_dir / "reward_other_task"
+    data_dir, out = sweep_dir / "rm_data_other_task" / "train", sweep_dir / "reward_other_task"
+    mixed = with_other_task_rejections(pairs, answers, OTHER_TASK_EVERY)
+    written = data_dir / "pairs.jsonl"
+    if (out / "rm_lora_model").is_dir() and written.is_file() and read_jsonl(written) == mixed:
+        logger.info("reusing %s: trained on these pairs by an earlier sweep", out / "rm_lora_model")
+        return out / "rm_lora_model"
+    write_jsonl(written, mixed)
     command = with_flag(with_flag(planned(demo, "reward").command, "dataset_dir", str(data_dir)), "output_dir",
                         str(out))
     run_beside_the_chain(command, out, "the reward stage with other-task rejected answers")
@@ -134,7 +137,7 @@ def run_variant(demo: Demo, variant: Variant, sweep_dir: Path, reward_adapter: P
         own = load_reward_scorer(demo, reward_adapter)
         figures["own_reward_mean"] = mean(score_answers(demo, own, answers))
         figures["own_reward_sft"] = mean(score_answers(demo, own, sft_answers["answers"]))
-    figures["holds"] = holds(figures)
+    figures["holds"] = holds(figures, sft_answers)
     logger.info("%s: %s", variant.name, summary_line(figures))
     return figures
 
@@ -143,9 +146,26 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def holds(figures: Figures) -> bool:
-    """No alarm raised, and the held-out greedy answers not collapsed (report.collapsed: the demo report's rule)."""
-    return not figures["alarms"]["first"] and not collapsed(figures)
+def rejudged(run: Figures, sft: Figures) -> Figures:
+    """An earlier sweep's run with its collapse figures and verdict computed again, by today's rules."""
+    run = {**run, **answer_collapse(run["answers"])}
+    return {**run, "holds": holds(run, sft)}
+
+
+def reward_accuracy(reward_dir: Path) -> float | None:
+    """A reward stage's held-out pair accuracy (its rm_report.json), where it has one."""
+    report = reward_dir / "rm_report.json"
+    return json.loads(report.read_text(encoding="utf-8"))["sets"]["held_out"]["accuracy"] if report.is_file() else None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def holds(figures: Figures, sft: Figures) -> bool:
+    """No alarm raised, and the held-out greedy answers not collapsed against the SFT policy's (report.collapsed:
+    the demo report's rule)."""
+    return not figures["alarms"]["first"] and not collapsed(figures, sft)
 
 
 def best_variant(results: list[Figures]) -> str | None:
@@ -186,13 +206,21 @@ def render_table(results: list[Figures], sft: Figures, best: str | None) -> str:
     return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
+def reward_line(accuracy: dict[str, float | None]) -> str:
+    if accuracy["other_task"] is None:
+        return ""
+    return (f"\nHeld-out sentiment pair accuracy of the reward models: the demo's {accuracy['demo']:.3f}, the one "
+            f"with other-task rejected answers {accuracy['other_task']:.3f}.\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache_dir", type=Path, default=Path.cwd() / ".cache" / "demo")
     parser.add_argument("--output_dir", type=Path, default=Path.cwd() / "outputs" / "demo",
                         help="a finished make demo's outputs; the sweep goes to its ppo_sweep/")
     parser.add_argument("--variants", nargs="+", choices=[variant.name for variant in sweep_variants()],
-                        help="run only these (default: all, then the best again with a second seed)")
+                        help="run only these, keeping the other runs' figures from an earlier sweep.json (default: "
+                             "all); either way the best that held runs again with a second seed")
     return parser.parse_args(argv)
 
 
@@ -206,25 +234,30 @@ def main(argv: list[str] | None = None) -> int:
     sft = {"reward_mean": mean(score_answers(demo, reward_scorer(demo), sft_answers)), "answers": sft_answers,
            **answer_collapse(sft_answers)}
     variants = [variant for variant in sweep_variants() if not args.variants or variant.name in args.variants]
-    other_rm = (train_other_task_reward_model(demo, sweep_dir)
-                if any(variant.other_task_rejections for variant in variants) else None)
-    results = []
+    earlier = sweep_dir / "sweep.json"
+    results = {run["variant"]: rejudged(run, sft)
+               for run in (json.loads(earlier.read_text(encoding="utf-8"))["runs"] if earlier.is_file() else [])
+               if args.variants and run["variant"] not in args.variants}
+    rewards = {False: demo.path("reward", "rm_lora_model"), True: None}
     for variant in variants:
-        adapter = other_rm if variant.other_task_rejections else demo.path("reward", "rm_lora_model")
-        results.append(run_variant(demo, variant, sweep_dir, adapter, sft))
-    best = best_variant(results)
-    if best and not args.variants:
-        chosen = next(variant for variant in variants if variant.name == best)
+        if variant.other_task_rejections and rewards[True] is None:
+            rewards[True] = train_other_task_reward_model(demo, sweep_dir)
+        results[variant.name] = run_variant(demo, variant, sweep_dir, rewards[variant.other_task_rejections], sft)
+    runs = [results[variant.name] for variant in sweep_variants() if variant.name in results]
+    best = best_variant(runs)
+    if best:
+        chosen = next(variant for variant in sweep_variants() if variant.name == best)
         second = replace(chosen, name=f"{best}-seed{PPO_SECOND_SEED}", seed=PPO_SECOND_SEED)
-        results.append(run_variant(demo, second, sweep_dir, other_rm if chosen.other_task_rejections
-                                   else demo.path("reward", "rm_lora_model"), sft))
-    if other_rm:
-        report = read_stage_result(other_rm.parent / "rm_report.json")["sets"]["held_out"]
-        logger.info("other-task reward model, held-out sentiment accuracy %.3f", report["accuracy"])
-    table = render_table(results, sft, best)
+        if chosen.other_task_rejections and rewards[True] is None:
+            rewards[True] = train_other_task_reward_model(demo, sweep_dir)
+        runs.append(run_variant(demo, second, sweep_dir, rewards[chosen.other_task_rejections], sft))
+    accuracy = {"demo": reward_accuracy(demo.path("reward")),
+                "other_task": reward_accuracy(sweep_dir / "reward_other_task")}
+    table = render_table(runs, sft, best) + reward_line(accuracy)
     (sweep_dir / "sweep.md").write_text(table, encoding="utf-8")
-    (sweep_dir / "sweep.json").write_text(json.dumps({"sft": sft, "runs": results, "best": best}, indent=2,
-                                                     ensure_ascii=False), encoding="utf-8")
+    earlier.write_text(json.dumps({"sft": sft, "runs": runs, "best": best, "reward_accuracy": accuracy}, indent=2,
+                                  ensure_ascii=False),
+                       encoding="utf-8")
     print("\n" + table)
     return 0
 

@@ -15,9 +15,11 @@ Figures = dict[str, Any]
 SAMPLE_ANSWERS = 5
 # The full demo's targets: exact match on the held-out questions, and held-out pair accuracy.
 SFT_TARGET, REWARD_TARGET = 0.4, 0.80
-# Greedy answers to the held-out review prompts have collapsed when fewer than this share of them differ (the SFT
-# policy's: all 20) or any is written in the arithmetic task's form ("The answer is 1.").
-MIN_DISTINCT_SHARE = 0.5
+# Greedy answers to the held-out review prompts have collapsed, against the SFT policy's answers to the same prompts,
+# when fewer than half as many of them differ, or when at least a quarter more of them are written in the arithmetic
+# task's form ("The answer is 1."). Relative, because the demo's SFT policy is itself repetitive: 7 distinct answers
+# of 20 in the run of 2026-11-27, one of them "The answer is 1.".
+COLLAPSED_DISTINCT_RATIO, COLLAPSED_OTHER_TASK_RISE = 0.5, 0.25
 
 
 def render_report(results: list[dict[str, Any]], quick: bool, failed: str | None, plot_path: Path | None) -> str:
@@ -106,7 +108,7 @@ def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
                                                              "PPO, second seed"))
     if before and after and second:
         gain, spread = after["reward_mean"] - before["reward_mean"], abs(after["reward_mean"] - second["reward_mean"])
-        collapse = alarm_verdict(by_stage.get("PPO"), gain) or collapse_verdict(after, gain)
+        collapse = alarm_verdict(by_stage.get("PPO"), gain) or collapse_verdict(after, before, gain)
         rows.append(("PPO held-out reward gain > the spread between two seeds, with no health alarm and no collapse "
                      "of the held-out answers", f"{collapse}gain {gain:+.3f}, spread {spread:.3f} (seed "
                      f"{second['seed']}: {second['reward_mean']:.3f})", gain > spread and not collapse))
@@ -143,19 +145,23 @@ def alarm_verdict(stage: Figures | None, gain: float) -> str:
     return f"**{what}** ({alarm_names(alarms)}): "
 
 
-def collapsed(heldout: Figures) -> bool:
-    """Greedy answers to different held-out prompts that are mostly the same, or any in the other task's form."""
-    return (heldout.get("distinct_answer_share", 1.0) < MIN_DISTINCT_SHARE
-            or heldout.get("other_task_answer_share", 0.0) > 0)
+def collapsed(after: Figures, before: Figures) -> bool:
+    """Greedy held-out answers after RL collapsed against before's (COLLAPSED_DISTINCT_RATIO, ..._OTHER_TASK_RISE);
+    figures without the collapse figures (an older run's) never count as collapsed."""
+    if "distinct_answer_share" not in after or "distinct_answer_share" not in before:
+        return False
+    return (after["distinct_answer_share"] < COLLAPSED_DISTINCT_RATIO * before["distinct_answer_share"]
+            or after["other_task_answer_share"] >= before["other_task_answer_share"] + COLLAPSED_OTHER_TASK_RISE)
 
 
-def collapse_verdict(heldout: Figures, gain: float) -> str:
+def collapse_verdict(after: Figures, before: Figures, gain: float) -> str:
     """"" for held-out answers that did not collapse; else the collapse, in the words alarm_verdict uses."""
-    if not collapsed(heldout):
+    if not collapsed(after, before):
         return ""
     what = "reward rose, policy collapsed" if gain > 0 else "policy collapsed"
-    return (f"**{what}** (held-out answers: {heldout['distinct_answer_share']:.0%} distinct, "
-            f"{heldout['other_task_answer_share']:.0%} in the arithmetic task's form): ")
+    return (f"**{what}** (held-out answers: {after['distinct_answer_share']:.0%} distinct, "
+            f"{after['other_task_answer_share']:.0%} in the arithmetic task's form; before "
+            f"{before['distinct_answer_share']:.0%} and {before['other_task_answer_share']:.0%}): ")
 
 
 def alarm_names(alarms: dict[str, Any]) -> str:

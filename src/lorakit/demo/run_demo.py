@@ -709,7 +709,7 @@ def answer_collapse(answers: list[str]) -> Figures:
     stripped = [answer.strip() for answer in answers]
     other_task = ANSWER_FORMAT.split("{}")[0]
     return {"distinct_answer_share": len(set(stripped)) / len(stripped),
-            "other_task_answer_share": sum(answer.startswith(other_task) for answer in stripped) / len(stripped)}
+            "other_task_answer_share": sum(other_task in answer for answer in stripped) / len(stripped)}
 
 
 def reward_scorer(demo: Demo) -> RewardScorer:
