@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from lorakit.demo.run_demo import (
     last_logged,
     load_reward_scorer,
     log_history,
+    read_stage_result,
     reward_scorer,
     run_beside_the_chain,
     score_answers,
@@ -97,16 +97,17 @@ def planned(demo: Demo, name: str) -> PlannedStage:
                 if stage.config.name == name)
 
 
-def train_other_task_reward_model(demo: Demo, sweep_dir: Path) -> Path:
+def other_task_reward_model(demo: Demo, sweep_dir: Path, train: bool = True) -> Path:
     """The demo's reward stage again, on its pairs with one in OTHER_TASK_EVERY rejected answers replaced by
-    arithmetic answers; returns the adapter."""
+    arithmetic answers (train False, or trained on the same pairs before: the adapter already there); returns the
+    adapter."""
     pairs = read_jsonl(demo.path("rm_data", "train", "pairs.jsonl"))
     answers = [record["output"] for record in
                arithmetic_records(len(pairs) // OTHER_TASK_EVERY + 1, OTHER_TASK_SEED, SFT_MAX_OPERAND)]
     data_dir, out = sweep_dir / "rm_data_other_task" / "train", sweep_dir / "reward_other_task"
     mixed = with_other_task_rejections(pairs, answers, OTHER_TASK_EVERY)
     written = data_dir / "pairs.jsonl"
-    if (out / "rm_lora_model").is_dir() and written.is_file() and read_jsonl(written) == mixed:
+    if not train or (out / "rm_lora_model").is_dir() and written.is_file() and read_jsonl(written) == mixed:
         logger.info("reusing %s: trained on these pairs by an earlier sweep", out / "rm_lora_model")
         return out / "rm_lora_model"
     write_jsonl(written, mixed)
@@ -116,15 +117,18 @@ def train_other_task_reward_model(demo: Demo, sweep_dir: Path) -> Path:
     return out / "rm_lora_model"
 
 
-def run_variant(demo: Demo, variant: Variant, sweep_dir: Path, reward_adapter: Path, sft_answers: Figures) -> Figures:
-    """One PPO run beside the chain and its figures."""
+def run_variant(demo: Demo, variant: Variant, sweep_dir: Path, reward_adapter: Path, sft_answers: Figures,
+                train: bool = True) -> Figures:
+    """One PPO run beside the chain (or, train False, the one an earlier sweep left in its directory) and its
+    figures."""
     out = sweep_dir / variant.name
-    command = planned(demo, "ppo").command
-    for flag, value in (("output_dir", out), ("kl_ctl", variant.kl_ctl), ("reward_lora_model", reward_adapter)):
-        command = with_flag(command, flag, str(value))
-    start = time.perf_counter()
-    run_beside_the_chain(command + ["--seed", str(variant.seed)], out, f"PPO {variant.name}")
-    minutes = (time.perf_counter() - start) / 60
+    if train:
+        command = planned(demo, "ppo").command
+        for flag, value in (("output_dir", out), ("kl_ctl", variant.kl_ctl), ("reward_lora_model", reward_adapter)):
+            command = with_flag(command, flag, str(value))
+        run_beside_the_chain(command + ["--seed", str(variant.seed)], out, f"PPO {variant.name}")
+    # The Trainer's own time of the run: the same whether measured now or from an earlier sweep's directory.
+    minutes = read_stage_result(out / "train_results.json")["train_runtime"] / 60
     answers = heldout_answers(demo, out / "ppo_lora_model")
     reward = mean(score_answers(demo, reward_scorer(demo), answers))
     alarms = health_alarms(out)
@@ -155,7 +159,9 @@ def rejudged(run: Figures, sft: Figures) -> Figures:
 def reward_accuracy(reward_dir: Path) -> float | None:
     """A reward stage's held-out pair accuracy (its rm_report.json), where it has one."""
     report = reward_dir / "rm_report.json"
-    return json.loads(report.read_text(encoding="utf-8"))["sets"]["held_out"]["accuracy"] if report.is_file() else None
+    if not report.is_file():
+        return None
+    return json.loads(report.read_text(encoding="utf-8"))["sets"]["held_out"]["accuracy"]["accuracy"]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -189,7 +195,7 @@ def summary_line(figures: Figures) -> str:
 def render_table(results: list[Figures], sft: Figures, best: str | None) -> str:
     """The sweep as a markdown table, with the SFT policy's row first and the verdict last."""
     lines = ["| run | KL coef | seed | alarms (first step) | published | held-out reward (gain over SFT) | distinct "
-             "answers | other-task answers | KL/token last | minutes | holds |",
+             "answers | other-task answers | KL last (per answer) | minutes | holds |",
              "|---|---|---|---|---|---|---|---|---|---|---|",
              f"| SFT policy (before PPO) | | | | | {sft['reward_mean']:+.3f} | {sft['distinct_answer_share']:.2f} | "
              f"{sft['other_task_answer_share']:.2f} | | | |"]
@@ -221,6 +227,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", choices=[variant.name for variant in sweep_variants()],
                         help="run only these, keeping the other runs' figures from an earlier sweep.json (default: "
                              "all); either way the best that held runs again with a second seed")
+    parser.add_argument("--measure_only", action="store_true",
+                        help="train nothing: measure the runs an earlier sweep left in ppo_sweep/ again")
     return parser.parse_args(argv)
 
 
@@ -241,16 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     rewards = {False: demo.path("reward", "rm_lora_model"), True: None}
     for variant in variants:
         if variant.other_task_rejections and rewards[True] is None:
-            rewards[True] = train_other_task_reward_model(demo, sweep_dir)
-        results[variant.name] = run_variant(demo, variant, sweep_dir, rewards[variant.other_task_rejections], sft)
+            rewards[True] = other_task_reward_model(demo, sweep_dir, train=not args.measure_only)
+        results[variant.name] = run_variant(demo, variant, sweep_dir, rewards[variant.other_task_rejections], sft,
+                                            train=not args.measure_only)
     runs = [results[variant.name] for variant in sweep_variants() if variant.name in results]
     best = best_variant(runs)
     if best:
         chosen = next(variant for variant in sweep_variants() if variant.name == best)
         second = replace(chosen, name=f"{best}-seed{PPO_SECOND_SEED}", seed=PPO_SECOND_SEED)
         if chosen.other_task_rejections and rewards[True] is None:
-            rewards[True] = train_other_task_reward_model(demo, sweep_dir)
-        runs.append(run_variant(demo, second, sweep_dir, rewards[chosen.other_task_rejections], sft))
+            rewards[True] = other_task_reward_model(demo, sweep_dir, train=not args.measure_only)
+        runs.append(run_variant(demo, second, sweep_dir, rewards[chosen.other_task_rejections], sft,
+                                train=not args.measure_only))
     accuracy = {"demo": reward_accuracy(demo.path("reward")),
                 "other_task": reward_accuracy(sweep_dir / "reward_other_task")}
     table = render_table(runs, sft, best) + reward_line(accuracy)
