@@ -56,7 +56,7 @@ def test_the_sweep_tries_three_kl_coefficients_against_each_reward_model():
     variants = sweep_variants()
     assert [(v.kl_ctl, v.other_task_rejections) for v in variants] == [
         (0.05, False), (0.2, False), (0.5, False), (0.05, True), (0.2, True), (0.5, True)]
-    assert variants[3].name == "kl0.05-other-task-rm"
+    assert [variants[0].name, variants[5].name] == ["kl0.05-sentiment-rm", "kl0.5-other-task-rm"]
 
 
 def test_the_sweep_before_a_demo_run_is_one_line_naming_what_is_missing(tmp_path):
@@ -65,3 +65,15 @@ def test_the_sweep_before_a_demo_run_is_one_line_naming_what_is_missing(tmp_path
 
     with pytest.raises(InputError, match=r"pt_merged is missing: run `make demo` \(in full, not QUICK\) first"):
         demo_after_run(tmp_path / "cache", tmp_path / "demo")
+
+
+def test_the_demos_reward_pairs_reject_one_arithmetic_answer_in_four():
+    import re
+
+    from lorakit.demo.run_demo import OTHER_TASK_EVERY, other_task_answers
+
+    answers = other_task_answers(480)
+    assert OTHER_TASK_EVERY == 4 and len(answers) == 120
+    assert all(re.fullmatch(r"The answer is \d+\.", answer) for answer in answers) and len(set(answers)) > 50
+    mixed = with_other_task_rejections(PAIRS, other_task_answers(len(PAIRS)), OTHER_TASK_EVERY)
+    assert sum(pair["rejected"].startswith("The answer is") for pair in mixed) == 3

@@ -1,15 +1,17 @@
 """The demo's PPO recipe, swept: after a `make demo`, PPO again beside the chain with the KL coefficient at three
-values, and once against a reward model whose rejected answers include the other task's, each run's health alarms,
-held-out figures and minutes in one table; the best recipe that held (no alarm, no collapse on the held-out prompts)
-runs again with a second seed.
+values, each against two reward models: the demo's (one rejected answer in four is an arithmetic answer, "The answer
+is 42.") and one trained on the same pairs with only negative reviews as rejected answers (the demo's until this
+sweep); each run's health alarms, held-out figures and minutes in one table; the best recipe that held (no alarm, no
+collapse of the held-out answers against the SFT policy's) runs again with a second seed.
 
-    python -m lorakit.demo.ppo_sweep            # after make demo: outputs/demo/ppo_sweep/{sweep.json,sweep.md}
+    python -m lorakit.demo.ppo_sweep                  # after make demo: outputs/demo/ppo_sweep/{sweep.json,sweep.md}
+    python -m lorakit.demo.ppo_sweep --measure_only   # the figures again from the runs already there
 
 Every run is the pipeline's own PPO command for demo.yaml (the same actor, SFT adapter, prompts, steps and
 learning rates), changed only in the flags its variant names, into outputs/demo/ppo_sweep/<variant>/. Held-out
 figures: the greedy answers to the 20 held-out review prompts, scored by the demo's reward model (so every run is
-comparable) and, for the other-task variant, by its own; how far those answers collapsed (distinct answers, answers
-in the arithmetic task's form). About 2.5 minutes a PPO run and 3 for the other reward model on 2 CPU cores.
+comparable) and, for the sentiment-only variants, by their own; how far those answers collapsed (distinct answers,
+answers in the arithmetic task's form). About 2 minutes a PPO run and 3 for the second reward model on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from typing import Any
 from lorakit.core.cli import ArgumentParser, InputError, run_cli
 from lorakit.demo.prepare_default import prepare_model, write_pretraining_corpus
 from lorakit.demo.report import Figures, collapsed
-from lorakit.demo.review_tasks import prompt_split, with_other_task_rejections
+from lorakit.demo.review_tasks import prompt_split
 from lorakit.demo.run_demo import (
     DEMO_CONFIG,
     FULL,
     HELDOUT_FRACTION,
     PPO_SECOND_SEED,
-    SFT_MAX_OPERAND,
     SPLIT_SEED,
     Demo,
     answer_collapse,
@@ -44,21 +45,17 @@ from lorakit.demo.run_demo import (
     reward_scorer,
     run_beside_the_chain,
     score_answers,
+    sentiment_pairs,
     with_flag,
     write_jsonl,
 )
-from lorakit.demo.sft_tasks import arithmetic_records
 from lorakit.pipeline.config import load_config
 from lorakit.pipeline.stages import PlannedStage, plan_stages
 
 logger = logging.getLogger("ppo_sweep")
 
-# The KL coefficients tried: the demo's (0.05, which collapsed), 4x and 10x it.
+# The KL coefficients tried: 0.05 (the demo's before the sweep, which collapsed), 0.2 and 0.5 (the demo's since).
 KL_VALUES = (0.05, 0.2, 0.5)
-# One reward-model pair in this many gets an arithmetic answer ("The answer is 42.") as its rejected answer: 120 of
-# the 480 pairs the reward stage trains on, the rest stay sentiment pairs.
-OTHER_TASK_EVERY = 4
-OTHER_TASK_SEED = 11  # the arithmetic answers' seed: none of SFT's train, validation or held-out sets (0, 1, 2)
 DEMO_SEED = 42  # the Trainer's default, which the demo's PPO stage runs with
 
 
@@ -68,13 +65,15 @@ class Variant:
 
     name: str
     kl_ctl: float
-    other_task_rejections: bool = False  # against the reward model trained with other-task rejected answers
+    # Against the demo's reward model (one rejected answer in OTHER_TASK_EVERY from the arithmetic task), or against
+    # one the sweep trains on the same pairs with every rejected answer a negative review (the demo's until the sweep).
+    other_task_rejections: bool = True
     seed: int = DEMO_SEED
 
 
 def sweep_variants() -> list[Variant]:
-    """Each KL coefficient against the demo's reward model, then against the other-task one."""
-    return [Variant(f"kl{kl:g}" + ("-other-task-rm" if other else ""), kl, other_task_rejections=other)
+    """Each KL coefficient against the sentiment-only reward model, then against the demo's."""
+    return [Variant(f"kl{kl:g}-{'other-task' if other else 'sentiment'}-rm", kl, other_task_rejections=other)
             for other in (False, True) for kl in KL_VALUES]
 
 
@@ -97,23 +96,18 @@ def planned(demo: Demo, name: str) -> PlannedStage:
                 if stage.config.name == name)
 
 
-def other_task_reward_model(demo: Demo, sweep_dir: Path, train: bool = True) -> Path:
-    """The demo's reward stage again, on its pairs with one in OTHER_TASK_EVERY rejected answers replaced by
-    arithmetic answers (train False, or trained on the same pairs before: the adapter already there); returns the
-    adapter."""
-    pairs = read_jsonl(demo.path("rm_data", "train", "pairs.jsonl"))
-    answers = [record["output"] for record in
-               arithmetic_records(len(pairs) // OTHER_TASK_EVERY + 1, OTHER_TASK_SEED, SFT_MAX_OPERAND)]
-    data_dir, out = sweep_dir / "rm_data_other_task" / "train", sweep_dir / "reward_other_task"
-    mixed = with_other_task_rejections(pairs, answers, OTHER_TASK_EVERY)
-    written = data_dir / "pairs.jsonl"
-    if not train or (out / "rm_lora_model").is_dir() and written.is_file() and read_jsonl(written) == mixed:
+def sentiment_reward_model(demo: Demo, sweep_dir: Path, train: bool = True) -> Path:
+    """The demo's reward stage again, on its pairs before the other task's rejected answers went in (train False,
+    or trained on the same pairs before: the adapter already there); returns the adapter."""
+    data_dir, out = sweep_dir / "rm_data_sentiment" / "train", sweep_dir / "reward_sentiment"
+    pairs, written = sentiment_pairs(demo).train, data_dir / "pairs.jsonl"
+    if not train or (out / "rm_lora_model").is_dir() and written.is_file() and read_jsonl(written) == pairs:
         logger.info("reusing %s: trained on these pairs by an earlier sweep", out / "rm_lora_model")
         return out / "rm_lora_model"
-    write_jsonl(written, mixed)
+    write_jsonl(written, pairs)
     command = with_flag(with_flag(planned(demo, "reward").command, "dataset_dir", str(data_dir)), "output_dir",
                         str(out))
-    run_beside_the_chain(command, out, "the reward stage with other-task rejected answers")
+    run_beside_the_chain(command, out, "the reward stage on sentiment pairs only")
     return out / "rm_lora_model"
 
 
@@ -137,7 +131,7 @@ def run_variant(demo: Demo, variant: Variant, sweep_dir: Path, reward_adapter: P
                "kl_last": last_logged(log_history(out), "kl"), "alarms": alarms,
                "published": (alarms["ending"] or {}).get("published_from"), "reward_mean": reward,
                "reward_gain": reward - sft_answers["reward_mean"], **answer_collapse(answers), "answers": answers}
-    if variant.other_task_rejections:
+    if not variant.other_task_rejections:
         own = load_reward_scorer(demo, reward_adapter)
         figures["own_reward_mean"] = mean(score_answers(demo, own, answers))
         figures["own_reward_sft"] = mean(score_answers(demo, own, sft_answers["answers"]))
@@ -213,10 +207,10 @@ def render_table(results: list[Figures], sft: Figures, best: str | None) -> str:
 
 
 def reward_line(accuracy: dict[str, float | None]) -> str:
-    if accuracy["other_task"] is None:
+    if accuracy["sentiment"] is None:
         return ""
-    return (f"\nHeld-out sentiment pair accuracy of the reward models: the demo's {accuracy['demo']:.3f}, the one "
-            f"with other-task rejected answers {accuracy['other_task']:.3f}.\n")
+    return (f"\nHeld-out sentiment pair accuracy of the reward models: the demo's (other-task rejected answers) "
+            f"{accuracy['demo']:.3f}, the sentiment-only one {accuracy['sentiment']:.3f}.\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -246,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {run["variant"]: rejudged(run, sft)
                for run in (json.loads(earlier.read_text(encoding="utf-8"))["runs"] if earlier.is_file() else [])
                if args.variants and run["variant"] not in args.variants}
-    rewards = {False: demo.path("reward", "rm_lora_model"), True: None}
+    rewards = {True: demo.path("reward", "rm_lora_model"), False: None}
     for variant in variants:
-        if variant.other_task_rejections and rewards[True] is None:
-            rewards[True] = other_task_reward_model(demo, sweep_dir, train=not args.measure_only)
+        if rewards[variant.other_task_rejections] is None:
+            rewards[False] = sentiment_reward_model(demo, sweep_dir, train=not args.measure_only)
         results[variant.name] = run_variant(demo, variant, sweep_dir, rewards[variant.other_task_rejections], sft,
                                             train=not args.measure_only)
     runs = [results[variant.name] for variant in sweep_variants() if variant.name in results]
@@ -257,12 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     if best:
         chosen = next(variant for variant in sweep_variants() if variant.name == best)
         second = replace(chosen, name=f"{best}-seed{PPO_SECOND_SEED}", seed=PPO_SECOND_SEED)
-        if chosen.other_task_rejections and rewards[True] is None:
-            rewards[True] = other_task_reward_model(demo, sweep_dir, train=not args.measure_only)
+        if rewards[chosen.other_task_rejections] is None:
+            rewards[False] = sentiment_reward_model(demo, sweep_dir, train=not args.measure_only)
         runs.append(run_variant(demo, second, sweep_dir, rewards[chosen.other_task_rejections], sft,
                                 train=not args.measure_only))
     accuracy = {"demo": reward_accuracy(demo.path("reward")),
-                "other_task": reward_accuracy(sweep_dir / "reward_other_task")}
+                "sentiment": reward_accuracy(sweep_dir / "reward_sentiment")}
     table = render_table(runs, sft, best) + reward_line(accuracy)
     (sweep_dir / "sweep.md").write_text(table, encoding="utf-8")
     earlier.write_text(json.dumps({"sft": sft, "runs": runs, "best": best, "reward_accuracy": accuracy}, indent=2,

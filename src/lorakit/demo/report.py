@@ -295,6 +295,10 @@ def render_reward(by_stage: dict[str, Figures]) -> list[str]:
              f"sentiment snownlp's own classifier also reads clearly (probability >= {rm['clear_sentiment']} of "
              "their label) make pairs, in training and held-out alike, e.g.", "",
              f"- prompt: {pair['prompt']}", f"- chosen: {pair['chosen']}", f"- rejected: {pair['rejected']}", "",
+             f"In {rm.get('other_task_rejected', 0)} of the training pairs the rejected answer is the arithmetic "
+             "task's (\"The answer is 42.\"), so that a review prompt answered in the other task's form scores "
+             "below a review (docs/demo.md's PPO sweep: without them PPO answered every review prompt \"The answer "
+             "is 1.\").", "",
              f"{rm['steps']} LoRA steps (rank 16, all linear layers, score head trained in full) of "
              f"{rm['batch_size']} pairs ({rm['train_pairs']} pairs, each seen once) at learning rate "
              f"{rm['learning_rate']:g}; training loss {rm['loss_first']:.3f} "

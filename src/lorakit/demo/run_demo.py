@@ -50,7 +50,15 @@ from lorakit.demo.exact_match import (
 from lorakit.demo.heldout_eval import heldout_nll
 from lorakit.demo.prepare_default import CORPUS_FILE, prepare_model, sentiment_reviews, write_pretraining_corpus
 from lorakit.demo.report import Figures, plot_losses, render_report
-from lorakit.demo.review_tasks import CLEAR_SENTIMENT, demonstrations, preference_pairs, prompt_split, review_pools
+from lorakit.demo.review_tasks import (
+    CLEAR_SENTIMENT,
+    PreferenceSplit,
+    demonstrations,
+    preference_pairs,
+    prompt_split,
+    review_pools,
+    with_other_task_rejections,
+)
 from lorakit.demo.sft_tasks import ANSWER_FORMAT, arithmetic_records
 from lorakit.pipeline.config import StageConfig, load_config
 from lorakit.pipeline.stages import PlannedStage, plan_stages
@@ -85,6 +93,12 @@ SFT_REVIEW_SHARE = 8  # one review-writing demonstration for every eight arithme
 # spread between seeds.
 PPO_SECOND_SEED = 7
 REWARD_SEED = 0
+# One reward-model training pair in OTHER_TASK_EVERY has an arithmetic answer ("The answer is 42.") as its rejected
+# answer, the rest are sentiment pairs. With sentiment pairs alone the reward model scored "The answer is 1." above
+# the SFT policy's broken reviews, and PPO answered every review prompt with it; the sweep of 2026-11-27
+# (lorakit.demo.ppo_sweep, docs/demo.md) kept these rejections and a KL coefficient of 0.5 (demo.yaml).
+OTHER_TASK_EVERY = 4
+OTHER_TASK_SEED = 11  # the arithmetic answers' seed: none of SFT's train, validation or held-out sets (0, 1, 2)
 # The DPO path's own flags; the rest are the reward stage's (its pairs, lengths, batch sizes, LoRA shape), so
 # both learn from the same pairs. Tuned on an earlier demo's SFT model (20 steps x 8 pairs; held-out accuracy
 # 0.69 and 0.74 with two seeds; 0.70 after 25 steps at beta 0.1 and lr 2e-4, 0.66 with ipo, 0.66 after 16
@@ -225,10 +239,8 @@ def prepare(demo: Demo) -> Figures:
 def write_reward_and_prompt_data(demo: Demo) -> None:
     """Preference pairs (as many as the reward stage's steps consume) and PPO's prompts."""
     demo.flags = {stage.name: stage.flags for stage in load_config(str(DEMO_CONFIG), demo.overrides()).stages}
-    rm = demo.flags["reward"]
-    positives, negatives = review_pools(*sentiment_reviews())["rm"]
-    train, heldout = preference_pairs(positives, negatives, rm["max_steps"] * rm["per_device_train_batch_size"],
-                                      demo.plan.rm_eval_pairs, REWARD_SEED)
+    sentiment, heldout = sentiment_pairs(demo)
+    train = with_other_task_rejections(sentiment, other_task_answers(len(sentiment)), OTHER_TASK_EVERY)
     for name in ("rm_data", "ppo_data"):
         shutil.rmtree(demo.path(name), ignore_errors=True)
     write_jsonl(demo.path("rm_data", "train", "pairs.jsonl"), train)
@@ -236,7 +248,22 @@ def write_reward_and_prompt_data(demo: Demo) -> None:
     write_jsonl(demo.path("ppo_data", "train", "prompts.jsonl"),
                 [{"instruction": prompt, "output": ""} for prompt in prompt_split().train])
     demo.ppo_heldout_prompts = prompt_split().heldout[:demo.plan.ppo_heldout_prompts]
-    demo.reward_data = {"train_pairs": len(train), "sample_pair": heldout[0], "clear_sentiment": CLEAR_SENTIMENT}
+    demo.reward_data = {"train_pairs": len(train), "other_task_rejected": len(range(0, len(train), OTHER_TASK_EVERY)),
+                        "sample_pair": heldout[0], "clear_sentiment": CLEAR_SENTIMENT}
+
+
+def sentiment_pairs(demo: Demo) -> PreferenceSplit:
+    """The reward stage's train pairs (as many as its steps consume) and held-out pairs, all sentiment pairs."""
+    rm = demo.flags["reward"]
+    positives, negatives = review_pools(*sentiment_reviews())["rm"]
+    return preference_pairs(positives, negatives, rm["max_steps"] * rm["per_device_train_batch_size"],
+                            demo.plan.rm_eval_pairs, REWARD_SEED)
+
+
+def other_task_answers(pairs: int) -> list[str]:
+    """As many arithmetic answers as with_other_task_rejections puts into `pairs` pairs."""
+    count = len(range(0, pairs, OTHER_TASK_EVERY))
+    return [record["output"] for record in arithmetic_records(count, OTHER_TASK_SEED, SFT_MAX_OPERAND)]
 
 
 def pipeline(demo: Demo) -> Figures:
