@@ -62,9 +62,11 @@ is refused by it in one line, recorded "refused" with that line, and the plan go
               warm-up call pays the compile, reported with the graphs it built).
 Memory, PPO and rollout run at every model chosen, 7B first in the default order.
 
-Throughput figures, over the steps after --warmup_steps: non-padding tokens/s, padding, seconds per step, MFU, peak
-GPU memory. Ratios ours/TRL (tokens/s and peak memory) at each headline model: ours' best packed run (whose packed
-loss equals the loss alone) against TRL, and against TRL with Liger.
+Throughput figures, over the steps after --warmup_steps: non-padding tokens/s (the measured steps' tokens over their
+summed time) and at the median step (their mean tokens per step over the median step time: the steady state, which
+a few slow steps of new shapes or recompiles do not move), padding, seconds per step, MFU, peak GPU memory. Ratios
+ours/TRL (tokens/s, both ways, and peak memory) at each headline model: ours' best packed run (whose packed loss
+equals the loss alone) against TRL, and against TRL with Liger.
 
 Packing check, in each packed run of ours before training: the first two packed rows that hold two samples or more,
 as one batch through the model (the run's collator: position_ids restarting per sample, and the samples' bounds under
@@ -1258,6 +1260,9 @@ def summarise_sft(result: dict, config: dict, peak_flops) -> None:
     result.update({"measured_steps": len(step_s), "non_padding_tokens": sum(lengths),
                    "tokens_per_s": sum(lengths) / seconds, "padding_pct": 100.0 * (1 - sum(lengths) / fed),
                    "median_step_s": statistics.median(step_s), "model_flops": flops,
+                   # The steady state a long run approaches: a few slow steps (a new shape's first kernels, a
+                   # recompile) weigh in full in tokens_per_s over 10 steps, not here.
+                   "median_tokens_per_s": sum(lengths) / len(step_s) / statistics.median(step_s),
                    "model_tflops_per_s": flops / seconds / 1e12,
                    "mfu": flops / seconds / peak_flops if peak_flops else None})
 
@@ -1299,7 +1304,8 @@ def check_text(check: dict | None) -> str:
 
 def sft_row(name: str, r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-"
-    return (f"{name} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['padding_pct']:>8.1f} "
+    return (f"{name} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['median_tokens_per_s']:>10.0f} "
+            f"{r['padding_pct']:>8.1f} "
             f"{r['median_step_s']:>7.3f} {r['model_tflops_per_s']:>8.1f} {mfu:>6} "
             f"{gb(r['peak_memory_mb']):>8}  {check_text(r.get('packing_check'))}")
 
@@ -1366,6 +1372,8 @@ def peer_ratios(ratios: Ratios, finished: dict, models: list) -> list:
             liger_targets = liger and model.endswith("-7b")  # issue 33's targets: against TRL + Liger, at 7B
             ratios.add(f"{model}: ours packed best/{label} tokens/s", ours["name"], peer["name"], "tokens_per_s",
                        target=PEER_SPEED_TARGET if liger_targets else None, at_most=False)
+            ratios.add(f"{model}: ours packed best/{label} tokens/s at the median step", ours["name"], peer["name"],
+                       "median_tokens_per_s")
             ratios.add(f"{model}: ours packed best/{label} peak memory", ours["name"], peer["name"], "peak_memory_mb",
                        target=PEER_MEMORY_TARGET if liger_targets else None)
             if ours["lora_parameters"] != peer["lora_parameters"]:
@@ -1431,8 +1439,9 @@ def print_tables(session: Session) -> None:
     width = name_width(results, "throughput", 34)
     print(f"\nLoRA SFT, seq {settings['seq_len']}, {settings['steps'] - settings['warmup_steps']} measured steps "
           f"(after {settings['warmup_steps']} warm-up)")
-    print_table(f"{'run':<{width}} {'batch':>5} {'tokens/s':>10} {'padding%':>8} {'step s':>7} {'TFLOP/s':>8} "
-                f"{'MFU%':>6} {'peak GB':>8}  packing check: packed = alone (max |diff|; whole-row control)",
+    print_table(f"{'run':<{width}} {'batch':>5} {'tokens/s':>10} {'at median':>10} {'padding%':>8} {'step s':>7} "
+                f"{'TFLOP/s':>8} {'MFU%':>6} {'peak GB':>8}  packing check: packed = alone (max |diff|; whole-row "
+                "control)",
                 group_lines(results, "throughput", width, sft_row))
     print("\nPeak memory, one row, batch 1, activation checkpointing (loaded: the model as loaded; growth: the "
           "peak over it)")
