@@ -336,6 +336,8 @@ def test_torch_varlen_without_bounds_runs_sdpa_with_its_mask(packed_case, varlen
 def test_torch_varlen_is_refused_where_torch_cannot_run_it(monkeypatch):
     with pytest.raises(InputError, match="runs on a CUDA GPU only"):
         varlen_attention.use_torch_varlen(on_gpu=False)
+    with pytest.raises(InputError, match=r"computes in bfloat16 or float16 only .*: add --bf16"):
+        varlen_attention.use_torch_varlen(on_gpu=True, float32_only=True)
     monkeypatch.setattr(varlen_attention, "KERNEL", None)
     with pytest.raises(InputError, match=r"has no torch.nn.attention.varlen \(torch 2.10 or later"):
         varlen_attention.use_torch_varlen(on_gpu=True)

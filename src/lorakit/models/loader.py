@@ -347,7 +347,8 @@ def prepare_attention(model_args: ModelArguments, training_args: "TrainingArgume
     if model_args.attn_implementation == "torch_varlen":
         from lorakit.models.varlen_attention import use_torch_varlen
 
-        use_torch_varlen(uses_gpu(training_args))
+        half = training_args is not None and (training_args.bf16 or training_args.fp16)
+        use_torch_varlen(uses_gpu(training_args), float32_only=model_args.torch_dtype == "float32" and not half)
 
 
 def empty_model(model_args: ModelArguments, config: PreTrainedConfig, task: str,

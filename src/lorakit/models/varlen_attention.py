@@ -62,16 +62,20 @@ def kernel_options(kernel: Callable[..., torch.Tensor]) -> KernelOptions:
     return KernelOptions(*(name in parameters for name in KernelOptions._fields))
 
 
-def use_torch_varlen(on_gpu: bool) -> None:
+def use_torch_varlen(on_gpu: bool, float32_only: bool = False) -> None:
     """Register torch_varlen with transformers (the attention function and sdpa's mask function), so that
     from_pretrained takes the name; or refuse it where this torch cannot run it (on_gpu: whether the run computes on
-    a CUDA device). Called before any weight is loaded or data is written (models.loader.check_load_plan)."""
+    a CUDA device; float32_only: float32 weights and no --bf16/--fp16, which the flash kernel does not take). Called
+    before any weight is loaded or data is written (models.loader.check_load_plan)."""
     if KERNEL is None:
         raise InputError(f"--attn_implementation {TORCH_VARLEN}: this torch ({torch.__version__}) has no "
                          "torch.nn.attention.varlen (torch 2.10 or later has it); use sdpa or a flash attention")
     if KERNEL is TORCH_KERNEL and not on_gpu:
         raise InputError(f"--attn_implementation {TORCH_VARLEN} runs on a CUDA GPU only (torch's varlen_attn is a "
                          "flash attention kernel); use sdpa on this machine")
+    if KERNEL is TORCH_KERNEL and float32_only:
+        raise InputError(f"--attn_implementation {TORCH_VARLEN} computes in bfloat16 or float16 only (a flash "
+                         "attention kernel): add --bf16 (or --torch_dtype bfloat16), or use sdpa in float32")
     AttentionInterface.register(TORCH_VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(TORCH_VARLEN, sdpa_mask)
 
