@@ -1,6 +1,8 @@
 """The demo's PPO sweep: its other-task rejected pairs, the collapse figures of held-out answers, which run holds
 and which is best, and the table."""
 
+import json
+
 import pytest
 
 from lorakit.demo.ppo_sweep import best_variant, holds, render_table, sweep_variants
@@ -32,10 +34,10 @@ SFT = {"reward_mean": -2.6, "distinct_answer_share": 0.35, "other_task_answer_sh
 
 
 def run(name, gain, alarms=(), distinct=0.35, other=0.05):
-    figures = {"variant": name, "kl_ctl": 0.2, "seed": 42, "minutes": 2.0, "kl_last": 0.05, "published": None,
+    figures = {"variant": name, "kl_ctl": 0.2, "seed": 42, "minutes": 2.0, "kl_last": 0.05, "published": "last",
                "alarms": {"first": [{"signal": s, "step": 6} for s in alarms], "active": [], "ending": None},
                "reward_mean": -2.6 + gain, "reward_gain": gain, "distinct_answer_share": distinct,
-               "other_task_answer_share": other}
+               "other_task_answer_share": other, "answers": ["是，是。"]}
     return {**figures, "holds": holds(figures, SFT)}
 
 
@@ -50,6 +52,9 @@ def test_a_run_holds_only_without_alarm_or_collapse_against_sft_and_the_best_is_
     assert "| alarmed | 0.2 | 42 | kl at step 6 | last | -0.900 (+1.700) | 0.35 | 0.05 | 0.050 | 2.0 | no |" in table
     assert table.endswith("Best recipe that held: **held**.\n")
     assert "No recipe held" in render_table(runs[:3], SFT, None)
+    unpublished = {**run("nothing", 0.0, alarms=["kl"]), "published": "nothing", "answers": [], "holds": False}
+    assert "| nothing | 0.2 | 42 | kl at step 6 | nothing | - | - | - | 0.050 | 2.0 | no |" in render_table(
+        [unpublished], SFT, None)
 
 
 def test_the_sweep_tries_three_kl_coefficients_against_each_reward_model():
@@ -77,3 +82,21 @@ def test_the_demos_reward_pairs_reject_one_arithmetic_answer_in_four():
     assert all(re.fullmatch(r"The answer is \d+\.", answer) for answer in answers) and len(set(answers)) > 50
     mixed = with_other_task_rejections(PAIRS, other_task_answers(len(PAIRS)), OTHER_TASK_EVERY)
     assert sum(pair["rejected"].startswith("The answer is") for pair in mixed) == 3
+
+
+def finished_demo(root, quick: bool, rejected: str):
+    for needed in ("pt_merged", "sft/sft_lora_model", "reward/rm_lora_model", "rm_data/train"):
+        (root / needed).mkdir(parents=True)
+    (root / "rm_data/train/pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "好", "rejected": rejected}))
+    (root / "report.json").write_text(json.dumps({"quick": quick}))
+    return root
+
+
+def test_the_sweep_refuses_a_quick_demo_and_one_from_before_its_recipe(tmp_path):
+    from lorakit.core.cli import InputError
+    from lorakit.demo.ppo_sweep import demo_after_run
+
+    with pytest.raises(InputError, match=r"report.json: a `make demo QUICK=1` run"):
+        demo_after_run(tmp_path / "cache", finished_demo(tmp_path / "quick", True, "The answer is 3."))
+    with pytest.raises(InputError, match="no rejected answer from the arithmetic task: a demo run from before"):
+        demo_after_run(tmp_path / "cache", finished_demo(tmp_path / "old", False, "差"))

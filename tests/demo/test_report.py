@@ -48,3 +48,25 @@ def test_the_alarm_lines_name_the_checkpoint_published_instead():
     alarms = {"monitored": True, "first": [KL_ALARM], "active": [],
               "ending": {"published_from": "checkpoint-4/ppo_lora_model"}}
     assert alarm_lines("PPO", {"alarms": alarms})[0].endswith("at step 12. Published: checkpoint-4/ppo_lora_model.")
+
+
+def test_the_second_seed_is_held_to_the_same_alarms_and_collapse():
+    figures = ppo_figures([])
+    figures["PPO, second seed"]["alarms"] = {"monitored": True, "first": [KL_ALARM], "active": [], "ending": None}
+    row = target_row(figures)
+    assert "seed 7: **reward rose, policy collapsed** (kl at step 12)" in row and row.endswith("| **not met** |")
+
+
+def test_an_older_runs_alarm_file_and_reward_figures_still_render():
+    from lorakit.demo.report import render_reward
+
+    alarms = {"monitored": True, "first": [KL_ALARM], "active": [], "ending": {"published": "checkpoint-2/x"}}
+    assert alarm_lines("PPO", {"alarms": alarms})[0].endswith("Published: checkpoint-2/x.")
+    rm = {"sample_pair": {"prompt": "p", "chosen": "c", "rejected": "r"}, "clear_sentiment": 0.8, "steps": 60,
+          "batch_size": 8, "train_pairs": 480, "learning_rate": 2e-3, "loss_first": 0.7, "loss_first_step": 5,
+          "loss_last": 0.4, "loss_last_step": 60, "logging_steps": 5, "eval_samples": 100, "eval_accuracy": 0.8,
+          "eval_chosen_score": 1.0, "eval_rejected_score": -1.0}
+    text = "\n".join(render_reward({"reward model": rm}))
+    assert "arithmetic task" not in text and "accuracy 0.800" in text
+    assert "In 120 of the training pairs the rejected answer is the arithmetic task's" in "\n".join(
+        render_reward({"reward model": {**rm, "other_task_rejected": 120}}))

@@ -49,6 +49,7 @@ from lorakit.demo.run_demo import (
     with_flag,
     write_jsonl,
 )
+from lorakit.demo.sft_tasks import ANSWER_FORMAT
 from lorakit.pipeline.config import load_config
 from lorakit.pipeline.stages import PlannedStage, plan_stages
 
@@ -83,6 +84,14 @@ def demo_after_run(cache_dir: Path, output_dir: Path) -> Demo:
     for needed in ("pt_merged", "sft/sft_lora_model", "reward/rm_lora_model", "rm_data/train/pairs.jsonl"):
         if not (output_dir / needed).exists():
             raise InputError(f"{output_dir / needed} is missing: run `make demo` (in full, not QUICK) first")
+    report = output_dir / "report.json"
+    if report.is_file() and json.loads(report.read_text(encoding="utf-8")).get("quick"):
+        raise InputError(f"{report}: a `make demo QUICK=1` run (3 training steps); the sweep needs a full "
+                         "`make demo`")
+    pairs = read_jsonl(output_dir / "rm_data" / "train" / "pairs.jsonl")
+    if not any(pair["rejected"].startswith(ANSWER_FORMAT.split("{}")[0]) for pair in pairs):
+        raise InputError(f"{output_dir / 'rm_data' / 'train' / 'pairs.jsonl'}: no rejected answer from the "
+                         "arithmetic task: a demo run from before the sweep's recipe; run `make demo` again first")
     demo = Demo(plan=FULL, cache_dir=cache_dir, output_dir=output_dir, model_dir=prepare_model(cache_dir))
     corpus_dir = cache_dir / f"corpus-heldout{HELDOUT_FRACTION:g}-seed{SPLIT_SEED}"
     demo.train_dir = write_pretraining_corpus(corpus_dir, HELDOUT_FRACTION, SPLIT_SEED).train_dir
@@ -121,16 +130,21 @@ def run_variant(demo: Demo, variant: Variant, sweep_dir: Path, reward_adapter: P
         for flag, value in (("output_dir", out), ("kl_ctl", variant.kl_ctl), ("reward_lora_model", reward_adapter)):
             command = with_flag(command, flag, str(value))
         run_beside_the_chain(command + ["--seed", str(variant.seed)], out, f"PPO {variant.name}")
-    # The Trainer's own time of the run: the same whether measured now or from an earlier sweep's directory.
-    minutes = read_stage_result(out / "train_results.json")["train_runtime"] / 60
-    answers = heldout_answers(demo, out / "ppo_lora_model")
-    reward = mean(score_answers(demo, reward_scorer(demo), answers))
     alarms = health_alarms(out)
     figures = {"variant": variant.name, "kl_ctl": variant.kl_ctl, "seed": variant.seed,
-               "other_task_rejections": variant.other_task_rejections, "minutes": minutes,
+               "other_task_rejections": variant.other_task_rejections,
+               # The Trainer's own time of the run: the same whether measured now or from an earlier sweep's run.
+               "minutes": read_stage_result(out / "train_results.json")["train_runtime"] / 60,
                "kl_last": last_logged(log_history(out), "kl"), "alarms": alarms,
-               "published": (alarms["ending"] or {}).get("published_from"), "reward_mean": reward,
-               "reward_gain": reward - sft_answers["reward_mean"], **answer_collapse(answers), "answers": answers}
+               "published": (alarms["ending"] or {}).get("published_from") or "last"}
+    if not (out / "ppo_lora_model").is_dir():  # an alarm active at the end and no checkpoint saved before it
+        figures.update(published="nothing", answers=[], holds=False)
+        logger.info("%s: published nothing (alarms: %s)", variant.name, alarm_text(alarms))
+        return figures
+    answers = heldout_answers(demo, out / "ppo_lora_model")
+    reward = mean(score_answers(demo, reward_scorer(demo), answers))
+    figures.update(reward_mean=reward, reward_gain=reward - sft_answers["reward_mean"], **answer_collapse(answers),
+                   answers=answers)
     if not variant.other_task_rejections:
         own = load_reward_scorer(demo, reward_adapter)
         figures["own_reward_mean"] = mean(score_answers(demo, own, answers))
@@ -146,6 +160,8 @@ def mean(values: list[float]) -> float:
 
 def rejudged(run: Figures, sft: Figures) -> Figures:
     """An earlier sweep's run with its collapse figures and verdict computed again, by today's rules."""
+    if not run["answers"]:  # it published nothing
+        return run
     run = {**run, **answer_collapse(run["answers"])}
     return {**run, "holds": holds(run, sft)}
 
@@ -186,6 +202,17 @@ def summary_line(figures: Figures) -> str:
             f"in the other task's form {figures['other_task_answer_share']:.2f}; {figures['minutes']:.1f} min")
 
 
+def heldout_cells(figures: Figures) -> str:
+    """The held-out reward, distinct answers and other-task answers cells of a run's row ("-" where it published
+    nothing)."""
+    if not figures["answers"]:
+        return "- | - | -"
+    own = (f"; own RM {figures['own_reward_sft']:+.3f} -> {figures['own_reward_mean']:+.3f}"
+           if "own_reward_mean" in figures else "")
+    return (f"{figures['reward_mean']:+.3f} ({figures['reward_gain']:+.3f}{own}) | "
+            f"{figures['distinct_answer_share']:.2f} | {figures['other_task_answer_share']:.2f}")
+
+
 def render_table(results: list[Figures], sft: Figures, best: str | None) -> str:
     """The sweep as a markdown table, with the SFT policy's row first and the verdict last."""
     lines = ["| run | KL coef | seed | alarms (first step) | published | held-out reward (gain over SFT) | distinct "
@@ -194,13 +221,9 @@ def render_table(results: list[Figures], sft: Figures, best: str | None) -> str:
              f"| SFT policy (before PPO) | | | | | {sft['reward_mean']:+.3f} | {sft['distinct_answer_share']:.2f} | "
              f"{sft['other_task_answer_share']:.2f} | | | |"]
     for figures in results:
-        own = (f"; own RM {figures['own_reward_sft']:+.3f} -> {figures['own_reward_mean']:+.3f}"
-               if "own_reward_mean" in figures else "")
-        lines.append(
-            f"| {figures['variant']} | {figures['kl_ctl']:g} | {figures['seed']} | {alarm_text(figures['alarms'])} | "
-            f"{figures['published'] or 'last'} | {figures['reward_mean']:+.3f} ({figures['reward_gain']:+.3f}{own}) | "
-            f"{figures['distinct_answer_share']:.2f} | {figures['other_task_answer_share']:.2f} | "
-            f"{figures['kl_last']:.3f} | {figures['minutes']:.1f} | {'yes' if figures['holds'] else 'no'} |")
+        lines.append(f"| {figures['variant']} | {figures['kl_ctl']:g} | {figures['seed']} | "
+                     f"{alarm_text(figures['alarms'])} | {figures['published']} | {heldout_cells(figures)} | "
+                     f"{figures['kl_last']:.3f} | {figures['minutes']:.1f} | {'yes' if figures['holds'] else 'no'} |")
     verdict = (f"Best recipe that held: **{best}**." if best else
                "**No recipe held** without an alarm or a collapse on SmolLM2-135M.")
     return "\n".join(lines) + "\n\n" + verdict + "\n"
@@ -226,43 +249,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class Sweep:
+    """One invocation's runs: trained (or, --measure_only, found) and measured in order, sweep.json rewritten after
+    each, so a sweep stopped half-way keeps what it measured."""
+
+    def __init__(self, demo: Demo, args: argparse.Namespace) -> None:
+        self.demo, self.args, self.dir = demo, args, demo.path("ppo_sweep")
+        self.dir.mkdir(exist_ok=True)
+        answers = heldout_answers(demo, demo.path("sft", "sft_lora_model"))
+        self.sft = {"reward_mean": mean(score_answers(demo, reward_scorer(demo), answers)), "answers": answers,
+                    **answer_collapse(answers)}
+        self.rewards = {True: demo.path("reward", "rm_lora_model"), False: None}
+        earlier = self.dir / "sweep.json"
+        self.runs = {run["variant"]: rejudged(run, self.sft)
+                     for run in (json.loads(earlier.read_text(encoding="utf-8"))["runs"] if earlier.is_file() else [])
+                     if not self.wanted(run["variant"])}
+
+    def wanted(self, name: str) -> bool:
+        """Whether this invocation measures the run: one --variants names (all without it), and under --measure_only
+        one an earlier sweep left; the others keep their figures from sweep.json."""
+        named = not self.args.variants or name.split("-seed")[0] in self.args.variants
+        return named and (not self.args.measure_only or (self.dir / name / "train_results.json").is_file())
+
+    def measure(self, variant: Variant) -> None:
+        if not self.wanted(variant.name):
+            return
+        if self.rewards[variant.other_task_rejections] is None:
+            self.rewards[False] = sentiment_reward_model(self.demo, self.dir, train=not self.args.measure_only)
+        self.runs[variant.name] = run_variant(self.demo, variant, self.dir, self.rewards[variant.other_task_rejections],
+                                              self.sft, train=not self.args.measure_only)
+        self.save(best_variant(self.ordered()))
+
+    def ordered(self) -> list[Figures]:
+        """The runs in the sweep's order, each second-seed run after its first."""
+        order = {variant.name: index for index, variant in enumerate(sweep_variants())}
+        return sorted(self.runs.values(), key=lambda run: (order.get(run["variant"].split("-seed")[0], len(order)),
+                                                           run["variant"]))
+
+    def save(self, best: str | None) -> str:
+        accuracy = {"demo": reward_accuracy(self.demo.path("reward")),
+                    "sentiment": reward_accuracy(self.dir / "reward_sentiment")}
+        table = render_table(self.ordered(), self.sft, best) + reward_line(accuracy)
+        (self.dir / "sweep.md").write_text(table, encoding="utf-8")
+        (self.dir / "sweep.json").write_text(json.dumps(
+            {"sft": self.sft, "runs": self.ordered(), "best": best, "reward_accuracy": accuracy}, indent=2,
+            ensure_ascii=False), encoding="utf-8")
+        return table
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    demo = demo_after_run(args.cache_dir.resolve(), args.output_dir.resolve())
-    sweep_dir = demo.path("ppo_sweep")
-    sweep_dir.mkdir(exist_ok=True)
-    sft_answers = heldout_answers(demo, demo.path("sft", "sft_lora_model"))
-    sft = {"reward_mean": mean(score_answers(demo, reward_scorer(demo), sft_answers)), "answers": sft_answers,
-           **answer_collapse(sft_answers)}
-    variants = [variant for variant in sweep_variants() if not args.variants or variant.name in args.variants]
-    earlier = sweep_dir / "sweep.json"
-    results = {run["variant"]: rejudged(run, sft)
-               for run in (json.loads(earlier.read_text(encoding="utf-8"))["runs"] if earlier.is_file() else [])
-               if args.variants and run["variant"] not in args.variants}
-    rewards = {True: demo.path("reward", "rm_lora_model"), False: None}
-    for variant in variants:
-        if rewards[variant.other_task_rejections] is None:
-            rewards[False] = sentiment_reward_model(demo, sweep_dir, train=not args.measure_only)
-        results[variant.name] = run_variant(demo, variant, sweep_dir, rewards[variant.other_task_rejections], sft,
-                                            train=not args.measure_only)
-    runs = [results[variant.name] for variant in sweep_variants() if variant.name in results]
-    best = best_variant(runs)
+    sweep = Sweep(demo_after_run(args.cache_dir.resolve(), args.output_dir.resolve()), args)
+    for variant in sweep_variants():
+        sweep.measure(variant)
+    best = best_variant([run for run in sweep.ordered() if "-seed" not in run["variant"]])
     if best:
         chosen = next(variant for variant in sweep_variants() if variant.name == best)
-        second = replace(chosen, name=f"{best}-seed{PPO_SECOND_SEED}", seed=PPO_SECOND_SEED)
-        if rewards[chosen.other_task_rejections] is None:
-            rewards[False] = sentiment_reward_model(demo, sweep_dir, train=not args.measure_only)
-        runs.append(run_variant(demo, second, sweep_dir, rewards[chosen.other_task_rejections], sft,
-                                train=not args.measure_only))
-    accuracy = {"demo": reward_accuracy(demo.path("reward")),
-                "sentiment": reward_accuracy(sweep_dir / "reward_sentiment")}
-    table = render_table(runs, sft, best) + reward_line(accuracy)
-    (sweep_dir / "sweep.md").write_text(table, encoding="utf-8")
-    earlier.write_text(json.dumps({"sft": sft, "runs": runs, "best": best, "reward_accuracy": accuracy}, indent=2,
-                                  ensure_ascii=False),
-                       encoding="utf-8")
-    print("\n" + table)
+        sweep.measure(replace(chosen, name=f"{best}-seed{PPO_SECOND_SEED}", seed=PPO_SECOND_SEED))
+    print("\n" + sweep.save(best))
     return 0
 
 

