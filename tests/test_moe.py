@@ -15,6 +15,7 @@ import torch
 from helpers.commands import PT_SCRIPT, REPO, SFT_SCRIPT, TRAINING, check_refused, options_to_argv, run_in_process
 from helpers.families import MOE_FAMILIES
 from helpers.run_outputs import adapter_weights, losses_of
+from lorakit.core.model_files import expert_parameter_targets
 from test_family_stages import TRAINING_OPTIONS, assert_ran, data_files, training_args  # noqa: F401 (a fixture)
 
 RM_SCRIPT = os.path.join(TRAINING, "run_reward.py")
@@ -29,6 +30,25 @@ SFT_STEPS = 4
 def expert_lora_b(weights: dict) -> dict:
     """name -> lora_B of each expert wrapper in an adapter (peft's ParamWrapper: [out, rank x experts])."""
     return {name: value for name, value in weights.items() if ".experts." in name and "lora_B" in name}
+
+
+def test_expert_targets_read_the_same_whichever_peft_wrote_them():
+    """peft 0.22 records Qwen2-MoE's experts under two spellings (ours and the bare tail): read as one list, and a
+    bare name marks no module as an expert wrapper, so the Linear layers beside it keep their shape check."""
+    from lorakit.core.model_files import adapter_updates, expert_wrapper
+
+    written_by_0_22 = ["gate_up_proj", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "down_proj"]
+    assert expert_parameter_targets(written_by_0_22) == sorted(EXPERT_WEIGHTS)
+    assert expert_parameter_targets(EXPERT_WEIGHTS) == sorted(EXPERT_WEIGHTS) == expert_parameter_targets(
+        set(written_by_0_22))
+    assert expert_parameter_targets(None) == [] and expert_parameter_targets(["down_proj"]) == ["down_proj"]
+    config = {"target_parameters": written_by_0_22}
+    assert expert_wrapper("model.layers.0.mlp.experts.base_layer", config)
+    assert not expert_wrapper("model.layers.0.self_attn.q_proj", config)
+    assert not expert_wrapper("model.layers.0.self_attn.q_proj", {"target_parameters": ["down_proj"]})
+    tensors = {f"base_model.model.model.layers.0.self_attn.q_proj.lora_{part}.weight": {"shape": shape}
+               for part, shape in (("A", [8, 32]), ("B", [64, 8]))}
+    assert adapter_updates(config, tensors) == {"model.layers.0.self_attn.q_proj.weight": (64, 32)}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +73,11 @@ def test_sft_trains_every_expert_of_every_layer(name, moe_sft):
     weights = adapter_weights(out / "sft_lora_model")
     experts = expert_lora_b(weights)
     config = json.loads((out / "sft_lora_model" / "adapter_config.json").read_text())
-    assert sorted(config["target_parameters"]) == sorted(EXPERT_WEIGHTS) and config["lora_dropout"] == 0.0
+    # peft 0.21 records our two names; 0.22 adds their bare tails on Qwen2-MoE (expert_parameter_targets): the same
+    # two weights either way.
+    assert set(config["target_parameters"]) - set(EXPERT_WEIGHTS) <= {"gate_up_proj", "down_proj"}
+    assert expert_parameter_targets(config["target_parameters"]) == sorted(EXPERT_WEIGHTS)
+    assert config["lora_dropout"] == 0.0
     # Two wrappers (gate_up_proj, down_proj) in each of the 2 layers.
     assert len(experts) == 4, sorted(experts)
     count = MOE_FAMILIES[name].config.get("num_experts") or MOE_FAMILIES[name].config["num_local_experts"]

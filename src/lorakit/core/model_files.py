@@ -265,10 +265,22 @@ def adapter_updates(adapter_config: dict[str, Any],
     return needed
 
 
+def expert_parameter_targets(target_parameters: Any) -> list[str]:
+    """An adapter's target_parameters (peft matches each as a name suffix) as one sorted list, each parameter once:
+    a name that is the dotted tail of another listed name is that one. peft 0.22 adds bare names beside ours on
+    Qwen2-MoE (its v4-to-v5 conversion maps the shared expert's gate_proj/up_proj/down_proj targets onto the fused
+    experts' gate_up_proj and down_proj too), so the same experts read as ["mlp.experts.down_proj", "down_proj", ...]
+    there and ["mlp.experts.down_proj", ...] under 0.21."""
+    names = set(target_parameters or ())
+    return sorted(name for name in names if not any(other.endswith(f".{name}") for other in names))
+
+
 def expert_wrapper(module: str, adapter_config: dict[str, Any]) -> bool:
     """Whether an adapter's LoRA module is peft's wrapper of a targeted parameter (target_parameters: a MoE
-    model's fused experts), whose names and shapes are not a Linear's."""
-    owners = {parameter.rpartition(".")[0] for parameter in adapter_config.get("target_parameters") or ()}
+    model's fused experts), whose names and shapes are not a Linear's. A bare parameter name names no module, so it
+    marks none (its module is then checked as a Linear, and refused if it is not one)."""
+    targets = expert_parameter_targets(adapter_config.get("target_parameters"))
+    owners = {owner for owner, _, _ in (name.rpartition(".") for name in targets) if owner}
     return any(module.removesuffix(".base_layer").endswith(owner) for owner in owners)
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from lorakit.core.cli import InputError, read_json
+from lorakit.core.model_files import expert_parameter_targets
 from lorakit.models.arguments import ALL_LINEAR, ModelArguments, comma_list
 
 if TYPE_CHECKING:  # peft is imported where an adapter is made or loaded; transformers' models where they are built
@@ -146,9 +147,9 @@ def expert_targets(model: "PreTrainedModel", model_args: ModelArguments) -> list
 
 
 def saved_expert_targets(adapter_dir: str) -> list[str]:
-    """The fused expert weights a saved adapter trains (its target_parameters), sorted; [] for none."""
+    """The fused expert weights a saved adapter trains (its target_parameters, each once), sorted; [] for none."""
     config = read_json(os.path.join(adapter_dir, "adapter_config.json"), "adapter_config.json")
-    return sorted(config.get("target_parameters") or [])
+    return expert_parameter_targets(config.get("target_parameters"))
 
 
 def planned_expert_targets(config: "PreTrainedConfig", model_args: ModelArguments, like: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from lorakit.core.cli import InputError
+from lorakit.core.model_files import expert_parameter_targets
 from lorakit.models.adapters import log_trainable
 from lorakit.models.loader import keep_trainable_float32, load_model
 from lorakit.rl.policy import SharedBasePolicy, new_score_head, reward_adapter_parts
@@ -44,8 +45,8 @@ def load_group_policy(model_args: "GRPOModelArguments", training_args: "GRPOArgu
         lora_weights, score_weights = reward_adapter_parts(model_args.reward_lora_model)
         reward_config = LoraConfig.from_pretrained(model_args.reward_lora_model)
         reward_config.task_type, reward_config.modules_to_save = TaskType.CAUSAL_LM, None
-        check_same_experts(sorted(policy.peft_config["default"].target_parameters or []),
-                           sorted(reward_config.target_parameters or []), model_args.reward_lora_model)
+        check_same_experts(expert_parameter_targets(policy.peft_config["default"].target_parameters),
+                           expert_parameter_targets(reward_config.target_parameters), model_args.reward_lora_model)
         policy.add_adapter("reward", reward_config)
         result = set_peft_model_state_dict(policy, lora_weights, adapter_name="reward")
         if getattr(result, "unexpected_keys", None):
