@@ -2,12 +2,12 @@
 """Continued pretraining of a LLaMA-family model with LoRA (optionally with trainable, resized
 embeddings for an extended vocabulary), on every *.txt / *.jsonl file in --dataset_dir.
 
-The command `lorakit pt`; its code and full description: lorakit.trainers.pt."""
+The command `lorakit pt`; its code and full description: lorakit.commands.pt."""
 
 import sys
 
 try:
-    from lorakit.trainers.pt import entry_point
+    from lorakit.commands.pt import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

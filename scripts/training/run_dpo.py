@@ -4,12 +4,12 @@ RPO's NLL term): the SFT model learns from preference pairs without a reward mod
 policy is the SFT model (a merged SFT model, or the base with --peft_path SFT_ADAPTER folded in in
 memory) with a new LoRA; the reference is the same model with that LoRA disabled.
 
-The command `lorakit dpo`; its code and full description: lorakit.trainers.dpo."""
+The command `lorakit dpo`; its code and full description: lorakit.commands.dpo."""
 
 import sys
 
 try:
-    from lorakit.trainers.dpo import entry_point
+    from lorakit.commands.dpo import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

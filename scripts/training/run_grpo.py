@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Group-relative RL with LoRA: GRPO (Dr. GRPO's and DAPO's losses), RLOO and REINFORCE++ with reward functions.
 
-The command `lorakit grpo`; its code and full description: lorakit.rl.grpo."""
+The command `lorakit grpo`; its code and full description: lorakit.commands.grpo."""
 
 import sys
 
 try:
-    from lorakit.rl.grpo import entry_point
+    from lorakit.commands.grpo import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """PPO against a reward model with LoRA (DeepSpeed-Chat's step 3, InstructGPT's RL stage).
 
-The command `lorakit ppo`; its code and full description: lorakit.rl.ppo."""
+The command `lorakit ppo`; its code and full description: lorakit.commands.ppo."""
 
 import sys
 
 try:
-    from lorakit.rl.ppo import entry_point
+    from lorakit.commands.ppo import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

@@ -3,12 +3,12 @@
 loaded as a sequence classifier with one output, trained so that the chosen answer of each
 pair scores above the rejected one.
 
-The command `lorakit reward`; its code and full description: lorakit.trainers.reward."""
+The command `lorakit reward`; its code and full description: lorakit.commands.reward."""
 
 import sys
 
 try:
-    from lorakit.trainers.reward import entry_point
+    from lorakit.commands.reward import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

@@ -2,12 +2,12 @@
 """Supervised fine-tuning with LoRA on conversations (alpaca, sharegpt or messages records),
 loss on the assistant answers only, optionally packed into padding-free rows.
 
-The command `lorakit sft`; its code and full description: lorakit.trainers.sft."""
+The command `lorakit sft`; its code and full description: lorakit.commands.sft."""
 
 import sys
 
 try:
-    from lorakit.trainers.sft import entry_point
+    from lorakit.commands.sft import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

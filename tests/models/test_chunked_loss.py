@@ -245,7 +245,7 @@ def shared_policy(model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lorakit.rl.policy import SharedBasePolicy
+    from lorakit.rl.role_policy import SharedBasePolicy
 
     torch.manual_seed(0)
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -28,7 +28,7 @@ def trainer_of(model_dir: str, output_dir, rows: Dataset, torch_compile: bool) -
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lorakit.trainers.sft import SFTArguments
+    from lorakit.trainers.sft_config import SFTArguments
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),

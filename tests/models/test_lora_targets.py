@@ -19,7 +19,7 @@ from transformers import (
 
 from lorakit.models.adapters import attach_lora, lora_target_modules
 from lorakit.models.arguments import DEFAULT_LORA_TARGETS, ModelArguments
-from lorakit.rl.ppo import PPOModelArguments
+from lorakit.rl.ppo_config import PPOModelArguments
 
 # The default before all-linear: Llama's names, which every other architecture lacked.
 LLAMA_NAMES = {"q_proj", "v_proj", "k_proj", "o_proj", "gate_proj", "down_proj", "up_proj"}

@@ -301,7 +301,7 @@ def test_torch_varlen_passes_each_signature_what_it_takes(varlen_kernel):
 
 def test_packed_rows_under_torch_varlen_equal_each_sample_alone(packed_case, tiny_model_dir, varlen_kernel):
     """Loaded as a user asks for it (--attn_implementation torch_varlen), its packed batches collated for the model's
-    attention, as trainers.sft does."""
+    attention, as the SFT command does."""
     model = load_tiny(tiny_model_dir, "torch_varlen", packed_case.tokenizer)
     assert model.config._attn_implementation == "torch_varlen"
     batch = DataCollatorForSupervisedDataset(packed_case.tokenizer.eos_token_id,

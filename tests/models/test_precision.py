@@ -63,7 +63,7 @@ def stored_tensors(model_dir) -> dict:
 def test_merged_reward_model_is_saved_in_the_base_dtype(bf16_model_dir, tokenizer, reward_adapter_dir, tmp_path):
     """The stage's merge (the streaming merge tool, in a child process; its scores are checked against base +
     adapter in tests/trainers/test_reward.py) keeps a bfloat16 base's dtype, score head included."""
-    from lorakit.trainers.reward import save_merged
+    from lorakit.commands.reward import save_merged
 
     assert stored_dtypes(bf16_model_dir) == {"BF16"}
     out = tmp_path / "reward"
@@ -77,7 +77,7 @@ def test_merged_reward_model_is_saved_in_the_base_dtype(bf16_model_dir, tokenize
 
 
 def ppo_arguments(tmp_path, actor_dir, reward_adapter_dir, shared_base):
-    from lorakit.rl.ppo import PPOArguments, PPOModelArguments
+    from lorakit.rl.ppo_config import PPOArguments, PPOModelArguments
 
     model_args = PPOModelArguments(actor_model_name_or_path=actor_dir, reward_model_name_or_path=actor_dir,
                                    reward_lora_model=reward_adapter_dir, lora_dropout=0.0, shared_base=shared_base)
@@ -96,7 +96,7 @@ def answer_batch(tokenizer) -> tuple:
 
 
 def test_ppo_frozen_roles_run_in_the_training_precision(tiny_model_dir, tokenizer, reward_adapter_dir, tmp_path):
-    from lorakit.rl.policy import load_separate_policy
+    from lorakit.rl.ppo_policy import load_separate_policy
 
     assert stored_dtypes(tiny_model_dir) == {"F32"}
     model_args, training_args, configs = ppo_arguments(tmp_path, tiny_model_dir, reward_adapter_dir, shared_base=False)
@@ -160,7 +160,7 @@ def test_trained_copies_stay_float32_and_a_tiny_update_survives(half_dtype, bf16
 
 def test_ppo_value_head_stays_float32_and_a_tiny_update_survives(bf16_model_dir, tokenizer, reward_adapter_dir,
                                                                  tmp_path):
-    from lorakit.rl.policy import load_shared_policy
+    from lorakit.rl.ppo_policy import load_shared_policy
 
     model_args, training_args, configs = ppo_arguments(tmp_path, bf16_model_dir, reward_adapter_dir, shared_base=True)
     policy = load_shared_policy(model_args, training_args, tokenizer, configs)

@@ -147,7 +147,8 @@ def test_dpo_policy_pass_carries_transformers_router_aux_loss(tmp_path):
     preference loss + coef * that aux loss."""
     from lorakit.core.pair_segments import PAIR_PADDING
     from lorakit.models.heads import answer_logps_model_class
-    from lorakit.trainers.dpo import DataCollatorForAnswerLogps, DPOArguments, DPOTrainer, policy_answers
+    from lorakit.trainers.dpo_config import DPOArguments
+    from lorakit.trainers.dpo_trainer import DataCollatorForAnswerLogps, DPOTrainer, policy_answers
 
     torch.manual_seed(0)
     config = moe_config()
@@ -175,13 +176,13 @@ def test_dpo_policy_pass_carries_transformers_router_aux_loss(tmp_path):
 
 
 def test_rl_actor_pass_carries_transformers_router_aux_loss():
-    """The RL training pass (rl.policy.PPOPolicy.forward) returns the actor's router aux loss, transformers' own on
-    the same rows (left-padded prompts, padded answers); the no-grad old-policy pass and a policy without the
+    """The RL training pass (rl.role_policy.RolePolicy.forward) returns the actor's router aux loss, transformers' own
+    on the same rows (left-padded prompts, padded answers); the no-grad old-policy pass and a policy without the
     coefficient return none; RLTrainer.add_router_aux adds coef * it to the loss and logs it."""
     from lorakit.models.positions import positions_from_mask
     from lorakit.rl.experience import SumStats
-    from lorakit.rl.policy import SharedBasePolicy
     from lorakit.rl.rl_trainer import RLTrainer
+    from lorakit.rl.role_policy import SharedBasePolicy
 
     peft_model = tiny_moe()
     hidden = peft_model.config.hidden_size

@@ -230,16 +230,16 @@ def test_two_processes_equal_one_on_the_same_global_batch(tiny_model_dir, grpo_i
 def test_the_reference_runs_only_where_its_kl_is_paid(beta, tiny_model_dir, grpo_inputs, tmp_path, monkeypatch):
     """A probe on the policy's log-prob passes: with --beta 0 no pass runs under the reference role (and no
     reference adapter is loaded); with --beta 0.1 every rollout runs one per answer batch."""
-    from lorakit.rl.policy import PPOPolicy
+    from lorakit.rl.role_policy import RolePolicy
 
     roles = []
-    original = PPOPolicy.answer_logprobs
+    original = RolePolicy.answer_logprobs
 
     def probed(self, role, *args, **kwargs):
         roles.append(role)
         return original(self, role, *args, **kwargs)
 
-    monkeypatch.setattr(PPOPolicy, "answer_logprobs", probed)
+    monkeypatch.setattr(RolePolicy, "answer_logprobs", probed)
     out = tmp_path / "out"
     result = run_in_process(GRPO_SCRIPT, grpo_args(tiny_model_dir, grpo_inputs, out, beta=beta, max_steps=2))
     assert_ok(result)

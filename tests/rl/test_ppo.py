@@ -461,9 +461,9 @@ def test_length_grouped_passes_equal_one_pass_over_the_padded_batch(tiny_model_d
     from transformers import AutoModelForCausalLM
 
     from lorakit.rl.experience import left_pad
-    from lorakit.rl.policy import PPOPolicy, backbone_of
+    from lorakit.rl.role_policy import RolePolicy, backbone_of
 
-    class OneModelPolicy(PPOPolicy):
+    class OneModelPolicy(RolePolicy):
         def __init__(self, causal_lm):
             super().__init__()
             self.lm = causal_lm
@@ -621,7 +621,7 @@ def test_qlora_ppo_trains_on_a_4bit_base_with_the_shared_flag_names(tiny_model_d
 ])
 def test_ppo_refuses_a_flag_given_under_both_names(argv, expected):
     from lorakit.core.cli import InputError, parse_args
-    from lorakit.rl.ppo import PPOArguments, PPOModelArguments
+    from lorakit.rl.ppo_config import PPOArguments, PPOModelArguments
 
     with pytest.raises(InputError, match=expected):
         parse_args((PPOModelArguments, PPOArguments), argv + ["--output_dir", "o", "--use_cpu"])

@@ -13,7 +13,7 @@ def shared_base_policy(model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lorakit.rl.policy import SharedBasePolicy
+    from lorakit.rl.role_policy import SharedBasePolicy
 
     torch.manual_seed(0)
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -109,7 +109,7 @@ def test_a_group_shares_one_prefill_and_samples_what_rows_prefilled_one_by_one_s
     decoder stack once and the KV cache is repeated to every row: the rows sample the same tokens with the same
     log-probs (to float rounding) as rows generate() prefills one by one, with prompts of two lengths (padding)."""
     from lorakit.rl.experience import left_pad
-    from lorakit.rl.policy import backbone_of
+    from lorakit.rl.role_policy import backbone_of
 
     policy = shared_base_policy(tiny_model_dir)
     prompt_ids, prompt_mask = left_pad([PROMPTS[0]] * 4 + [PROMPTS[2][1:]] * 4, 4, 0)
@@ -134,11 +134,11 @@ def test_a_group_shares_one_prefill_and_samples_what_rows_prefilled_one_by_one_s
 
 
 def test_a_group_s_answers_share_one_pass_of_their_prompt_with_the_same_log_probs_and_gradients(tiny_model_dir):
-    """The training pass of GRPO's rows (rl.policy.PPOPolicy.prompt_shared_hidden): each distinct prompt runs once and
-    its rows' answers run on from its keys and values. Log-probs and the adapter's gradients equal one pass over
+    """The training pass of GRPO's rows (rl.role_policy.RolePolicy.prompt_shared_hidden): each distinct prompt runs once
+    and its rows' answers run on from its keys and values. Log-probs and the adapter's gradients equal one pass over
     every row's whole sequence, with rows of two prompts (of two lengths) in mixed order and answers of two lengths."""
     from lorakit.rl.experience import left_pad
-    from lorakit.rl.policy import backbone_of
+    from lorakit.rl.role_policy import backbone_of
 
     policy = shared_base_policy(tiny_model_dir)
     prompts, prompt_mask = left_pad([PROMPTS[0], PROMPTS[2][1:], PROMPTS[0], PROMPTS[2][1:], PROMPTS[0]], 4, 0)

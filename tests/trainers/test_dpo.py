@@ -97,7 +97,7 @@ def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(ch
     positions (so that answers span chunks)."""
     from lorakit.models import chunked_loss
     from lorakit.models.dpo_losses import preference_loss
-    from lorakit.trainers.dpo import DataCollatorForAnswerLogps, answer_logps
+    from lorakit.trainers.dpo_trainer import DataCollatorForAnswerLogps, answer_logps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model, features = answer_logps_model(tiny_model_dir, tokenizer, tmp_path, chunked)
@@ -129,7 +129,7 @@ def test_one_row_pairs_give_the_log_probs_loss_and_gradients_of_separate_rows(ch
 def test_answer_log_probs_of_a_soft_capping_gemma2_are_its_own(family_model_dir, tmp_path):
     """Gemma-2 soft-caps its logits after the head (30 tanh(logits / 30)): the answers' log-probs come from its
     own forward, in both layouts, not from the head alone, which here differs from it by more than 0.01."""
-    from lorakit.trainers.dpo import DataCollatorForAnswerLogps, answer_logps
+    from lorakit.trainers.dpo_trainer import DataCollatorForAnswerLogps, answer_logps
 
     model_dir = family_model_dir("gemma2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -189,12 +189,12 @@ def test_merged_reward_model_scores_as_base_plus_adapter_and_a_failed_merge_publ
     neither a partial one nor the earlier run's, merged from another adapter."""
     from peft import PeftModel
 
+    from lorakit.commands.reward import save_merged
     from lorakit.core.cli import ReportedError
     from lorakit.models.arguments import ModelArguments
     from lorakit.models.heads import score_sequences
     from lorakit.models.loader import load_model
-    from lorakit.rl.ppo import check_reward_source
-    from lorakit.trainers.reward import save_merged
+    from lorakit.rl.model_checks import check_reward_source
 
     out = tmp_path / "out"
     tokenizer = stage_reward_adapter(tiny_model_dir, out / "rm_lora_model")

@@ -249,7 +249,8 @@ def test_held_out_pairs_are_found_in_their_records_also_past_a_pair_dropped_once
     from lorakit.data.splits import held_out_indices
     from lorakit.records.chat_templates import ChatTemplate, named_template
     from lorakit.records.readers import records_of
-    from lorakit.trainers.reward import RewardDataArguments, build_datasets
+    from lorakit.trainers.arguments import PreferenceDataArguments
+    from lorakit.trainers.preference_pairs import build_pair_datasets
     from lorakit.trainers.reward_report import PairRendering, held_out_set, pair_tokenizer, picked_if_matching
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
@@ -258,9 +259,9 @@ def test_held_out_pairs_are_found_in_their_records_also_past_a_pair_dropped_once
     pairs = [{"prompt": "p", "chosen": shared + "很好", "rejected": shared + "不好"}]
     pairs += [{"prompt": f"问题 {i}", "chosen": f"很好 {i}", "rejected": f"不好 {i}"} for i in range(19)]
     data = write_pairs(tmp_path / "pairs.jsonl", pairs)
-    args = RewardDataArguments(data_path=[data], validation_split_percentage=25, max_seq_length=64,
+    args = PreferenceDataArguments(data_path=[data], validation_split_percentage=25, max_seq_length=64,
                                data_cache_dir=str(tmp_path / "cache"), max_eval_samples=4)
-    eval_rows = build_datasets(args, tokenizer, template, 64, seed=3).evaluation.select(range(4))
+    eval_rows = build_pair_datasets(args, tokenizer, template, 64, seed=3).evaluation.select(range(4))
     rendering = PairRendering(template, 64)
     report_set = held_out_set(args, 3, eval_rows, pair_tokenizer(tokenizer, rendering))
 
@@ -276,9 +277,9 @@ def test_held_out_pairs_are_found_in_their_records_also_past_a_pair_dropped_once
     # --validation_file: its first pairs, past one dropped for identical answers.
     same = {"prompt": "p", "chosen": "同", "rejected": "同 "}
     valid = write_pairs(tmp_path / "valid.jsonl", [pairs[1], same, *pairs[2:5]])
-    args = RewardDataArguments(data_path=[data], validation_file=valid, max_seq_length=64, max_eval_samples=3,
+    args = PreferenceDataArguments(data_path=[data], validation_file=valid, max_seq_length=64, max_eval_samples=3,
                                data_cache_dir=str(tmp_path / "cache"))
-    eval_rows = build_datasets(args, tokenizer, template, 64, seed=3).evaluation.select(range(3))
+    eval_rows = build_pair_datasets(args, tokenizer, template, 64, seed=3).evaluation.select(range(3))
     report_set = held_out_set(args, 3, eval_rows, pair_tokenizer(tokenizer, rendering))
     assert [pair.record.where for pair in report_set.pairs] == [f"{valid}:{line}" for line in (1, 3, 4)]
     assert report_set.source == valid

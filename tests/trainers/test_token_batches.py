@@ -74,7 +74,7 @@ def budget_trainer(model_dir, output_dir, rows: list[list[int]], **overrides) ->
     from transformers import AutoModelForCausalLM
 
     from lorakit.data.build_dataset import DataCollatorForSupervisedDataset
-    from lorakit.trainers.sft import SFTArguments
+    from lorakit.trainers.sft_config import SFTArguments
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class PromptDataArguments(Protocol):
-    """What build_prompt_sets reads of PPO's data arguments (rl.ppo.PPODataArguments, a layer above)."""
+    """What build_prompt_sets reads of PPO's data arguments (rl.ppo_config.PPODataArguments, a layer above)."""
 
     dataset_dir: str | None
     data_path: list[str] | None
@@ -84,7 +84,7 @@ def tokenize_prompts(prompts: Sequence[Prompt | tuple[str, list[Message]]], toke
 
 def build_prompt_sets(data_args: PromptDataArguments, tokenizer: "PreTrainedTokenizerBase", chat_template: ChatTemplate,
                       seed: int) -> PromptSets:
-    """The train prompts' ids and the held-out ones' (or None) from rl.ppo's PPODataArguments, rendered
+    """The train prompts' ids and the held-out ones' (or None) from rl.ppo_config's PPODataArguments, rendered
     with the run's records.chat_templates.ChatTemplate."""
     files = find_record_files(data_args.dataset_dir, data_args.data_path)
     if not files:

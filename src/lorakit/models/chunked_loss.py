@@ -56,7 +56,7 @@ def chunk_positions(head: torch.nn.Module) -> int:
 
 def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature) at each label, in float32: [..., V] and [...] -> [...]. The same
-    reduction as rl.ppo_math.logprobs_from_logits: the label's logit minus the logsumexp."""
+    reduction as rl.rl_math.logprobs_from_logits: the label's logit minus the logsumexp."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature

@@ -266,7 +266,7 @@ def load_model(model_args: ModelArguments, training_args: "TrainingArguments | N
     training run computes in its precision (frozen_precision); a trainable one keeps what it
     trains in float32 (keep_trainable_float32).
 
-    config: the model config the run read and checked (trainers.common.start_run, rl.ppo.check_models); read and
+    config: the model config the run read and checked (trainers.common.start_run, rl.ppo_checks.check_models); read and
     checked here when None. training_args: the Trainer's (precision, device, DeepSpeed, activation
     checkpointing); None when generating. fold_adapter: the --peft_path adapter is folded into the
     base in memory and a new LoRA trained on top (DPO: the reference is base + that adapter)."""
@@ -312,10 +312,10 @@ def check_load_plan(model_args: ModelArguments, training_args: "TrainingArgument
                     tokenizer: PreTrainedTokenizerBase | None, task: str = "causal_lm", trainable: bool = True,
                     adapter_flag: str = "--peft_path", fold_adapter: bool = False) -> None:
     """Refuse now what load_model would refuse later with the same arguments, so that a run refuses
-    before its data is tokenized and cached (trainers.common.start_run and rl.ppo call it first): a quantized base
-    under ZeRO-3, an adapter to fold into ZeRO-3 partitions, and whatever peft refuses (an adapter
-    of other shapes, in any file format; a --trainable that names no module, or one LoRA cannot
-    adapt), found by doing what load_model does on the model's empty skeleton (empty_model: no
+    before its data is tokenized and cached (trainers.common.start_run and the RL commands call it
+    first): a quantized base under ZeRO-3, an adapter to fold into ZeRO-3 partitions, and whatever peft
+    refuses (an adapter of other shapes, in any file format; a --trainable that names no module, or one
+    LoRA cannot adapt), found by doing what load_model does on the model's empty skeleton (empty_model: no
     weight read or allocated; about a second for a 70B Llama). The real load follows unchanged."""
     check_quantization(model_args)
     prepare_attention(model_args, training_args)

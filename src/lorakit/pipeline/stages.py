@@ -222,8 +222,11 @@ def argv_of(flags: dict[str, Any], hf: bool) -> list[str]:
 
 
 def script_module(kind: str) -> ModuleType:
-    """The package module behind the stage's script: its argument classes or parser (never the script itself)."""
-    return importlib.import_module(COMMANDS[SCRIPTS[kind].command].module)
+    """The module that defines the stage's arguments: its argument classes or parser (never the command module,
+    never the script)."""
+    config = COMMANDS[SCRIPTS[kind].command].config
+    assert config is not None, f"the {kind} stage's command names no argument module"
+    return importlib.import_module(config)
 
 
 def hf_parser(kind: str) -> bool:

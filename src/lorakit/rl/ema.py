@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from lorakit.core.cli import InputError
 from lorakit.models.zero3 import gathered
-from lorakit.rl.policy import PPOPolicy, SharedBasePolicy
-from lorakit.rl.ppo_math import ema_update
+from lorakit.rl.rl_math import ema_update
+from lorakit.rl.role_policy import RolePolicy, SharedBasePolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -20,11 +20,11 @@ EMA_DIR_NAME = "actor_ema"
 
 
 class ActorEMA:
-    """The average of a PPOPolicy's actor weights with decay beta per step. Inactive (every method a
+    """The average of a RolePolicy's actor weights with decay beta per step. Inactive (every method a
     no-op, nothing saved) until start(), which copies the current weights unless load() already
     read a checkpoint's."""
 
-    def __init__(self, model: PPOPolicy, beta: float) -> None:
+    def __init__(self, model: RolePolicy, beta: float) -> None:
         self.model, self.beta = model, beta
         self.weights: dict[str, torch.Tensor] | None = None
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lorakit.rl.health import moment_sums, pop_moments
-from lorakit.rl.ppo_math import (
+from lorakit.rl.rl_math import (
     advantages_and_returns,
     kl_penalty_rewards,
     last_position,
@@ -34,8 +34,9 @@ from lorakit.rl.rollout import SampledBatch, rollout_engine
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from lorakit.rl.policy import PPOPolicy
-    from lorakit.rl.ppo import PPOArguments
+    from lorakit.rl.ppo_config import PPOArguments
+    from lorakit.rl.role_policy import RolePolicy
+    from lorakit.rl.rollout_arguments import RolloutArguments
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +170,14 @@ def derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
-def iteration_prompt_indices(num_prompts: int, iteration: int, count: int, args: "PPOArguments") -> list[int]:
+def iteration_prompt_indices(num_prompts: int, iteration: int, count: int, args: "RolloutArguments") -> list[int]:
     """The indices of this process's count prompts of one iteration: each process its own stretch of the seeded
     prompt stream, so that one process taking world_size x count prompts takes the same ones."""
     start = (iteration * args.world_size + args.process_index) * count
     return stream_indices(num_prompts, args.seed, start, count)
 
 
-def iteration_prompt_rows(prompts: list[list[int]], iteration: int, args: "PPOArguments") -> list[list[int]]:
+def iteration_prompt_rows(prompts: list[list[int]], iteration: int, args: "RolloutArguments") -> list[list[int]]:
     """This process's prompts of one PPO iteration: generation_batches x per_device_generation_batch_size
     of them (iteration_prompt_indices)."""
     size = args.generation_batches * args.per_device_generation_batch_size
@@ -190,7 +191,7 @@ class EvaluationRows(NamedTuple):
     weights: torch.Tensor
 
 
-def evaluation_prompt_rows(prompts: list[list[int]], args: "PPOArguments") -> EvaluationRows:
+def evaluation_prompt_rows(prompts: list[list[int]], args: "RolloutArguments") -> EvaluationRows:
     """This process's share of the held-out prompts, (rows, weights [rows] float): every process
     gets the same number of generation batches (under ZeRO-3 each forward is a collective), filled
     with repeats of the first prompt that weigh 0 in the statistics."""
@@ -279,12 +280,12 @@ class PhaseTimes:
 
 
 class ExperienceMaker:
-    """Experience from prompts with the four roles of a PPOPolicy: sampling by the actor, then no-grad
+    """Experience from prompts with the four roles of a RolePolicy: sampling by the actor, then no-grad
     passes of the reference, critic and reward model, then reward shaping and advantages
     (shape_experience). args is the run's PPOArguments. deepspeed_engine: returns the Trainer's
     DeepSpeed engine (None before it exists); under ZeRO-3 generation goes through its hooks."""
 
-    def __init__(self, model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int,
+    def __init__(self, model: "RolePolicy", args: "PPOArguments", pad_id: int, answer_end_id: int,
                  after_turn_end_ids: Sequence[int], max_answer_len: int, max_prompt_len: int | None = None,
                  deepspeed_engine: Callable[[], Any] | None = None) -> None:
         self.model, self.args = model, args
@@ -417,7 +418,7 @@ def experience_metrics(experience: Experience, device: torch.device,
     default 1): reward_mean and reward_std of the sequence reward (sum of the per-token rewards:
     clipped penalised score minus kl_coef x KL), score_mean (the penalised score), kl (sequence KL
     to the reference), response_length, eos_fraction, value_mean, entropy (per real token),
-    sampler_gap/logprob_abs and sampler_gap/kl (per real token, ppo_math.sampler_gap),
+    sampler_gap/logprob_abs and sampler_gap/kl (per real token, rl_math.sampler_gap),
     reward_length_corr (the score's Pearson correlation with the answer length) and explained_variance
     (the critic's values of the returns, per real token; rl.health.PairMoments). The one definition
     training and evaluation both log."""
@@ -472,7 +473,7 @@ def evaluation_metrics(experience: Experience, row_weights: torch.Tensor, device
 # -- the Trainer's stream of micro-batches -------------------------------------------
 
 
-def epoch_chunks(size: int, iteration: int, epoch: int, args: "PPOArguments") -> list[torch.Tensor]:
+def epoch_chunks(size: int, iteration: int, epoch: int, args: "RolloutArguments") -> list[torch.Tensor]:
     """The rows [chunk] long of each micro-batch of one PPO epoch over an iteration's size rows: a seeded order
     per (iteration, rank, epoch), in per_device_training_batch_size rows."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(

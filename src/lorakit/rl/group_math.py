@@ -1,5 +1,5 @@
 """The math of group-relative RL (GRPO and its Dr. GRPO / DAPO losses, RLOO, REINFORCE++) as pure functions of
-tensors, each testable against numbers worked out by hand, as ppo_math is for PPO.
+tensors, each testable against numbers worked out by hand, as rl_math is for PPO.
 
 Conventions: the rows of a batch come in groups of `group_size` consecutive rows, the answers sampled for one
 prompt (row g * G + i is answer i to prompt g); `scores` [N] is one number per answer (the weighted sum of its

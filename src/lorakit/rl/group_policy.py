@@ -1,7 +1,7 @@
-"""The group-relative stages' roles on one frozen base (rl.policy.SharedBasePolicy without a critic): the actor (the
-trained "default" adapter: new, or continuing --peft_path), the reference only where the KL to it is paid (a frozen
-copy of --peft_path, or the base with no adapter active), and the reward model only where one is given (its adapter
-and score head, frozen)."""
+"""The group-relative stages' roles on one frozen base (rl.role_policy.SharedBasePolicy without a critic): the actor
+(the trained "default" adapter: new, or continuing --peft_path), the reference only where the KL to it is paid (a
+frozen copy of --peft_path, or the base with no adapter active), and the reward model only where one is given (its
+adapter and score head, frozen)."""
 
 import logging
 from typing import TYPE_CHECKING
@@ -10,12 +10,12 @@ from lorakit.core.cli import InputError
 from lorakit.core.model_files import expert_parameter_targets
 from lorakit.models.adapters import log_trainable
 from lorakit.models.loader import keep_trainable_float32, load_model
-from lorakit.rl.policy import SharedBasePolicy, new_score_head, reward_adapter_parts
+from lorakit.rl.role_policy import SharedBasePolicy, new_score_head, reward_adapter_parts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
-    from lorakit.rl.grpo import GRPOArguments, GRPOModelArguments
+    from lorakit.rl.grpo_config import GRPOArguments, GRPOModelArguments
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The group-relative stages' Trainer (rl.grpo): each rollout samples num_generations answers to every prompt of the
-process's share, scores them with the reward functions (and the reward model), turns the scores into advantages
-(rl.group_math) and trains num_iterations optimizer steps on them with the clipped surrogate; the experience
+"""The group-relative stages' Trainer (lorakit.commands.grpo): each rollout samples num_generations answers to every
+prompt of the process's share, scores them with the reward functions (and the reward model), turns the scores into
+advantages (rl.group_math) and trains num_iterations optimizer steps on them with the clipped surrogate; the experience
 stream, the old policy, the EMA and exact resume are rl.rl_trainer's."""
 
 import logging
@@ -31,13 +31,13 @@ from lorakit.rl.group_math import (
     zero_spread_groups,
 )
 from lorakit.rl.health import pop_moments
-from lorakit.rl.ppo_math import FixedKLController, sampler_gap
 from lorakit.rl.reward_functions import RewardBatch, RewardFunction, RewardScores, function_label, score_completions
+from lorakit.rl.rl_math import FixedKLController, sampler_gap
 from lorakit.rl.rl_trainer import RLTrainer
 
 if TYPE_CHECKING:
     from lorakit.data.prompts import Prompt
-    from lorakit.rl.grpo import GroupSchedule
+    from lorakit.rl.grpo_checks import GroupSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class GRPOTrainer(RLTrainer):
         self.kl_ctl = FixedKLController(self.args.beta)
         # REINFORCE++ pays the KL in the reward; the others in the loss.
         self.kl_in_reward = self.args.advantage_estimator.startswith("reinforce_pp")
-        # A group's answers share their prompt's pass (rl.policy.PPOPolicy.prompt_shared_hidden); checkpointed layers
-        # keep no cache, so under --gradient_checkpointing every row runs its prompt.
+        # A group's answers share their prompt's pass (rl.role_policy.RolePolicy.prompt_shared_hidden); checkpointed
+        # layers keep no cache, so under --gradient_checkpointing every row runs its prompt.
         self.model.share_prompts = not self.args.gradient_checkpointing
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:

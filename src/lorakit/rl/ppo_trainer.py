@@ -22,13 +22,13 @@ from lorakit.rl.experience import (
     micro_batches,
     training_metrics,
 )
-from lorakit.rl.ppo_math import make_kl_controller, policy_loss, value_loss
+from lorakit.rl.rl_math import make_kl_controller, policy_loss, value_loss
 from lorakit.rl.rl_trainer import RLTrainer
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from lorakit.rl.ppo import PPODataArguments
+    from lorakit.rl.ppo_config import PPODataArguments
 
 logger = logging.getLogger(__name__)
 

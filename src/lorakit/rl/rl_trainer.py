@@ -3,7 +3,7 @@ experience as the Trainer's endless "dataloader" (one iteration of micro-batches
 rollout (rl.experience's ExperienceMaker and its engine), the old policy's log-probs from the update itself where a
 rollout trains one optimizer step, the sampler-vs-trainer correction, the actor's EMA, the statistics logged with
 each step, the health monitors that judge each iteration (rl.health; what an alarm does: rl.alarms), and
-checkpoints that resume the iteration stream exactly (rl.ppo_checkpoint). A stage adds its make_iteration
+checkpoints that resume the iteration stream exactly (rl.rl_checkpoint). A stage adds its make_iteration
 (experience -> micro-batches), compute_loss, and its health signals (plan_health, health_figures)."""
 
 import logging
@@ -35,13 +35,13 @@ from lorakit.rl.alarms import (
 from lorakit.rl.ema import EMA_DIR_NAME, ActorEMA
 from lorakit.rl.experience import ExperienceMaker, ExperienceStream, MicroBatch, PhaseTimes, SumStats
 from lorakit.rl.health import Alarm, HealthMonitor, StoppedByAlarm, answer_diversity, normalized_answer
-from lorakit.rl.ppo_checkpoint import (
-    PPOTrainerPrivateOverrides,
-    read_ppo_state,
+from lorakit.rl.rl_checkpoint import (
+    RLTrainerPrivateOverrides,
+    read_rl_state,
     save_trainable_weights,
-    write_ppo_state,
+    write_rl_state,
 )
-from lorakit.rl.ppo_math import FixedKLController, masked_mean, sampler_correction_weights, sampler_gap
+from lorakit.rl.rl_math import FixedKLController, masked_mean, sampler_correction_weights, sampler_gap
 from lorakit.trainers.causal_lm import ResumableTrainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback, barrier, rank_zero_decides
 
@@ -75,7 +75,7 @@ class RLStepCallback(TrainerCallback):
         self.save_roles(args.output_dir)
 
 
-class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
+class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
     """The shared part of the RL stages' Trainers (see the module's docstring). prompts: the train prompts' token
     ids; max_answer_len: the most tokens sampled per answer, max_prompt_len the most prompt tokens (the rollout
     engine sizes its caches by them); answer_end_id: the token that ends an answer (the template's turn end where
@@ -282,13 +282,13 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
                 self.ema.save(directory, self.tokenizer)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Only what the stage trains (rl.ppo_checkpoint); in a checkpoint also the iteration state and the EMA."""
+        """Only what the stage trains (rl.rl_checkpoint); in a checkpoint also the iteration state and the EMA."""
         output_dir = output_dir or self.args.output_dir
         save_trainable_weights(self.model, output_dir, self.args.should_save)
         if not self.args.should_save:
             return
         if _internal_call:
-            write_ppo_state(output_dir, self.stream.iteration, self.steps_per_iteration, self.kl_ctl, self.args.seed)
+            write_rl_state(output_dir, self.stream.iteration, self.steps_per_iteration, self.kl_ctl, self.args.seed)
             save_health_state(output_dir, self.health)
             self.ema.save(output_dir, self.tokenizer)
         else:
@@ -297,7 +297,7 @@ class RLTrainer(PPOTrainerPrivateOverrides, ResumableTrainer):
     def after_prepare(self, max_steps: int, resume_from_checkpoint: str | None) -> None:
         """The stage's own resume (iteration counter, KL controller, EMA) and the EMA's start."""
         if resume_from_checkpoint is not None:
-            state = read_ppo_state(resume_from_checkpoint, self.steps_per_iteration)
+            state = read_rl_state(resume_from_checkpoint, self.steps_per_iteration)
             self.stream.iteration = state["iteration"]
             self.kl_ctl.load_state_dict(state["kl_controller"])
             load_health_state(resume_from_checkpoint, self.health)

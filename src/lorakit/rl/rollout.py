@@ -8,7 +8,7 @@ layer adds its B @ A on the fly), or, with --enable_hybrid_engine, on the active
 the base weights for the rollout (merged_adapters): peft's merge then unmerge is not bit-identical
 (W + BA - BA != W in floating point), so the targeted base weights are copied before the merge and
 restored by copy after it, bit for bit. The copy costs the targeted base weights' bytes once more
-on the device for the length of the rollout (logged once; models.estimate_memory counts it).
+on the device for the length of the rollout (logged once; models.memory counts it).
 ZeRO-3 (partitioned base weights), a quantized base and DoRA adapters decode unmerged, said once in
 the log.
 
@@ -17,7 +17,7 @@ distinct prompts run once and their KV cache is repeated to every row (EagerEngi
 so a rollout pays for 1/G of the prompt tokens generate() would run.
 
 The sampler's log-probs are what the sampler saw; PPO's old policy comes from a training-shaped
-forward instead (rl.experience), and the gap between the two is measured (rl.ppo_math.sampler_gap)."""
+forward instead (rl.experience), and the gap between the two is measured (rl.rl_math.sampler_gap)."""
 
 import logging
 import time
@@ -37,14 +37,14 @@ from lorakit.models.zero3 import (
     is_zero3_partitioned,
     on_every_rank,
 )
-from lorakit.rl.policy import backbone_of
-from lorakit.rl.ppo_math import entropy_from_logits, logprobs_from_logits
+from lorakit.rl.rl_math import entropy_from_logits, logprobs_from_logits
+from lorakit.rl.role_policy import backbone_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from lorakit.rl.policy import PPOPolicy
-    from lorakit.rl.ppo import PPOArguments
+    from lorakit.rl.role_policy import RolePolicy
+    from lorakit.rl.rollout_arguments import RolloutArguments
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[MergedWeights]:
                 layer.merged_adapters = []
 
 
-def rollout_engine(model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int, max_answer_len: int,
+def rollout_engine(model: "RolePolicy", args: "RolloutArguments", pad_id: int, answer_end_id: int, max_answer_len: int,
                    deepspeed_engine: Callable[[], Any], max_prompt_len: int | None = None) -> RolloutEngine:
     """The engine --rollout_engine names (auto: compiled on CUDA, eager elsewhere), merging the adapter for the
     rollout under --enable_hybrid_engine. auto's compiled engine falls back to eager, once and said so, if the
@@ -206,7 +206,7 @@ class EagerEngine:
 
     name = "eager"
 
-    def __init__(self, model: "PPOPolicy", args: "PPOArguments", pad_id: int, answer_end_id: int,
+    def __init__(self, model: "RolePolicy", args: "RolloutArguments", pad_id: int, answer_end_id: int,
                  max_answer_len: int, deepspeed_engine: Callable[[], Any], merge: bool = False) -> None:
         self.model, self.args, self.merge = model, args, merge
         self.pad_id, self.answer_end_id, self.max_answer_len = pad_id, answer_end_id, max_answer_len

@@ -60,6 +60,12 @@ class RolloutArguments(CausalLMTrainingArguments):
                           "then the last checkpoint's, saved with no alarm. Without it alarms are logged (and still "
                           "keep checkpoints from being saved while active). Changeable on resume."},
     )
+    # What the rollout's code reads (rl.experience): prompts per sampling pass, sampling passes per iteration and rows
+    # per micro-batch of the old policy's pass. Declared here so that shared code reads declared fields; not flags
+    # (init=False): PPO redeclares them as its flags (DeepSpeed-Chat's names), GRPO derives them from its own.
+    per_device_generation_batch_size: int | None = field(default=None, init=False)
+    generation_batches: int = field(default=1, init=False)
+    per_device_training_batch_size: int | None = field(default=None, init=False)
     sft_answers_file: str | None = field(
         default=None,
         metadata={"help": "SFT data (.json/.jsonl in any SFT record shape, or a directory of them) whose answers the "

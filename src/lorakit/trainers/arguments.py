@@ -236,3 +236,11 @@ class DeepSpeedChatDataArguments(ConversationDataArguments):
         super().__post_init__()
         self.mapped_flags = []
         map_flags(self, {"max_seq_len": lambda length: MappedFlag("max_seq_length", length)}, self.mapped_flags)
+
+
+@dataclass
+class PreferenceDataArguments(DeepSpeedChatDataArguments):
+    """The data flags of the stages that read preference pairs (reward, DPO): the reward model's phase of
+    --data_split by default, as DeepSpeed-Chat's step 2 takes it."""
+
+    data_phase: int = field(default=2, metadata={"help": "Which part of --data_split this stage takes (2 = reward)."})

@@ -27,7 +27,6 @@ from lorakit.core.cli import InputError
 from lorakit.data.build_dataset import ROWS_PER_SHARD, map_shards, shards_of, tokenize_pair_shard
 from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.splits import held_out_indices, phase_part
-from lorakit.records.chat_templates import ChatTemplate
 from lorakit.records.readers import (
     RECORD_SUFFIXES,
     LocatedRecord,
@@ -36,12 +35,13 @@ from lorakit.records.readers import (
     preference_of,
     records_of,
 )
+from lorakit.trainers.preference_pairs import PairRendering
 from lorakit.trainers.reward_figures import TIE_TOLERANCE, SetScores, VariantScores, set_figures
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, Trainer
 
-    from lorakit.trainers.reward import RewardDataArguments
+    from lorakit.trainers.arguments import PreferenceDataArguments
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def picked_if_matching(kept: list[LocatedRecord], pick: Callable[[int], np.ndarr
     return picked if same else None
 
 
-def held_out_records(data_args: "RewardDataArguments", seed: int, ids: list[PairIds],
+def held_out_records(data_args: "PreferenceDataArguments", seed: int, ids: list[PairIds],
                      conversation_tokenizer: ConversationTokenizer) -> list[LocatedRecord] | None:
     """The records of the held-out rows (which the changes need), found as the stage chose the rows: the
     --validation_file's first pairs, or the --validation_split_percentage share of the training pairs (build_datasets,
@@ -230,7 +230,7 @@ def held_out_records(data_args: "RewardDataArguments", seed: int, ids: list[Pair
     return found
 
 
-def held_out_set(data_args: "RewardDataArguments", seed: int, eval_dataset: Dataset,
+def held_out_set(data_args: "PreferenceDataArguments", seed: int, eval_dataset: Dataset,
                  conversation_tokenizer: ConversationTokenizer) -> ReportSet:
     """The run's eval set: its rows as the Trainer evaluates them, with their records where they can be found."""
     ids = [PairIds(row["chosen_input_ids"], row["rejected_input_ids"],
@@ -293,13 +293,6 @@ class ChangeRendering(NamedTuple):
 
     description: str
     conversation_tokenizer: ConversationTokenizer | None
-
-
-class PairRendering(NamedTuple):
-    """How the stage renders its pairs: the chat template with its keyword arguments, and --max_seq_length."""
-
-    chat_template: ChatTemplate
-    max_length: int
 
 
 def pair_tokenizer(tokenizer: "PreTrainedTokenizerBase", rendering: PairRendering,
@@ -366,7 +359,7 @@ def render_change(report_set: ReportSet, change: str, conversation_tokenizer: Co
     return RenderedSet([pair.ids for pair in rendered], next((p.problem for p in rendered if p.problem), None))
 
 
-def prepare_report(data_args: "RewardDataArguments", seed: int, tokenizer: "PreTrainedTokenizerBase",
+def prepare_report(data_args: "PreferenceDataArguments", seed: int, tokenizer: "PreTrainedTokenizerBase",
                    rendering: PairRendering, eval_dataset: Dataset | None,
                    eval_sets: list[ReportSet]) -> ReportInputs | None:
     """The held-out set (if any) and the --eval_sets, each with every change's rendering; None: nothing to report."""

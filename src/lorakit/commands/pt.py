@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Continued pretraining of a LLaMA-family model with LoRA (optionally with trainable, resized
 embeddings for an extended vocabulary), on every *.txt / *.jsonl file in --dataset_dir.
 
@@ -10,54 +9,23 @@ Writes checkpoint-N/ (resumable, with checkpoint-N/pt_lora_model) and OUT/pt_lor
 """
 
 import logging
-from dataclasses import dataclass, field
 
 from transformers import set_seed
 
 from lorakit.core.cli import run_cli
 from lorakit.data.build_dataset import (
-    PREPARE_DATA_ONLY_HELP,
     DataCollatorForPretraining,
     build_pretraining_blocks,
-    check_prepare_data_only,
 )
 from lorakit.data.cache import data_cache_dir, report_prepared_data
 from lorakit.data.splits import first_samples, held_out_check, split_validation
-from lorakit.models.arguments import ModelArguments
 from lorakit.models.loader import load_model
-from lorakit.trainers.arguments import CausalLMTrainingArguments
 from lorakit.trainers.causal_lm import build_trainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import resolve_sequence_length, start_run, train_and_finish
+from lorakit.trainers.pt_config import ARGUMENT_CLASSES
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DataArguments:
-    dataset_dir: str | None = field(
-        default=None, metadata={"help": "Directory of *.txt (one document a line) and *.jsonl (field 'text') files."}
-    )
-    data_cache_dir: str | None = field(
-        default=None, metadata={"help": "Where tokenized blocks are cached (default: the datasets cache)."}
-    )
-    block_size: int | None = field(
-        default=None, metadata={"help": "Tokens per training block (default: min(1024, model's max positions))."}
-    )
-    validation_split_percentage: float = field(
-        default=0.05, metadata={"help": "Held-out share of blocks for eval: a fraction if < 1, else a percentage."}
-    )
-    preprocessing_num_workers: int = field(default=1, metadata={"help": "Processes used to tokenize."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many train blocks."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep at most this many eval blocks."})
-    prepare_data_only: bool = field(default=False, metadata={"help": PREPARE_DATA_ONLY_HELP})
-
-    def __post_init__(self) -> None:
-        check_prepare_data_only(self)
-
-
-# (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, CausalLMTrainingArguments)
 
 
 def main() -> None:

@@ -1,8 +1,7 @@
-"""PPO checkpoints: only what PPO trains (actor and critic adapters, value head; the frozen base is
-not the run's to save) and the PPO state that makes a resumed run continue exactly (iteration
-counter, which fixes the prompts and sampling seeds of every later iteration, and the KL
-controller); plus, in one place, the Trainer's private methods PPO overrides to save and resume
-them."""
+"""RL checkpoints (PPO's and GRPO's): only what the stage trains (the actor's adapter, and PPO's critic adapter and
+value head; the frozen base is not the run's to save) and the state that makes a resumed run continue exactly
+(iteration counter, which fixes the prompts and sampling seeds of every later iteration, and the KL controller);
+plus, in one place, the Trainer's private methods the RL trainers override to save and resume them."""
 
 import json
 import os
@@ -14,9 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from lorakit.core.cli import InputError
 from lorakit.models.zero3 import gathered
-from lorakit.rl.ppo_math import KLController
+from lorakit.rl.rl_math import KLController
 
-PPO_STATE_NAME = "ppo_state.json"
+# The file names keep PPO's prefix, which GRPO's checkpoints carry too: checkpoints written before these modules were
+# named for RL resume as they are.
+RL_STATE_NAME = "ppo_state.json"
 TRAINABLE_WEIGHTS_NAME = "ppo_trainable.safetensors"
 
 
@@ -42,20 +43,20 @@ def load_trainable_weights(model: torch.nn.Module, checkpoint: str) -> None:
     model.load_state_dict(weights, strict=False)
 
 
-def write_ppo_state(directory: str, iteration: int, steps_per_iteration: int, kl_controller: KLController,
+def write_rl_state(directory: str, iteration: int, steps_per_iteration: int, kl_controller: KLController,
                     seed: int) -> None:
     state = {"iteration": iteration, "steps_per_iteration": steps_per_iteration,
              "kl_controller": kl_controller.state_dict(), "seed": seed}
-    with open(os.path.join(directory, PPO_STATE_NAME), "w", encoding="utf-8") as handle:
+    with open(os.path.join(directory, RL_STATE_NAME), "w", encoding="utf-8") as handle:
         json.dump(state, handle, indent=2)
 
 
-def read_ppo_state(checkpoint: str, steps_per_iteration: int) -> dict[str, Any]:
+def read_rl_state(checkpoint: str, steps_per_iteration: int) -> dict[str, Any]:
     """The checkpoint's PPO state, refused when it ran another number of steps per iteration (its
     iteration counter would then point elsewhere in the prompt stream)."""
-    path = os.path.join(checkpoint, PPO_STATE_NAME)
+    path = os.path.join(checkpoint, RL_STATE_NAME)
     if not os.path.isfile(path):
-        raise InputError(f"{checkpoint}: not a PPO checkpoint (no {PPO_STATE_NAME})")
+        raise InputError(f"{checkpoint}: not a PPO checkpoint (no {RL_STATE_NAME})")
     with open(path, encoding="utf-8") as handle:
         state = json.load(handle)
     if state["steps_per_iteration"] != steps_per_iteration:
@@ -64,7 +65,7 @@ def read_ppo_state(checkpoint: str, steps_per_iteration: int) -> dict[str, Any]:
     return state
 
 
-class PPOTrainerPrivateOverrides:
+class RLTrainerPrivateOverrides:
     """The transformers Trainer's private methods PPO overrides, all of them here, written against
     transformers 5.23.0 (Trainer._save_optimizer_and_scheduler, _load_from_checkpoint,
     _prepare_for_training, and the _load_optimizer_and_scheduler / _load_scaler they call): check

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Supervised fine-tuning with LoRA on conversations (alpaca, sharegpt or messages records),
 loss on the assistant answers only, optionally packed into padding-free rows.
 
@@ -11,7 +10,6 @@ whose tokenizer carries the chat template used in training.
 """
 
 import logging
-from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase, set_seed
 
@@ -24,47 +22,16 @@ from lorakit.data.build_dataset import (
 )
 from lorakit.data.cache import data_cache_dir, report_prepared_data
 from lorakit.data.splits import ValidationSplit, first_samples, held_out_check, split_validation
-from lorakit.models.arguments import ModelArguments
 from lorakit.models.loader import choose_pad_token, load_model
 from lorakit.records.chat_templates import ChatTemplate, parse_template_kwargs, use_template
 from lorakit.records.readers import find_record_files
-from lorakit.trainers.arguments import CausalLMTrainingArguments, DeepSpeedChatDataArguments
 from lorakit.trainers.causal_lm import build_trainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import padding_multiple, resolve_sequence_length, start_run, train_and_finish
+from lorakit.trainers.sft_config import ARGUMENT_CLASSES, SFTDataArguments
 from lorakit.trainers.token_batches import check_token_budget
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SFTDataArguments(DeepSpeedChatDataArguments):
-    sft_only_data_path: list[str] | None = field(
-        default=None, metadata={"help": "Data files used whole for SFT, never split.", "nargs": "+"}
-    )
-    train_on_last_turn_only: bool = field(
-        default=False, metadata={"help": "Train only the last answer of each conversation."}
-    )
-
-
-@dataclass
-class SFTArguments(CausalLMTrainingArguments):
-    packing: bool = field(default=False, metadata={"help": "Pack samples into padding-free rows of max_seq_length."})
-    max_tokens_per_batch: int | None = field(
-        default=None,
-        metadata={"help": "Token-budget batching: each micro-batch holds as many rows (packed rows with --packing, "
-                          "else samples) as fit this many tokens, rows x their padded width, in place of "
-                          "--per_device_train_batch_size rows. At least --max_seq_length. The loss is the mean over "
-                          "the labelled tokens of the whole accumulated batch, as without it."},
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.packing and self.train_sampling_strategy == "random":
-            # Packed rows differ by the few tokens no sample fitted into; batching rows of similar
-            # length keeps what padding is left under 2% instead of ~5% with random batches.
-            self.train_sampling_strategy = "group_by_length"
-            self.mapped_flags.append("--packing -> --train_sampling_strategy group_by_length")
 
 
 def build_datasets(data_args: SFTDataArguments, tokenizer: PreTrainedTokenizerBase, chat_template: ChatTemplate,
@@ -88,10 +55,6 @@ def build_datasets(data_args: SFTDataArguments, tokenizer: PreTrainedTokenizerBa
     else:
         train, evaluation = split_validation(train, data_args.validation_split_percentage, seed, "samples")
     return ValidationSplit(train, evaluation)
-
-
-# (model, data, training) arguments: main() parses them; the pipeline launcher reads their flag names.
-ARGUMENT_CLASSES = (ModelArguments, SFTDataArguments, SFTArguments)
 
 
 def main() -> None:

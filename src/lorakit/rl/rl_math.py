@@ -1,5 +1,6 @@
-"""The PPO math of the RLHF stage as pure functions of tensors (torch only, no model, no Trainer),
-so that each piece is testable against numbers worked out by hand.
+"""The RL math as pure functions of tensors (PPO's, and what the group-relative methods share with it: log-probs,
+masked means, the KL controllers, the sampler correction), torch only, no model, no Trainer, so that each piece
+is testable against numbers worked out by hand.
 
 Conventions follow DeepSpeed-Chat's step-3 trainer and InstructGPT: every per-token tensor is
 [batch, response_len] and covers the generated response only; `mask` is 1.0 on real response

@@ -1,4 +1,4 @@
-"""The PPO math (lorakit.rl.ppo_math) against numbers worked out by hand: the expected values below were
+"""The PPO math (lorakit.rl.rl_math) against numbers worked out by hand: the expected values below were
 computed on paper from the definitions, step by step in the comments, never by the function
 under test."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lorakit.models.positions import last_position, positions_from_mask
-from lorakit.rl.ppo_math import (
+from lorakit.rl.rl_math import (
     AdaptiveKLController,
     FixedKLController,
     advantages_and_returns,
