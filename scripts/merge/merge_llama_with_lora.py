@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Fold one or more LoRA adapters into their base model, tensor by tensor, in bounded memory.
 
-The command `lorakit merge`; its code and full description: lorakit.merge.lora."""
+The command `lorakit merge`; its code and full description: lorakit.commands.merge."""
 
 import sys
 
 try:
-    from lorakit.merge.lora import entry_point
+    from lorakit.commands.merge import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

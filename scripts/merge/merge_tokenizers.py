@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Extend a tokenizer's vocabulary with pieces learned on a corpus (Chinese, or any language).
 
-The command `lorakit merge-tokenizers`; its code and full description: lorakit.merge.tokenizers."""
+The command `lorakit merge-tokenizers`; its code: lorakit.commands.merge_tokenizers; its full description:
+lorakit.merge.tokenizers."""
 
 import sys
 
 try:
-    from lorakit.merge.tokenizers import entry_point
+    from lorakit.commands.merge_tokenizers import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

@@ -44,7 +44,7 @@ def lora(model, seed: int, **config):
 
 def merge(base_dir, adapters, output_dir, *extra) -> None:
     """merge_llama_with_lora.py's main() with these arguments."""
-    from lorakit.merge import lora as merge_llama_with_lora
+    from lorakit.commands import merge as merge_llama_with_lora
 
     merge_llama_with_lora.main(["--base_model", str(base_dir), "--lora_model", ",".join(map(str, adapters)),
                                 "--output_dir", str(output_dir), *map(str, extra)])
@@ -52,10 +52,11 @@ def merge(base_dir, adapters, output_dir, *extra) -> None:
 
 def extend(base_dir, output_dir, *extra) -> dict:
     """merge_tokenizers.py's main() with these arguments; returns the report it writes."""
-    from lorakit.merge import tokenizers as merge_tokenizers
+    from lorakit.commands import merge_tokenizers
+    from lorakit.merge.tokenizers import REPORT_FILE
 
     merge_tokenizers.main(["--base_tokenizer", base_dir, "--output_dir", str(output_dir), *map(str, extra)])
-    with open(os.path.join(output_dir, merge_tokenizers.REPORT_FILE), encoding="utf-8") as handle:
+    with open(os.path.join(output_dir, REPORT_FILE), encoding="utf-8") as handle:
         return json.load(handle)
 
 

@@ -20,8 +20,10 @@ import torch
 from helpers.commands import REPO, assert_ok, check_refused, refuse, run_in_process, run_script, script_env
 from helpers.merge_tools import TOLERANCE, load_merged, logits_of, lora, merge, tiny_llama
 from helpers.tiny_runs import tiny_pt_args
+from lorakit.core.cli import InputError
 from lorakit.core.model_files import TEMPLATE_KWARGS_FILE
-from lorakit.merge import lora as merge_lora
+from lorakit.merge.inputs import LoraModule
+from lorakit.merge.safetensors_stream import file_tensors
 from lorakit.records.chat_templates import saved_template_kwargs
 
 MERGE_DIR = os.path.join(REPO, "scripts", "merge")
@@ -40,9 +42,10 @@ sys.exit(os.waitstatus_to_exitcode(status))
 # right after the first chunk of its second output file reaches the file.
 KILL_IN_SECOND_SHARD = """
 import os, signal, sys
-from lorakit.merge import lora as merge
+from lorakit.commands.merge import main
+from lorakit.merge.safetensors_stream import SafetensorsWriter
 
-write_chunk, files_begun = merge.SafetensorsWriter.write, []
+write_chunk, files_begun = SafetensorsWriter.write, []
 
 def write_then_die_in_second_file(self, chunk):
     write_chunk(self, chunk)
@@ -52,8 +55,8 @@ def write_then_die_in_second_file(self, chunk):
         self.handle.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-merge.SafetensorsWriter.write = write_then_die_in_second_file
-merge.main(sys.argv[2:])
+SafetensorsWriter.write = write_then_die_in_second_file
+main(sys.argv[2:])
 """
 
 
@@ -167,7 +170,7 @@ def test_merged_logits_equal_peft(case, tmp_path, tiny_tokenizer_dir, extended_t
     if expect.get("bf16"):
         # 16-bit weights: ours rounds W + delta once, peft rounds delta then the sum: compare the
         # written tensors to one bfloat16 step.
-        ours = merge_lora.read_safetensors_header(str(out / "model.safetensors"))
+        ours = file_tensors(str(out / "model.safetensors"))
         for name, tensor in merged_by_peft.state_dict().items():
             if name in ours:
                 assert ours[name].dtype == torch.bfloat16
@@ -228,7 +231,7 @@ def test_chained_adapters_on_sharded_base(tmp_path, tiny_tokenizer_dir, extended
         assert index["weight_map"] == names  # every tensor listed, in the file that holds it
         data_bytes = sum(entry.dtype.itemsize * math.prod(entry.shape)
                          for name in set(names.values())
-                         for entry in merge_lora.read_safetensors_header(str(out / name)).values())
+                         for entry in file_tensors(str(out / name)).values())
         assert index["metadata"]["total_size"] == data_bytes
         assert json.loads((out / "config.json").read_text())["vocab_size"] == 404
         assert saved_template_kwargs(str(out)) == {"enable_thinking": False}  # chat renders as training did
@@ -271,8 +274,8 @@ def test_merge_imports_neither_transformers_nor_peft(tmp_path, tiny_tokenizer_di
     model = tiny_llama(400)
     model.save_pretrained(str(base_dir))
     lora(model, 13).save_pretrained(str(adapter_dir))
-    code = ("import sys; from lorakit.merge import lora as m; "
-            "m.main(sys.argv[2:]); print('heavy imports:', sorted({'transformers', 'peft'} & set(sys.modules)))")
+    code = ("import sys; from lorakit.commands.merge import main; "
+            "main(sys.argv[2:]); print('heavy imports:', sorted({'transformers', 'peft'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code, MERGE_DIR, "--base_model", str(base_dir), "--lora_model",
                              str(adapter_dir), "--output_dir", str(tmp_path / "merged")],
                             cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300)
@@ -334,7 +337,7 @@ def write_random_adapter(directory, base_dir, rank=16, alpha=32) -> int:
     headers = {}
     for name in os.listdir(base_dir):
         if name.endswith(".safetensors"):
-            headers.update(merge_lora.read_safetensors_header(str(base_dir / name)))
+            headers.update(file_tensors(str(base_dir / name)))
     generator = torch.Generator().manual_seed(1)
     tensors = {}
     for name, entry in headers.items():
@@ -451,6 +454,38 @@ def test_bad_input(case, small_base, tmp_path, extended_tokenizer_dir):
     assert not [name for name in os.listdir(out.parent) if ".tmp-" in name]
 
 
+# A safetensors header that is valid JSON but not what the format says: not an object, or an entry that is not one.
+MALFORMED_HEADERS = {
+    "not_an_object": (["model.embed_tokens.weight"], "not a safetensors file (header is not a JSON object)"),
+    "entry_not_an_object": ({"model.embed_tokens.weight": "F32"},
+                            "tensor model.embed_tokens.weight: no shape or data offsets in the header"),
+}
+
+
+@pytest.mark.parametrize("where", ["base", "adapter"])
+@pytest.mark.parametrize("case", list(MALFORMED_HEADERS))
+def test_malformed_safetensors_header_refused(case, where, small_base, tmp_path):
+    """The merge reads headers with core.model_files.safetensors_header: a malformed one, in the base's weights or
+    the adapter's, is the one-line refusal naming the file (exit 2), never an AttributeError's traceback."""
+    import shutil
+
+    header, message = MALFORMED_HEADERS[case]
+    base, adapter, out = small_base / "base", small_base / "adapter", tmp_path / "out"
+    copy = tmp_path / where
+    copy.mkdir()
+    if where == "base":
+        shutil.copy(base / "config.json", copy)
+        damaged, base = copy / "model.safetensors", copy
+    else:
+        shutil.copy(adapter / "adapter_config.json", copy)
+        damaged, adapter = copy / "adapter_model.safetensors", copy
+    encoded = json.dumps(header).encode("utf-8")
+    damaged.write_bytes(len(encoded).to_bytes(8, "little") + encoded)
+    result = refuse(SCRIPT, ["--base_model", base, "--lora_model", adapter, "--output_dir", out], in_process=True)
+    check_refused(result, f"{damaged}: {message}")
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------- failures publish nothing
 
 
@@ -459,14 +494,14 @@ def test_verify_catches_a_wrong_merge(small_base, tmp_path, monkeypatch):
     fails --verify: exit 1, one error line naming the largest logit difference and the tolerance,
     nothing published, no temporary directory left, inputs untouched. The same wrong merge passes
     with a tolerance above the difference it reported: the flag decides, not a constant."""
-    exact_add_to = merge_lora.LoraModule.add_to
+    exact_add_to = LoraModule.add_to
 
     def add_to_with_wrong_scaling(self, rows, start, stop, loaded):
         if self.module.endswith("layers.1.mlp.down_proj"):
             self = dataclasses.replace(self, scaling=self.scaling * 1.05)
         exact_add_to(self, rows, start, stop, loaded)
 
-    monkeypatch.setattr(merge_lora.LoraModule, "add_to", add_to_with_wrong_scaling)
+    monkeypatch.setattr(LoraModule, "add_to", add_to_with_wrong_scaling)
     before, out = snapshot(small_base), tmp_path / "merged"
     arguments = ["--base_model", small_base / "base", "--lora_model", small_base / "adapter", "--output_dir", out,
                  "--verify"]
@@ -544,9 +579,9 @@ def test_merge_killed_mid_write_publishes_nothing(small_base, tmp_path, caplog):
     assert len(leftovers) == 1 and leftovers[0].startswith(".merged.tmp-"), leftovers
     leftover = tmp_path / leftovers[0]
     whole, torn = sorted(os.listdir(leftover))
-    assert set(merge_lora.read_safetensors_header(str(leftover / whole))) == {"lm_head.weight"}
-    with pytest.raises(merge_lora.InputError, match="data offsets do not match"):
-        merge_lora.read_safetensors_header(str(leftover / torn))
+    assert set(file_tensors(str(leftover / whole))) == {"lm_head.weight"}
+    with pytest.raises(InputError, match="lies beyond the end of the file"):
+        file_tensors(str(leftover / torn))
 
     with caplog.at_level(logging.WARNING, logger="merge_llama_with_lora"):
         merge(base, [adapter], out, *layout)

@@ -66,7 +66,7 @@ def atomic_output_dir(output_dir: str) -> Iterator[str]:
     """Yield a temporary sibling of output_dir to fill; when the block completes, sync it to disk and rename it to
     output_dir (an empty output_dir is replaced), then sync the parent; if the block fails, delete it. Readers never
     see a half-written result, and a crash leaves the whole result or none. The temporary name is
-    .<output name>.tmp-<random>, which merge.lora's leftover check looks for."""
+    .<output name>.tmp-<random>, which merge.output's leftover check looks for."""
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.tmp-", dir=parent)

@@ -179,7 +179,8 @@ def safetensors_header(path: str) -> dict[str, dict[str, Any]]:
     tensors = {name: info for name, info in header.items() if name != "__metadata__"}
     for name, info in tensors.items():
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(info.get("shape"), list)):
+        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(info.get("shape"), list)
+                and all(type(offset) is int and offset >= 0 for offset in offsets)):
             raise InputError(f"{path}: tensor {name}: no shape or data offsets in the header (damaged file?)")
         if 8 + length + offsets[1] > size:
             raise InputError(f"{path}: tensor {name} lies beyond the end of the file (truncated?)")

@@ -29,21 +29,16 @@ import torch
 from lorakit.core.atomic import atomic_output_dir
 from lorakit.core.model_files import check_recorded_base
 from lorakit.merge.common import InputError
-from lorakit.merge.lora import (
-    INPUT_EMBEDDING_SUFFIXES,
+from lorakit.merge.inputs import (
     BaseModel,
     check_adapter_bases,
     check_adapter_config,
-    check_free_space,
-    check_verified,
-    choose_tokenizer,
-    copy_code_and_tokenizer,
     read_adapter_config,
     read_adapter_tensors,
-    tokenizer_size,
-    verify_batches,
-    warn_about_leftovers,
 )
+from lorakit.merge.output import check_free_space, copy_code_and_tokenizer, warn_about_leftovers
+from lorakit.merge.plan import INPUT_EMBEDDING_SUFFIXES, choose_tokenizer, tokenizer_size
+from lorakit.merge.verify import check_verified, verify_batches
 
 logger = logging.getLogger("merge_llama_with_lora")
 

@@ -40,32 +40,23 @@ for), round-trip counts, how many new tokens are actually used, and sample token
 Guarantees, checked before the output is renamed into place: every original token (special
 tokens included) keeps its id, every new piece encodes to its own token, and every held-out line
 the base tokenizer round-trips, the merged one round-trips too.
+
+This module holds the steps; the command that runs them in order is lorakit.commands.merge_tokenizers, its
+arguments lorakit.merge.tokenizers_config.
 """
 
 import argparse
 import json
 import logging
 import os
-import sys
 import tempfile
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lorakit.core.atomic import atomic_output_dir
-from lorakit.core.cli import ArgumentParser
 from lorakit.core.text_lines import byte_lines
-from lorakit.merge.common import (
-    InputError,
-    check_output_dir,
-    code_files,
-    copy_files,
-    read_json,
-    run_cli,
-    setup_tool_logging,
-    tokenizer_files,
-)
+from lorakit.merge.common import InputError, code_files, copy_files, read_json, tokenizer_files
 
 if TYPE_CHECKING:  # imported where used: the merge loads sentencepiece, tokenizers and transformers late
     from sentencepiece.sentencepiece_model_pb2 import ModelProto
@@ -87,39 +78,6 @@ PROBES = (
 
 class GuaranteeError(Exception):
     """A merged tokenizer broke a guarantee (a bug, not bad input): nothing is written."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base_tokenizer", required=True, help="Tokenizer directory to extend.")
-    parser.add_argument("--output_dir", required=True, help="New directory for the merged tokenizer.")
-    parser.add_argument("--train_corpus", default=None,
-                        help="Text file(s), comma-separated, one document a line: train the extra pieces on them.")
-    parser.add_argument("--extra_sp_model", default=None,
-                        help="Or: a trained SentencePiece .model whose pieces to add.")
-    parser.add_argument("--vocab_size", type=int, default=20000, help="Vocabulary size of the trained extra model.")
-    parser.add_argument("--model_type", default=None, choices=["bpe", "unigram"],
-                        help="Extra model type (default: the base's for a SentencePiece base, else bpe).")
-    parser.add_argument("--character_coverage", type=float, default=0.9995,
-                        help="Share of the corpus' characters the extra model covers (0.9995 suits Chinese).")
-    parser.add_argument("--input_sentence_size", type=int, default=2_000_000,
-                        help="Lines sampled from the corpus to train on (0: all).")
-    parser.add_argument("--max_sentence_length", type=int, default=16384, help="Longer lines are skipped in training.")
-    parser.add_argument("--num_threads", type=int, default=min(8, os.cpu_count() or 1))
-    parser.add_argument("--eval_corpus", default=None,
-                        help="Text file(s) for the report (default: every 20th line of --train_corpus, held out).")
-    parser.add_argument("--heldout_every", type=int, default=20,
-                        help="Without --eval_corpus, every N-th training line is held out for the report.")
-    parser.add_argument("--max_eval_lines", type=int, default=10000, help="Lines of the eval text used in the report.")
-    parser.add_argument("--num_samples", type=int, default=3, help="Sample tokenizations shown in the report.")
-    parser.add_argument("--trust_remote_code", action="store_true",
-                        help="Run the Python code the tokenizer directory ships (tokenizer_config.json auto_map) to "
-                             "load it; the merged tokenizer keeps a copy of that code. Only for directories you trust.")
-    return parser
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -665,77 +623,3 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  {text}\n    before ({len(sample['before'])}): {' | '.join(sample['before'][:24])}"
               f"{' ...' if len(sample['before']) > 24 else ''}\n    after  ({len(sample['after'])}): "
               f"{' | '.join(sample['after'][:24])}{' ...' if len(sample['after']) > 24 else ''}")
-
-
-# ----------------------------------------------------------------------------- main
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if bool(args.train_corpus) == bool(args.extra_sp_model):
-        raise InputError("give exactly one of --train_corpus (train the new pieces) or --extra_sp_model")
-    if args.extra_sp_model and not args.eval_corpus:
-        raise InputError("--extra_sp_model needs --eval_corpus: the report measures tokens per character on it")
-    if args.extra_sp_model and not os.path.isfile(args.extra_sp_model):
-        raise InputError(f"{args.extra_sp_model}: --extra_sp_model does not exist")
-    if args.vocab_size < 2 or args.heldout_every < 2 or args.max_eval_lines < 1:
-        raise InputError("--vocab_size and --heldout_every must be at least 2, --max_eval_lines at least 1")
-    check_output_dir(args.output_dir, {"--base_tokenizer": args.base_tokenizer})
-    base = inspect_base(args.base_tokenizer)
-    if args.train_corpus and args.model_type:
-        spec = base.proto.trainer_spec if base.kind == "sentencepiece" else None
-        needed = ("unigram" if spec.model_type == spec.UNIGRAM else "bpe") if spec is not None else "bpe"
-        if args.model_type != needed:
-            raise InputError(f"--model_type {args.model_type}: this base needs a {needed} extra model "
-                             "(a BPE tokenizer.json base, or a SentencePiece base of that type)")
-
-    # Loaded before the extra pieces are trained, so a base that cannot load is refused at once.
-    if args.trust_remote_code:
-        logger.warning("--trust_remote_code: running the tokenizer's own code from %s", args.base_tokenizer)
-    base_tokenizer = read_tokenizer_dir(args.base_tokenizer, args.trust_remote_code)
-
-    with tempfile.TemporaryDirectory(prefix="merge_tokenizers-") as work:
-        train_path = os.path.join(work, "train.txt") if args.train_corpus else None
-        eval_lines = split_corpus(args, train_path)
-        if not eval_lines:
-            raise InputError("no eval lines for the report: give a longer --train_corpus or an --eval_corpus")
-        if args.extra_sp_model:
-            extra, extra_name = load_proto(args.extra_sp_model), args.extra_sp_model
-        else:
-            extra, extra_name = train_extra_model(args, base, train_path, work), "the trained model"
-        check_compatible(base, extra, extra_name)
-
-        with atomic_output_dir(args.output_dir) as out:
-            unreachable = []
-            if base.kind == "sentencepiece":
-                merged_proto, stats = merge_sentencepiece(base, extra)
-                write_sentencepiece_tokenizer(base, merged_proto, out, base_tokenizer, args.trust_remote_code)
-            else:
-                data, stats, new_tokens = merge_bpe_json(base, extra)
-                write_bpe_tokenizer(base, data, out)
-                unreachable = unreachable_tokens(out, new_tokens)
-            copy_files(base.path, code_files(base.path), out)  # the merged tokenizer loads with the same code
-            merged = read_tokenizer_dir(out, args.trust_remote_code)
-            try:
-                merged_model = os.path.join(out, "tokenizer.model") if base.kind == "sentencepiece" else None
-                report = build_report(args, base, base_tokenizer, merged, stats, eval_lines, unreachable, merged_model)
-            except GuaranteeError as err:
-                print(f"error: guarantee violated, nothing written: {err}", file=sys.stderr, flush=True)
-                sys.exit(1)
-            with open(os.path.join(out, PIECES_FILE), "wb") as handle:
-                handle.write(extra.SerializeToString())
-            with open(os.path.join(out, REPORT_FILE), "w", encoding="utf-8") as handle:
-                json.dump(report, handle, ensure_ascii=False, indent=2)
-                handle.write("\n")
-    print_report(report)
-    print(f"wrote {args.output_dir} (load it with AutoTokenizer.from_pretrained; report in {REPORT_FILE})")
-
-
-def entry_point() -> None:
-    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
-    setup_tool_logging()
-    run_cli(main)
-
-
-if __name__ == "__main__":
-    entry_point()
