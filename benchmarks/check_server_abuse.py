@@ -87,19 +87,20 @@ def serve(model_dir: str, port: int, device: str, trigger: str, log_path: str) -
     distribution sampled on the device) once the trigger file exists."""
     code = (
         "import os, sys, torch\n"
-        "from lorakit.serve import openai_api\n"
+        "from lorakit.commands import serve as serve_command\n"
+        "from lorakit.serve.completion_service import CompletionService\n"
         f"TRIGGER, DEVICE = {trigger!r}, {device!r}\n"
         "def fault():\n"
         "    if os.path.exists(TRIGGER):\n"
         "        torch.multinomial(torch.full((1, 8), float('nan'), device=DEVICE), 1)\n"
         "        torch.accelerator.synchronize() if DEVICE != 'cpu' else None\n"
-        "class Service(openai_api.CompletionService):\n"
+        "class Service(CompletionService):\n"
         "    def __init__(self, *args, **kwargs):\n"
         "        super().__init__(*args, **kwargs)\n"
         "        self.fault_injection = fault\n"
-        "openai_api.CompletionService = Service\n"
+        "serve_command.CompletionService = Service\n"
         "sys.argv = ['openai_api_server.py'] + sys.argv[1:]\n"
-        "openai_api.entry_point()\n"
+        "serve_command.entry_point()\n"
     )
     argv = [sys.executable, "-c", code, "--base_model", model_dir, "--model_name", "tiny", "--port", str(port),
             "--device", device]

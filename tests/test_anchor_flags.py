@@ -128,7 +128,7 @@ def stage_classes(stage: str) -> tuple:
     from lorakit.trainers import sft as run_sft_with_peft
 
     return {"sft": (ModelArguments, run_sft_with_peft.SFTDataArguments, run_sft_with_peft.SFTArguments),
-            "reward": (ModelArguments, run_reward.RewardDataArguments, run_reward.RewardArguments),
+            "reward": (ModelArguments, run_reward.PreferenceDataArguments, run_reward.RewardArguments),
             "ppo": (run_ppo.PPOModelArguments, run_ppo.PPODataArguments, run_ppo.PPOArguments)}[stage]
 
 
@@ -240,7 +240,7 @@ def test_a_refusal_is_one_line_and_exit_2(tiny_model_dir, tmp_path):
 
 
 def chat_arguments(argv: list) -> tuple:
-    from lorakit.serve import chat
+    from lorakit.serve import chat_config as chat
 
     parsed = parse_args((chat.InferenceModelArguments, chat.ChatArguments), ["--base_model", "b", *argv])
     return parsed, [note for arguments in parsed for note in arguments.mapped_flags]

@@ -492,7 +492,7 @@ def serving(args: list):
     uvicorn.Server.run records the server, for the block to stop it. Yields the base URL."""
     import uvicorn
 
-    from lorakit.serve import openai_api as openai_api_server
+    from lorakit.commands import serve as openai_api_server
 
     servers, port, real_run = [], free_port(), uvicorn.Server.run
 

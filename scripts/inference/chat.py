@@ -2,12 +2,12 @@
 """Chat with a merged model, or a base model + LoRA adapter, in the terminal; or answer a file of
 prompts in batches.
 
-The command `lorakit chat`; its code and full description: lorakit.serve.chat."""
+The command `lorakit chat`; its code and full description: lorakit.commands.chat."""
 
 import sys
 
 try:
-    from lorakit.serve.chat import entry_point
+    from lorakit.commands.chat import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """An OpenAI-compatible HTTP server for a merged model, or a base model + LoRA adapter.
 
-The command `lorakit serve`; its code and full description: lorakit.serve.openai_api."""
+The command `lorakit serve`; its code and full description: lorakit.commands.serve."""
 
 import sys
 
 try:
-    from lorakit.serve.openai_api import entry_point
+    from lorakit.commands.serve import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

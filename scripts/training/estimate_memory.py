@@ -2,12 +2,12 @@
 """How much GPU and CPU memory a LoRA or QLoRA run needs under each ZeRO config we ship, from
 DeepSpeed's own estimators, for the user's model and GPU count; reads only config.json.
 
-The command `lorakit estimate-memory`; its code and full description: lorakit.models.estimate_memory."""
+The command `lorakit estimate-memory`; its code and full description: lorakit.commands.estimate_memory."""
 
 import sys
 
 try:
-    from lorakit.models.estimate_memory import entry_point
+    from lorakit.commands.estimate_memory import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

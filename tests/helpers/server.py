@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from helpers.commands import REPO, assert_ok, free_port, run_in_process
-from lorakit.serve.openai_api import API_KEY_VARIABLE
+from lorakit.serve.server_config import API_KEY_VARIABLE
 
 SERVER_SCRIPT = f"{REPO}/scripts/inference/openai_api_server.py"
 

@@ -13,7 +13,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers.commands import REPO, check_refused, run_in_process
-from lorakit.models import estimate_memory as em
+from lorakit.commands import estimate_memory as command
+from lorakit.models import memory as em
 from lorakit.models.chunked_loss import LOGITS_PER_CHUNK, causal_lm_loss
 
 SCRIPT = os.path.join(REPO, "scripts", "training", "estimate_memory.py")
@@ -235,7 +236,7 @@ def test_the_rollouts_kv_cache_is_what_generate_holds():
     assert held == em.kv_cache_bytes(config, answers=6, tokens=40, dtype_bytes=2)
     llama7b = LlamaConfig(**em.PUBLIC_SHAPES["llama2-7b"])
     assert em.kv_cache_bytes(llama7b, answers=64, tokens=512) == 64 * 512 * 2**19  # 16 GiB
-    line = em.rollout_line(llama7b, estimate_args(per_device_generation_batch_size=64, max_seq_length=512))
+    line = command.rollout_line(llama7b, estimate_args(per_device_generation_batch_size=64, max_seq_length=512))
     assert "a 16.0 GiB KV cache per GPU" in line and "64 answers (GRPO: 8 prompts x 8)" in line
 
 
@@ -286,7 +287,7 @@ def test_a_token_budget_is_the_activations_of_that_many_tokens(tiny_config_dir):
     rows = run_in_process(SCRIPT, common + ["--per_device_train_batch_size", "3"])
     assert budget.returncode == rows.returncode == 0, budget.stderr[-2000:]
     config = em.read_model_config(tiny_config_dir, None)
-    expected = em.gib(em.activation_bytes(config, 8, 3072, checkpointing=True))
+    expected = command.gib(em.activation_bytes(config, 8, 3072, checkpointing=True))
     line = next(line for line in budget.stdout.splitlines() if line.startswith("activations per GPU"))
     assert f"{expected} GiB with --activation_checkpointing" in line and "a budget of 3072 tokens" in line
     assert line.split(" GiB without")[0] == next(

@@ -13,7 +13,7 @@ import pytest
 
 from helpers.commands import check_refused, run_in_process
 from helpers.server import SERVER_SCRIPT, assert_error_body, call, launch, serving
-from lorakit.serve import openai_api as openai_api_server
+from lorakit.serve import completion_service
 from lorakit.serve.inference import Completion
 
 MODEL = "tiny"
@@ -131,7 +131,7 @@ def test_a_failure_answers_a_generic_500_and_logs_the_details(server, monkeypatc
 
     before = answer(server)
     monkeypatch.setattr(server["service"].generator, "generate", failing_generate)
-    with caplog.at_level(logging.ERROR, logger="lorakit.serve.openai_api"):
+    with caplog.at_level(logging.ERROR, logger="lorakit.serve.completion_service"):
         status, body = call(server["port"], "/v1/chat/completions", GOOD)
         _, stream = call(server["port"], "/v1/chat/completions", {**GOOD, "stream": True})
     assert status == 500, body
@@ -140,7 +140,7 @@ def test_a_failure_answers_a_generic_500_and_logs_the_details(server, monkeypatc
               if line.startswith("data: {")]
     streamed_error = events[-1]
     assert_error_body(streamed_error, "server_error")
-    logged = [record for record in caplog.records if record.name == "lorakit.serve.openai_api"]
+    logged = [record for record in caplog.records if record.name == "lorakit.serve.completion_service"]
     for message in (body["error"]["message"], streamed_error["error"]["message"]):
         assert "error id" in message and "private" not in message and "RuntimeError" not in message, message
         error_id = message.split("error id ")[1].rstrip(")")
@@ -212,7 +212,7 @@ def test_a_client_that_goes_away_stops_its_generation(server, monkeypatch, strea
 def test_a_request_whose_client_left_while_queued_is_not_generated(server, monkeypatch):
     service, entered, release, calls = server["service"], threading.Event(), threading.Event(), []
     noticed = threading.Event()
-    watch_client = openai_api_server.cancel_when_gone
+    watch_client = completion_service.cancel_when_gone
 
     async def noticing_cancel_when_gone(request, cancel):
         await watch_client(request, cancel)
@@ -224,7 +224,7 @@ def test_a_request_whose_client_left_while_queued_is_not_generated(server, monke
         assert release.wait(60)
         return [Completion("held", "stop", len(prompts[0]), 1)]
 
-    monkeypatch.setattr(openai_api_server, "cancel_when_gone", noticing_cancel_when_gone)
+    monkeypatch.setattr(completion_service, "cancel_when_gone", noticing_cancel_when_gone)
     monkeypatch.setattr(service.generator, "generate", blocked_generate)
     first = threading.Thread(target=lambda: call(server["port"], "/v1/chat/completions", GOOD))
     first.start()

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, TopPLogitsWarper
 from helpers.commands import REPO, check_refused, free_port, run_in_process, script_env
 from helpers.server import SERVER_SCRIPT, assert_error_body, call, launch, serving
 from lorakit.serve import inference
+from lorakit.serve.completion_service import is_device_error
 from lorakit.serve.inference import (
     FiniteScoresGuard,
     NonFiniteScores,
@@ -29,7 +30,6 @@ from lorakit.serve.inference import (
     cut_at_stop,
     tokens_until_stop,
 )
-from lorakit.serve.openai_api import is_device_error
 
 FAULTY_SERVER = os.path.join(REPO, "tests", "helpers", "faulty_server.py")
 MODEL = "tiny"
@@ -453,7 +453,8 @@ def test_fields_that_would_change_the_answer_are_refused_at_all_but_their_neutra
 def test_chat_refuses_sampling_values_that_cannot_sample():
     """The chat CLI takes the server's bounds: a bad value is one line at start-up (exit 2), not a failed run."""
     from lorakit.core.cli import InputError
-    from lorakit.serve.chat import ChatArguments, sampling_settings
+    from lorakit.serve.chat import sampling_settings
+    from lorakit.serve.chat_config import ChatArguments
 
     for name, value in (("temperature", 1e-300), ("temperature", 2.5), ("repetition_penalty", 1e-300),
                         ("repetition_penalty", 3.0)):

@@ -1,89 +1,30 @@
-#!/usr/bin/env python
-"""Chat with a merged model, or a base model + LoRA adapter, in the terminal; or answer a file of
-prompts in batches.
-
-    python scripts/inference/chat.py --base_model MERGED_DIR
-    python scripts/inference/chat.py --base_model BASE --lora_model outputs/sft/sft_lora_model
-    python scripts/inference/chat.py --base_model MERGED_DIR \
-        --data_file prompts.jsonl --predictions_file predictions.jsonl --batch_size 8
-
-Prompts are rendered with the chat template saved with the tokenizer at training time. In a
-chat, /clear forgets the history and /quit (or end of input) leaves; the oldest exchanges are
-dropped when the conversation outgrows the context.
-"""
+"""The chat behind `lorakit chat`: its sampling settings checked against the server's bounds, the
+terminal conversation (chat_loop: /clear forgets the history, /quit or end of input leaves; the oldest
+exchanges are dropped when the conversation outgrows the context), and batch mode (a file of prompts read and
+checked before any model is loaded, answered in batches of similar length, written whole)."""
 
 import json
 import logging
 import os
-import sys
-from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-from transformers import set_seed
-
 from lorakit.core.atomic import write_atomically
-from lorakit.core.cli import InputError, parse_args, run_cli
-from lorakit.models.arguments import note_accepted_flags, trust_remote_code_field
+from lorakit.core.cli import InputError
 from lorakit.records.readers import Message, read_records, request_of
+from lorakit.serve.chat_config import ChatArguments
 from lorakit.serve.inference import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
     ChatGenerator,
     Completion,
-    InferenceModelArguments,
     PromptTooLong,
     SamplingSettings,
     TextDeltaStreamer,
-    load_generator,
-    log_mapped_flags,
     trim_history,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ChatArguments:
-    """Sampling (Chinese-LLaMA-Alpaca-2's defaults), the conversation and batch mode."""
-
-    max_new_tokens: int = field(default=400, metadata={"help": "Most tokens of one answer."})
-    temperature: float = field(default=0.2, metadata={"help": "Sampling temperature; 0 = greedy."})
-    top_p: float = field(default=0.9, metadata={"help": "Nucleus sampling mass."})
-    top_k: int = field(default=40, metadata={"help": "Sample among the k likeliest tokens (0 = all)."})
-    repetition_penalty: float = field(default=1.1, metadata={"help": "1.0 = none."})
-    seed: int | None = field(default=None, metadata={"help": "Seed for reproducible sampling."})
-    system_prompt: str | None = field(default=None, metadata={"help": "System turn before the conversation."})
-    show_prompt: bool = field(default=False, metadata={"help": "Print each rendered prompt (to check the template)."})
-    data_file: str | None = field(
-        default=None,
-        metadata={"help": "Batch mode: .jsonl/.json of {\"prompt\": ...} or {\"messages\": [...]} records."},
-    )
-    predictions_file: str | None = field(default=None, metadata={"help": "Batch mode: where answers go (.jsonl)."})
-    batch_size: int = field(default=8, metadata={"help": "Batch mode: prompts generated together."})
-    trust_remote_code: bool = trust_remote_code_field()
-    with_prompt: bool = field(
-        default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's: accepted; the chat template is always applied."}
-    )
-    interactive: bool = field(
-        default=False, metadata={"help": "Chinese-LLaMA-Alpaca-2's: accepted; without --data_file the chat is "
-                                         "interactive."}
-    )
-
-    def __post_init__(self) -> None:
-        if self.interactive and self.data_file:
-            raise InputError("--interactive and --data_file both given: the chat is interactive without --data_file "
-                             "and answers the file with it; give only one")
-        # Logged by log_mapped_flags once main() has configured logging.
-        self.mapped_flags: list[str] = []
-        note_accepted_flags(self, ACCEPTED_CHAT_FLAGS, self.mapped_flags)
-
-
-# Chinese-LLaMA-Alpaca-2's inference_hf.py switches that need nothing here, and why.
-ACCEPTED_CHAT_FLAGS = {
-    "with_prompt": "every prompt is rendered with the chat template saved with the tokenizer at training time",
-    "interactive": "without --data_file the chat is interactive (multi-turn; /clear forgets the history)",
-}
 
 
 def sampling_settings(args: ChatArguments) -> SamplingSettings:
@@ -99,7 +40,7 @@ def sampling_settings(args: ChatArguments) -> SamplingSettings:
     low, high = REPETITION_PENALTY_RANGE
     if not low <= args.repetition_penalty <= high:
         raise InputError(f"--repetition_penalty must be in [{low}, {high}], got {args.repetition_penalty}")
-    # No per-generation seed: --seed seeds the process once (see main).
+    # No per-generation seed: --seed seeds the process once (see the command's main, lorakit.commands.chat).
     return SamplingSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
 
 
@@ -209,44 +150,3 @@ def chat_loop(generator: ChatGenerator, settings: SamplingSettings, system_promp
                                         streamer)[0]
         print(flush=True)
         history = messages[len(system):] + [{"role": "assistant", "content": completion.text}]
-
-
-# main() parses them; the pipeline launcher reads their flag names.
-ARGUMENT_CLASSES = (InferenceModelArguments, ChatArguments)
-
-
-def main() -> None:
-    model_args, chat_args = parse_args(ARGUMENT_CLASSES)
-    # Logs go to stderr: stdout carries the conversation (or nothing, in batch mode).
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO, stream=sys.stderr, force=True)
-    log_mapped_flags(model_args, chat_args)
-    settings = sampling_settings(chat_args)
-    batch_mode = chat_args.data_file or chat_args.predictions_file
-    records = None
-    if batch_mode:
-        if not (chat_args.data_file and chat_args.predictions_file):
-            raise InputError("batch mode needs both --data_file and --predictions_file")
-        if os.path.exists(chat_args.predictions_file):
-            raise InputError(f"{chat_args.predictions_file}: --predictions_file already exists; "
-                             "choose another name or remove it")
-        records = read_prompt_records(chat_args.data_file, chat_args.system_prompt)
-    # The data, the tokenizer and its template are checked before the weights are loaded.
-    generator = load_generator(model_args, chat_args.trust_remote_code)
-    logger.info("sampling: %s", asdict(settings))
-    if chat_args.seed is not None:
-        set_seed(chat_args.seed)  # once: each turn then continues the same random stream
-    if batch_mode:
-        prompts = encode_prompts(records, generator, prompt_budget(generator, settings.max_new_tokens))
-        predict_file(generator, prompts, settings, chat_args.batch_size, chat_args.predictions_file)
-    else:
-        chat_loop(generator, settings, chat_args.system_prompt, chat_args.show_prompt)
-
-
-def entry_point() -> None:
-    """The command line's entry point: its script and `lorakit` command (lorakit.commands)."""
-    run_cli(main)
-
-
-if __name__ == "__main__":
-    entry_point()
