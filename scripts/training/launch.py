@@ -6,12 +6,12 @@ processes exited with the same status or were stopped by torchrun after the firs
 prints the first message once and exits with that status (2 for bad input), without torchrun's
 traceback and failure report. Any other failure is torchrun's, reported in full.
 
-The command `lorakit launch`; its code and full description: lorakit.trainers.launch."""
+The command `lorakit launch`; its code and full description: lorakit.commands.launch."""
 
 import sys
 
 try:
-    from lorakit.trainers.launch import entry_point
+    from lorakit.commands.launch import entry_point
 except ModuleNotFoundError as missing:
     if missing.name != "lorakit":
         raise

@@ -112,7 +112,7 @@ def test_an_unknown_or_abbreviated_flag_is_one_line_naming_the_closest(tmp_path,
 
 def test_a_misspelled_flag_is_named_before_a_required_one_is_missed():
     """The merge's --base_model is required: `--base_modle` is named as the mistake, not `--base_model` as missing."""
-    from lorakit.merge.lora import parse_args as merge_args
+    from lorakit.merge.merge_config import parse_args as merge_args
 
     with pytest.raises(InputError, match=r"--base_modle is not an argument of this script \(did you mean "
                                          r"--base_model\?\)"):
@@ -125,7 +125,7 @@ def test_a_misspelled_flag_is_named_before_a_required_one_is_missed():
 
 
 def test_the_launcher_refuses_its_own_unknown_flags_and_passes_the_scripts_on():
-    from lorakit.trainers.launch import parse_launch_args
+    from lorakit.commands.launch import parse_launch_args
 
     with pytest.raises(InputError, match=r"--nproc is not an argument of the launcher \(torchrun\) \(did you mean "
                                          r"--nproc-per-node or --nproc_per_node\?\)"):
@@ -156,7 +156,7 @@ def test_an_argument_file_alone_with_a_misspelled_key_is_one_line(tmp_path):
 
 def test_the_pipeline_launcher_refuses_unknown_and_abbreviated_flags():
     """The launcher's own flags follow the same rule (its overrides are key=value, never flags)."""
-    from lorakit.pipeline.launcher import parse_args as pipeline_args
+    from lorakit.commands.pipeline import parse_args as pipeline_args
 
     with pytest.raises(InputError, match=r"--dry_rn is not an argument of this script \(did you mean --dry_run\?\)"):
         pipeline_args(["pipeline.yaml", "--dry_rn"])

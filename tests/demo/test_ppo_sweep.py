@@ -7,7 +7,7 @@ import pytest
 
 from lorakit.demo.ppo_sweep import best_variant, holds, render_table, sweep_variants
 from lorakit.demo.review_tasks import with_other_task_rejections
-from lorakit.demo.run_demo import answer_collapse
+from lorakit.demo.stage_evaluation import answer_collapse
 
 PAIRS = [{"prompt": f"p{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(9)]
 
@@ -75,7 +75,8 @@ def test_the_sweep_before_a_demo_run_is_one_line_naming_what_is_missing(tmp_path
 def test_the_demos_reward_pairs_reject_one_arithmetic_answer_in_four():
     import re
 
-    from lorakit.demo.run_demo import OTHER_TASK_EVERY, other_task_answers
+    from lorakit.demo.plan import OTHER_TASK_EVERY
+    from lorakit.demo.stages import other_task_answers
 
     answers = other_task_answers(480)
     assert OTHER_TASK_EVERY == 4 and len(answers) == 120

@@ -25,31 +25,28 @@ from pathlib import Path
 from typing import Any
 
 from lorakit.core.cli import ArgumentParser, InputError, run_cli
+from lorakit.demo.plan import DEMO_CONFIG, FULL, HELDOUT_FRACTION, PPO_SECOND_SEED, SPLIT_SEED, Demo
 from lorakit.demo.prepare_default import prepare_model, write_pretraining_corpus
 from lorakit.demo.report import Figures, collapsed
 from lorakit.demo.review_tasks import prompt_split
-from lorakit.demo.run_demo import (
-    DEMO_CONFIG,
-    FULL,
-    HELDOUT_FRACTION,
-    PPO_SECOND_SEED,
-    SPLIT_SEED,
-    Demo,
+from lorakit.demo.sft_tasks import ANSWER_FORMAT
+from lorakit.demo.stage_evaluation import (
     answer_collapse,
-    health_alarms,
     heldout_answers,
-    last_logged,
     load_reward_scorer,
+    reward_scorer,
+    score_answers,
+)
+from lorakit.demo.stages import (
+    health_alarms,
+    last_logged,
     log_history,
     read_stage_result,
-    reward_scorer,
     run_beside_the_chain,
-    score_answers,
     sentiment_pairs,
     with_flag,
     write_jsonl,
 )
-from lorakit.demo.sft_tasks import ANSWER_FORMAT
 from lorakit.pipeline.config import load_config
 from lorakit.pipeline.stages import PlannedStage, plan_stages
 

@@ -1,4 +1,4 @@
-"""The demo's report: report.md from the stages' figure dicts (demo.run_demo), and loss.png with
+"""The demo's report: report.md from the stages' figure dicts (demo.stages), and loss.png with
 every training stage's curves from its trainer_state.json log history.
 
 Every figure is shown with its before/after and a verdict line that says plainly when a stage
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# One stage's figures by name (demo.run_demo's stage functions return them; report.json holds them).
+# One stage's figures by name (demo.stages' stage functions return them; report.json holds them).
 Figures = dict[str, Any]
 
 SAMPLE_ANSWERS = 5
