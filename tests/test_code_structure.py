@@ -4,6 +4,7 @@ the import path anywhere, and no function longer than a screen."""
 
 import ast
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -29,7 +30,14 @@ APART = {
     "serve": {"core", "records", "models"},
     "pipeline": {"core"},
     "demo": set(STACK) | {"pipeline"},
+    # The commands (lorakit.commands.NAME: main and entry_point) are the top: they may import every layer, and no
+    # layer names them, so nothing in the library imports a command (the console script imports one by its name in
+    # the table, at run time).
+    "commands": set(STACK) | {"merge", "serve", "pipeline", "demo"},
 }
+# What lorakit/commands/__init__.py (the table) defines: an import of one of these is of the table, which is
+# import-free and open to every layer; any other lorakit.commands.NAME is a command module.
+TABLE_NAMES = {"COMMANDS", "Command", "RUN_AS_MODULE", "command_line", "module_of_script"}
 # Modules at the package's top (lorakit.commands' table, the version, the console script) import no layer
 # statically, and every layer may import them.
 LONGEST_FUNCTION = 60
@@ -49,8 +57,11 @@ def imported_names(path: Path) -> set:
 
 
 def layer_of(module: str):
-    """'lorakit.data.cache' -> 'data'; a top module (lorakit.commands, lorakit.__main__) -> None."""
+    """'lorakit.data.cache' -> 'data'; 'lorakit.commands.sft' -> 'commands'; a top module (the table
+    lorakit.commands and what it defines, lorakit.__main__, lorakit.__version__) -> None."""
     parts = module.split(".")
+    if parts[1:2] == ["commands"] and (len(parts) == 2 or parts[2] in TABLE_NAMES):
+        return None
     return parts[1] if len(parts) > 1 and parts[1] in STACK + list(APART) else None
 
 
@@ -101,13 +112,145 @@ def test_a_planted_upward_import_is_caught(tmp_path):
     for layer in ("data", "models", "trainers", "rl"):
         (root / layer).mkdir(parents=True)
     (root / "data" / "bad.py").write_text("from lorakit.trainers.common import build_trainer\n")
-    (root / "models" / "also_bad.py").write_text("import lorakit.rl.ppo_math\n")
+    (root / "models" / "also_bad.py").write_text("import lorakit.rl.rl_math\n")
     (root / "rl" / "fine.py").write_text("from lorakit.models import loader\nfrom lorakit.data import cache\n")
     assert upward_imports(root) == [
         "lorakit.data.bad (data) imports lorakit.trainers.common (trainers)",
         "lorakit.data.bad (data) imports lorakit.trainers.common.build_trainer (trainers)",
-        "lorakit.models.also_bad (models) imports lorakit.rl.ppo_math (rl)",
+        "lorakit.models.also_bad (models) imports lorakit.rl.rl_math (rl)",
     ]
+
+
+def package_modules(package_root: Path) -> dict:
+    """{module name: its file} of every module of the package at package_root."""
+    return {module_name(path, package_root): path for path in sorted(package_root.rglob("*.py"))}
+
+
+def import_graph(package_root: Path) -> dict:
+    """{module: the package's modules it imports}, every import counted: module-level, inside a function, and under
+    `if TYPE_CHECKING:` (each is a dependency a reader follows, and a cycle through one still ties the modules
+    together). `from a.b import c` is an import of a.b.c where that is a module, else of a.b."""
+    modules = package_modules(package_root)
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for name in imported_names(path):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module and name != module.rpartition(".")[0] + ".__init__":
+                targets.add(name)
+        graph[module] = targets - {module}
+    return graph
+
+
+def import_cycles(package_root: Path) -> list:
+    """The package's import cycles: each a sorted list of the modules that import one another (Tarjan's strongly
+    connected components of import_graph, those of more than one module)."""
+    graph, index, low, stack, on_stack, cycles = import_graph(package_root), {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_the_package_has_no_import_cycle():
+    assert import_cycles(PACKAGE) == [], "\n".join(" <-> ".join(cycle) for cycle in import_cycles(PACKAGE))
+
+
+def test_a_planted_import_cycle_is_caught(tmp_path):
+    """The check can fail: a cycle closed only by a function-local import and one closed only under TYPE_CHECKING."""
+    root = tmp_path / "lorakit"
+    (root / "rl").mkdir(parents=True)
+    (root / "rl" / "trainer.py").write_text("def run():\n    from lorakit.rl.config import Arguments\n")
+    (root / "rl" / "config.py").write_text("from lorakit.rl import trainer\n")
+    (root / "rl" / "math.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                         "    from lorakit.rl.policy import Policy\n")
+    (root / "rl" / "policy.py").write_text("from lorakit.rl.math import loss\n")
+    (root / "rl" / "alone.py").write_text("from lorakit.rl.math import loss\n")
+    assert import_cycles(root) == [["lorakit.rl.config", "lorakit.rl.trainer"],
+                                   ["lorakit.rl.math", "lorakit.rl.policy"]]
+
+
+def test_nothing_in_the_library_imports_a_command_module(tmp_path):
+    """Every module the table names as a command is under lorakit/commands/, and no module outside it imports one
+    (TYPE_CHECKING and function-local imports included); a planted import of one is caught as an upward import."""
+    from lorakit.commands import COMMANDS
+
+    command_modules = {command.module for command in COMMANDS.values()}
+    assert all(layer_of(module) == "commands" for module in command_modules), sorted(command_modules)
+    configs = {command.config for command in COMMANDS.values()} - {None}
+    assert not {module for module in configs if layer_of(module) == "commands"}, sorted(configs)
+    graph = import_graph(PACKAGE)
+    wrong = [f"{module} imports {target}" for module, targets in graph.items() if layer_of(module) != "commands"
+             for target in targets if layer_of(target) == "commands"]
+    assert not wrong, "\n".join(wrong)
+    root = tmp_path / "lorakit"
+    (root / "rl").mkdir(parents=True)
+    (root / "rl" / "bad.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from lorakit.commands.ppo import main\n"
+                                        "from lorakit.commands import COMMANDS\n")
+    assert upward_imports(root) == ["lorakit.rl.bad (rl) imports lorakit.commands.ppo (commands)",
+                                    "lorakit.rl.bad (rl) imports lorakit.commands.ppo.main (commands)"]
+
+
+ARCHITECTURE_MAP = REPO / "docs" / "architecture.md"
+# Modules allowed over the ceiling, each with its reason.
+LONG_MODULES = {"lorakit.data.build_dataset": "every stage's cached pipelines and collators, one seam each (703 lines)"}
+LONGEST_MODULE = 700
+
+
+def layer_modules(package_root: Path) -> set:
+    """'rl.ppo_config', ... : every module inside a layer, as the map names it (packages' __init__ files left out:
+    the layers' are empty and lorakit.commands' is the table the map describes in prose)."""
+    return {name.removeprefix("lorakit.") for name, path in package_modules(package_root).items()
+            if path.name != "__init__.py" and path.parent != package_root}
+
+
+def map_problems(modules: set, text: str) -> list:
+    """Modules the map leaves out, and names the map gives that are no module (a stale line)."""
+    named = set(re.findall(r"`((?:" + "|".join(STACK + list(APART)) + r")\.[a-z_0-9]+)`", text))
+    return ([f"{name}: not on the map" for name in sorted(modules - named)]
+            + [f"{name}: on the map, not in the package" for name in sorted(named - modules)])
+
+
+def test_every_module_is_on_the_map():
+    """docs/architecture.md names every module of every layer (one line each) and no module that is gone."""
+    assert not map_problems(layer_modules(PACKAGE), ARCHITECTURE_MAP.read_text(encoding="utf-8")), "\n".join(
+        map_problems(layer_modules(PACKAGE), ARCHITECTURE_MAP.read_text(encoding="utf-8")))
+
+
+def test_a_module_missing_from_the_map_is_caught():
+    text = "| `rl.rollout` | engines |\n| `rl.ppo` | gone |\n"
+    assert map_problems({"rl.rollout", "rl.ppo_config"}, text) == ["rl.ppo_config: not on the map",
+                                                                   "rl.ppo: on the map, not in the package"]
+
+
+def test_no_module_is_several_modules():
+    """No module of the package over 700 lines but those LONG_MODULES names (a file that long has seams to split
+    along: the readers, the plan, the output...)."""
+    long = {name: len(path.read_text(encoding="utf-8").splitlines())
+            for name, path in package_modules(PACKAGE).items()}
+    assert {name for name, lines in long.items() if lines > LONGEST_MODULE} <= set(LONG_MODULES), {
+        name: lines for name, lines in long.items() if lines > LONGEST_MODULE}
 
 
 def python_files(*roots: Path) -> list:
@@ -191,7 +334,7 @@ import os, lorakit
 from lorakit.core.cli import parse_args
 from lorakit.core.package_data import DS_CONFIGS
 from lorakit.models.arguments import ModelArguments
-from lorakit.trainers.sft import SFTArguments, SFTDataArguments
+from lorakit.trainers.sft_config import SFTArguments, SFTDataArguments
 argv = ["--model_name_or_path", "m", "--output_dir", "o", "--use_cpu", "--zero_stage", "3", "--offload"]
 *_, training = parse_args((ModelArguments, SFTDataArguments, SFTArguments), argv)
 print(lorakit.__file__, DS_CONFIGS, training.deepspeed, *sorted(os.listdir(DS_CONFIGS)))
@@ -266,15 +409,19 @@ def test_no_function_longer_than_a_screen():
     assert not long_functions(REPO / "src", SCRIPTS), "\n".join(long_functions(REPO / "src", SCRIPTS))
 
 
-@pytest.mark.parametrize("module", ["lorakit.trainers.sft", "lorakit.trainers.pt", "lorakit.trainers.reward",
-                                    "lorakit.trainers.dpo", "lorakit.rl.ppo"])
-def test_training_arguments_pickle_under_their_package_path(module):
-    """The Trainer pickles the arguments into training_args.bin by their class's module path: the package's,
-    the same whether the stage runs from its script, `lorakit NAME` or in-process."""
+@pytest.mark.parametrize("name", ["sft", "pt", "reward", "dpo", "ppo", "grpo"])
+def test_training_arguments_pickle_under_their_package_path(name):
+    """The Trainer pickles the arguments into training_args.bin by their class's module path: the package's
+    config module, the same whether the stage runs from its script, `lorakit NAME` or in-process (the toolkit never
+    reads that file back: a checkpoint's identity is its completion marker)."""
     import importlib
 
-    classes = importlib.import_module(module).ARGUMENT_CLASSES
-    assert all(cls.__module__.startswith("lorakit.") for cls in classes), [cls.__module__ for cls in classes]
+    from lorakit.commands import COMMANDS
+
+    config = COMMANDS[name].config
+    classes = importlib.import_module(config).ARGUMENT_CLASSES
+    assert all(cls.__module__.startswith("lorakit.") and layer_of(cls.__module__) != "commands" for cls in classes), [
+        cls.__module__ for cls in classes]
 
 
 # Where a rename or an fsync may appear outside lorakit.core.atomic, and why it is not a file write.
@@ -305,17 +452,19 @@ TRAINER_COMPUTE_LOSS = "transformers.Trainer.compute_loss: the loss, or (loss, o
 TRAINER_PREDICTION_STEP = "transformers.Trainer.prediction_step: (loss, logits, labels)"
 PROTOCOL_TUPLES = {
     "src/lorakit/models/loader.py:inputs_in_float32": "a torch forward pre-hook with kwargs returns (args, kwargs)",
-    "src/lorakit/rl/policy.py:actor_named_parameters": "torch's named_parameters(): (name, parameter) pairs",
-    "src/lorakit/rl/policy.py:contexts": "torch.utils.checkpoint's context_fn returns (forward, recompute) contexts",
-    "src/lorakit/rl/ppo_checkpoint.py:_prepare_for_training": "Trainer._prepare_for_training: (model, dataloader)",
+    "src/lorakit/rl/role_policy.py:actor_named_parameters": "torch's named_parameters(): (name, parameter) pairs",
+    "src/lorakit/rl/ppo_policy.py:actor_named_parameters": "torch's named_parameters(): (name, parameter) pairs",
+    "src/lorakit/rl/role_policy.py:contexts":
+        "torch.utils.checkpoint's context_fn returns (forward, recompute) contexts",
+    "src/lorakit/rl/rl_checkpoint.py:_prepare_for_training": "Trainer._prepare_for_training: (model, dataloader)",
     "src/lorakit/rl/ppo_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
     "src/lorakit/rl/grpo_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
     "src/lorakit/trainers/causal_lm.py:get_batch_samples": "Trainer.get_batch_samples: (batches, items in batch)",
     "src/lorakit/trainers/causal_lm.py:compute_loss": TRAINER_COMPUTE_LOSS,
-    "src/lorakit/trainers/dpo.py:compute_loss": TRAINER_COMPUTE_LOSS,
-    "src/lorakit/trainers/dpo.py:prediction_step": TRAINER_PREDICTION_STEP,
-    "src/lorakit/trainers/reward.py:compute_loss": TRAINER_COMPUTE_LOSS,
-    "src/lorakit/trainers/reward.py:prediction_step": TRAINER_PREDICTION_STEP,
+    "src/lorakit/trainers/dpo_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
+    "src/lorakit/trainers/dpo_trainer.py:prediction_step": TRAINER_PREDICTION_STEP,
+    "src/lorakit/trainers/reward_trainer.py:compute_loss": TRAINER_COMPUTE_LOSS,
+    "src/lorakit/trainers/reward_trainer.py:prediction_step": TRAINER_PREDICTION_STEP,
 }
 BARE_CONTAINERS = {"tuple", "list", "dict", "set", "Tuple", "List", "Dict", "Set"}
 
