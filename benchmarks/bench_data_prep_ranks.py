@@ -175,10 +175,10 @@ def child_rank(fingerprints: str, metrics_dir: str, script_args: list) -> None:
     metrics_dir/rank<RANK>.json."""
     from transformers import TrainingArguments
 
+    from lorakit.commands import pt as run_clm_pt_with_peft
     from lorakit.core import fingerprints as file_fingerprints
     from lorakit.data import build_dataset
     from lorakit.data import cache as data_cache
-    from lorakit.trainers import pt as run_clm_pt_with_peft
 
     figures = {"rank": int(os.environ.get("RANK", "0")), "fingerprint_s": 0.0, "hashing_s": 0.0, "files_hashed": 0,
                "hashed_bytes": 0}

@@ -123,13 +123,13 @@ def test_run_sft_sh_trains_and_evaluates(tiny_model_dir, tmp_path):
 
 
 def stage_classes(stage: str) -> tuple:
-    from lorakit.rl import ppo as run_ppo
-    from lorakit.trainers import reward as run_reward
-    from lorakit.trainers import sft as run_sft_with_peft
+    from lorakit.rl import ppo_config
+    from lorakit.trainers import reward_config, sft_config
+    from lorakit.trainers.arguments import PreferenceDataArguments
 
-    return {"sft": (ModelArguments, run_sft_with_peft.SFTDataArguments, run_sft_with_peft.SFTArguments),
-            "reward": (ModelArguments, run_reward.PreferenceDataArguments, run_reward.RewardArguments),
-            "ppo": (run_ppo.PPOModelArguments, run_ppo.PPODataArguments, run_ppo.PPOArguments)}[stage]
+    return {"sft": (ModelArguments, sft_config.SFTDataArguments, sft_config.SFTArguments),
+            "reward": (ModelArguments, PreferenceDataArguments, reward_config.RewardArguments),
+            "ppo": (ppo_config.PPOModelArguments, ppo_config.PPODataArguments, ppo_config.PPOArguments)}[stage]
 
 
 def parse_stage(stage: str, argv: list, output_dir) -> tuple:

@@ -395,7 +395,7 @@ def test_separate_placement_under_zero3_is_refused_where_the_whole_frozen_roles_
     anything is written, pointing to --shared_base."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from lorakit.rl import policy as ppo_policy
+    from lorakit.rl import ppo_policy
 
     monkeypatch.setattr(ppo_policy, "free_memory_bytes", lambda device: 10**6)
     out = tmp_path / "out"

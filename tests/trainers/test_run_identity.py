@@ -121,13 +121,11 @@ def parsed_identity(classes, argv):
 
 
 def stage_classes(stage: str):
-    from lorakit.trainers import dpo, pt, reward, sft
+    import importlib
 
-    if stage == "ppo":
-        from lorakit.rl import ppo
+    from lorakit.commands import COMMANDS
 
-        return ppo.ARGUMENT_CLASSES
-    return {"pt": pt, "sft": sft, "reward": reward, "dpo": dpo}[stage].ARGUMENT_CLASSES
+    return importlib.import_module(COMMANDS[stage].config).ARGUMENT_CLASSES
 
 
 # Per stage, a loss-defining flag and another value: each is in the identity, so a resume with it changed refuses.
