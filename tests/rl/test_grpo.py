@@ -32,6 +32,11 @@ MARKER_REWARD = textwrap.dedent(f'''
 
     def broken(completions, **kwargs):
         return [float("nan") if index == 2 else 0.0 for index, _ in enumerate(completions)]
+
+    def exits(completions, **kwargs):
+        import sys
+
+        sys.exit(0)
 ''')
 
 
@@ -118,10 +123,12 @@ def test_rloo_and_reinforce_pp_learn_the_same_task(estimator, tiny_model_dir, gr
 
 
 @pytest.mark.parametrize("case", ["no_reward", "import", "missing_answer", "uneven_groups", "one_answer",
-                                  "k1_in_loss", "save_inside_rollout", "non_finite"])
+                                  "k1_in_loss", "save_inside_rollout", "non_finite", "generation_batch_0",
+                                  "generation_batch_-1", "reward_timeout", "exit_in_reward"])
 def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs, tmp_path):
-    """One line naming what is wrong, exit 2; a refusal before training writes nothing, a non-finite reward in the
-    first rollout (the function and the record named) publishes no adapter."""
+    """One line naming what is wrong, exit 2; a refusal before training writes nothing, a non-finite reward or a
+    sys.exit(0) in the reward function (which ended the run with status 0 and no adapter) in the first rollout (the
+    function named) publishes no adapter."""
     prompts, rewards = grpo_inputs
     out = tmp_path / "out"
     overrides, expected = {
@@ -134,6 +141,12 @@ def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs
         "save_inside_rollout": ({"num_iterations": 2, "max_steps": 10, "save_strategy": "steps", "save_steps": 0.3},
                                 "--save_steps 0.3 (of --max_steps 10: every 3) must be a multiple of the 2"),
         "non_finite": ({"reward_funcs": f"{rewards}:broken"}, f"{prompts}:"),
+        "generation_batch_0": ({"per_device_generation_batch_size": 0}, "--per_device_generation_batch_size 0: give"),
+        "generation_batch_-1": ({"per_device_generation_batch_size": -1}, "--per_device_generation_batch_size -1:"),
+        "reward_timeout": ({"reward_timeout": -1}, "--reward_timeout -1.0: give the seconds"),
+        # In this process the Trainer's progress bar shares stderr: off, so that the error line starts its line.
+        "exit_in_reward": ({"reward_funcs": f"{rewards}:exits", "disable_tqdm": "true"},
+                           f"the reward function {rewards}:exits called sys.exit(0)"),
     }[case]
     args = grpo_args(tiny_model_dir, grpo_inputs, out, **overrides)  # a None option is left out
     result = refuse(GRPO_SCRIPT, args, in_process=case != "non_finite")
@@ -141,8 +154,68 @@ def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs
     if case == "non_finite":
         assert "the reward function " in result.stderr and "returned nan" in result.stderr
         assert not (out / "grpo_lora_model").exists()
+    elif case == "exit_in_reward":
+        assert not (out / "grpo_lora_model").exists()
     else:
         assert not out.exists()
+
+
+def test_each_reward_function_is_logged_and_warned_of_apart(tiny_model_dir, grpo_inputs, tmp_path, monkeypatch):
+    """Two files' functions named marker, the second returning None for every answer: logged as marker and marker_2
+    (one label merged them and switched the reward-share alarms off), the second warned of once over two rollouts;
+    each call gets --reward_timeout."""
+    from lorakit.rl import grpo_trainer
+
+    never = tmp_path / "never.py"
+    never.write_text("def marker(completions, **kwargs):\n    return [None] * len(completions)\n")
+    timeouts = []
+
+    def probed(functions, batch, trainer_state=None, timeout=0):
+        timeouts.append(timeout)
+        return grpo_trainer_score(functions, batch, trainer_state, timeout)
+
+    grpo_trainer_score = grpo_trainer.score_completions
+    monkeypatch.setattr(grpo_trainer, "score_completions", probed)
+    out = tmp_path / "out"
+    args = grpo_args(tiny_model_dir, grpo_inputs, out, reward_funcs=None, reward_timeout=30,
+                     per_device_train_batch_size=8, max_completion_length=8)
+    result = run_in_process(GRPO_SCRIPT, args + ["--reward_funcs", f"{grpo_inputs[1]}:marker", f"{never}:marker"])
+    assert_ok(result)
+    log = result.stdout + result.stderr
+    assert log.count(f"the reward function {never}:marker returned None for every one of 8 answers") == 1, log
+    assert "reward_share/marker, reward_share/marker_2" in log
+    steps = step_logs(out)
+    assert len(steps) == 2 and all(entry["reward/marker_2_mean"] == 0 for entry in steps), steps
+    assert all(entry["reward/marker_mean"] == pytest.approx(entry["reward_mean"]) for entry in steps), steps
+    assert timeouts == [30.0, 30.0]
+
+
+def test_a_reward_file_edited_in_place_is_refused_on_resume(grpo_inputs, tmp_path):
+    """The reward file's content is in the run identity (renaming the function was refused, an edit in place resumed
+    and its reward_mean jumped from 0.125 to 2.5); a checkpoint written before it was recorded resumes with one line
+    naming it; built-ins have no file."""
+    from transformers import HfArgumentParser
+
+    from lorakit.rl.grpo_config import ARGUMENT_CLASSES
+    from lorakit.trainers.checkpoints import check_identity, run_identity
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(MARKER_REWARD)
+
+    def identity(*reward_funcs):
+        argv = ["--output_dir", "unused", "--model_name_or_path", "hub/model", "--reward_funcs", *reward_funcs]
+        return run_identity(*HfArgumentParser(ARGUMENT_CLASSES).parse_args_into_dataclasses(args=argv))
+
+    before = identity(f"{rewards}:marker", "exact_match")
+    rewards.write_text(MARKER_REWARD.replace('1.0 if "', '2.5 if "'))
+    after = identity(f"{rewards}:marker", "exact_match")
+    differences, note = check_identity("checkpoint-4", {"identity_version": 2, "identity": before}, after)
+    assert note is None and [d.split(" {")[0] for d in differences] == ["--reward_funcs contents"], differences
+    earlier = {name: value for name, value in before.items() if name != "--reward_funcs contents"}
+    differences, note = check_identity("checkpoint-4", {"identity_version": 2, "identity": earlier}, after)
+    assert differences == [] and note == ("checkpoint-4: written before --reward_funcs contents joined the run "
+                                          "identity: resuming without checking them")
+    assert "--reward_funcs contents" not in identity("exact_match", "think_format")
 
 
 # Four rollouts, a checkpoint after each, two updates per rollout (the old policy from the no-grad pass), the EMA on.

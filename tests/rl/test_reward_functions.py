@@ -1,8 +1,12 @@
 """Reward functions (rl.reward_functions): TRL's calling convention, so a TRL reward function runs unchanged; the
 built-ins against hand-worked cases; bad functions and records refused in one line naming the record."""
 
+import logging
 import math
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from lorakit.rl.reward_functions import (
     overlong_penalty,
     score_completions,
     think_format,
+    warn_never_applied,
 )
 
 # Functions as TRL's GRPOTrainer documentation writes them, in a user's file, untouched.
@@ -142,3 +147,110 @@ def test_a_reward_function_that_fails_names_the_record_it_failed_on(name, fields
 def test_scores_are_float_tensors_of_one_value_per_answer():
     scored = score_completions(load_reward_functions(["think_format"], None, 16), batch(["a", "b"]))
     assert scored.scores.dtype == torch.float32 and scored.scores.shape == (2,)
+
+
+# A user's file with the ways a reward function can stop the run other than by raising an Exception.
+STOPPING = textwrap.dedent('''
+    import sys
+    import time
+
+    def exits(completions, **kwargs):
+        sys.exit(0)
+
+    def interrupted(completions, **kwargs):
+        raise KeyboardInterrupt
+
+    def huge(completions, **kwargs):
+        return [1e39] + [0.0] * (len(completions) - 1)
+
+    def large(completions, **kwargs):
+        return [1e6] * len(completions)
+
+    def slow(completions, **kwargs):
+        time.sleep(60)
+        return [0.0] * len(completions)
+''')
+
+
+@pytest.fixture
+def stopping(tmp_path):
+    (tmp_path / "stopping.py").write_text(STOPPING)
+    (tmp_path / "exits_on_import.py").write_text("import sys\n\nsys.exit(0)\n")
+    return tmp_path
+
+
+def test_sys_exit_in_a_reward_function_or_its_import_is_refused_and_ctrl_c_still_stops(stopping):
+    """sys.exit(0) is no success: it ended the run with status 0 and no adapter. Ctrl-C is left to stop the run."""
+    functions = load_reward_functions([f"{stopping}/stopping.py:exits"], None, 16)
+    with pytest.raises(InputError) as refused:
+        score_completions(functions, batch(["ab", "abc"]))
+    assert str(refused.value) == f"prompts.jsonl:3: the reward function {stopping}/stopping.py:exits called sys.exit(0)"
+    with pytest.raises(InputError) as refused:
+        load_reward_functions([f"{stopping}/exits_on_import.py:f"], None, 16)
+    assert str(refused.value).endswith("exits_on_import.py: called sys.exit(0)")
+    interrupted = load_reward_functions([f"{stopping}/stopping.py:interrupted"], None, 16)
+    with pytest.raises(KeyboardInterrupt):
+        score_completions(interrupted, batch(["ab"]))
+
+
+def test_a_reward_beyond_what_float32_statistics_hold_is_the_functions_fault(stopping):
+    """1e39 is infinite in float32: it reached the loss as NaN and stopped the run as a divergence (exit 3)."""
+    with pytest.raises(InputError) as refused:
+        score_completions(load_reward_functions([f"{stopping}/stopping.py:huge"], None, 16), batch(["ab", "abc"]))
+    assert str(refused.value).startswith(f"prompts.jsonl:3: the reward function {stopping}/stopping.py:huge returned "
+                                         "1e+39: a reward must be a finite number of magnitude at most 1e+15")
+    weighted = load_reward_functions([f"{stopping}/stopping.py:large", "think_format"], [1e10, 1.0], 16)
+    with pytest.raises(InputError, match=r"prompts.jsonl:3: the weighted reward 1e\+10 x .*large \+ 1 x think_format"):
+        score_completions(weighted, batch(["ab"]))
+
+
+def test_a_slow_reward_function_stops_the_run_at_its_timeout(stopping):
+    """A 60 s sleep (inside C code, where no signal reaches Python) ends at --reward_timeout: exit 2, one line."""
+    script = textwrap.dedent(f'''
+        from lorakit.core.cli import run_cli
+        from lorakit.rl.reward_functions import RewardBatch, load_reward_functions, score_completions
+
+        def main():
+            functions = load_reward_functions(["{stopping}/stopping.py:slow"], None, 16)
+            score_completions(functions, RewardBatch(["Q"], ["a"], [[1]], {{}}, ["prompts.jsonl:3"]), timeout=0.5)
+
+        run_cli(main)
+    ''')
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=40)
+    assert result.returncode == 2 and time.monotonic() - started < 30, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [f"error: prompts.jsonl:3: the reward function {stopping}/stopping.py:slow "
+                                          "did not return within --reward_timeout 0.5 s; raise --reward_timeout if "
+                                          "it needs longer per call"]
+
+
+def test_functions_of_one_name_are_logged_apart(tmp_path):
+    """Two files' accuracy: accuracy and accuracy_3 (accuracy_2 is a third entry's own name), each with its own
+    figures; a function named reward_model keeps clear of the reward model's label; the same entry twice is
+    refused. (test_grpo's test_each_reward_function_is_logged_and_warned_of_apart: their reward-share components.)"""
+    for name, value in (("first", 1.0), ("second", 2.0)):
+        (tmp_path / f"{name}.py").write_text(f"def accuracy(completions, **kwargs):\n    return [{value}] * "
+                                             "len(completions)\n\nreward_model = accuracy_2 = accuracy\n")
+    names = [f"{tmp_path}/first.py:accuracy", f"{tmp_path}/second.py:accuracy", f"{tmp_path}/first.py:accuracy_2",
+             f"{tmp_path}/second.py:reward_model"]
+    functions = load_reward_functions(names, [1.0, 0.5, 1.0, 1.0], 16)
+    assert [function.label for function in functions] == ["accuracy", "accuracy_3", "accuracy_2", "reward_model_2"]
+    scored = score_completions(functions, batch(["ab"]))
+    assert {label: values.tolist() for label, values in scored.per_function.items()} == {
+        "accuracy": [1.0], "accuracy_3": [2.0], "accuracy_2": [1.0], "reward_model_2": [2.0]}
+    with pytest.raises(InputError, match="--reward_funcs names think_format twice: give it once"):
+        load_reward_functions(["think_format", "think_format"], None, 16)
+
+
+def test_a_function_that_never_applies_is_warned_of_once(caplog):
+    functions = load_reward_functions(["my_rewards:skips_second", "think_format"], None, 16)
+    nothing = load_reward_functions(["think_format"], None, 16)[0]._replace(
+        name="my_rewards:nothing", label="nothing", function=lambda completions, **_: [None] * len(completions))
+    warned = set()
+    with caplog.at_level(logging.WARNING, logger="lorakit.rl.reward_functions"):
+        for _ in range(2):
+            scored = score_completions([*functions, nothing], batch(["a", "b", "c"]))
+            warn_never_applied([*functions, nothing], scored, warned)
+    assert [record.getMessage() for record in caplog.records] == [
+        "the reward function my_rewards:nothing returned None for every one of 3 answers: it adds nothing to their "
+        "scores and reward/nothing_mean logs 0.0 (warned once)"]

@@ -112,6 +112,10 @@ class GRPOArguments(RolloutArguments):
     overlong_buffer: int | None = field(
         default=None, metadata={"help": "The overlong reward's soft zone in tokens (default a quarter of "
                                         "--max_completion_length)."})
+    reward_timeout: float = field(
+        default=600.0, metadata={"help": "Seconds one call of a reward function may take; past it the run stops with "
+                                         "one line naming the function (exit status 2). 0: no limit. Changeable on "
+                                         "resume."})
     log_completions: int = field(
         default=0, metadata={"help": "Log a prompt, its answers and their rewards every this many iterations."})
     per_device_generation_batch_size: int | None = field(
@@ -142,8 +146,14 @@ class GRPOArguments(RolloutArguments):
             raise InputError(f"--dynamic_sampling with --advantage_estimator {self.advantage_estimator}: REINFORCE++ "
                              "has no group baseline, a group whose answers scored alike still teaches; use grpo or "
                              "rloo")
+        for flag in ("per_device_train_batch_size", "per_device_generation_batch_size"):
+            if getattr(self, flag) is not None and getattr(self, flag) < 1:  # else a traceback in the rollout
+                raise InputError(f"--{flag} {getattr(self, flag)}: give a number of answers, at least 1")
         if self.per_device_generation_batch_size is None:
             self.per_device_generation_batch_size = self.per_device_train_batch_size
+        if not 0 <= self.reward_timeout < math.inf:  # NaN fails it too
+            raise InputError(f"--reward_timeout {self.reward_timeout}: give the seconds a reward function call may "
+                             "take (0: no limit)")
         # The rollout's names (rl.experience): micro-batches of the old policy's pass, one sampling pass per rollout.
         self.per_device_training_batch_size, self.generation_batches = self.per_device_train_batch_size, 1
         super().__post_init__()

@@ -31,7 +31,14 @@ from lorakit.rl.group_math import (
     zero_spread_groups,
 )
 from lorakit.rl.health import pop_moments
-from lorakit.rl.reward_functions import RewardBatch, RewardFunction, RewardScores, function_label, score_completions
+from lorakit.rl.reward_functions import (
+    REWARD_MODEL_LABEL,
+    RewardBatch,
+    RewardFunction,
+    RewardScores,
+    score_completions,
+    warn_never_applied,
+)
 from lorakit.rl.rl_math import FixedKLController, sampler_gap
 from lorakit.rl.rl_trainer import RLTrainer
 
@@ -94,6 +101,7 @@ class GRPOTrainer(RLTrainer):
         # A group's answers share their prompt's pass (rl.role_policy.RolePolicy.prompt_shared_hidden); checkpointed
         # layers keep no cache, so under --gradient_checkpointing every row runs its prompt.
         self.model.share_prompts = not self.args.gradient_checkpointing
+        self.warned_never_applied: set[str] = set()  # the functions that returned None everywhere, warned once each
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(values, self.args.device)
@@ -185,12 +193,14 @@ class GRPOTrainer(RLTrainer):
                        for record, text in zip(records, texts, strict=True)]
         fields = {name: [record.fields.get(name) for record in records] for name in self.field_names}
         batch = RewardBatch(prompts, completions, completion_ids, fields, [record.where for record in records])
-        scored = score_completions(self.rewards, batch, self.state) if self.rewards else RewardScores(
-            torch.zeros(len(records)), {})
+        scored = score_completions(self.rewards, batch, self.state, self.args.reward_timeout) if self.rewards else (
+            RewardScores(torch.zeros(len(records)), {}))
+        if self.is_world_process_zero():
+            warn_never_applied(self.rewards, scored, self.warned_never_applied)
         if model_scores is None:
             return scored
         return RewardScores(scored.scores + model_scores.float().cpu(),
-                            {**scored.per_function, "reward_model": model_scores.float().cpu()})
+                            {**scored.per_function, REWARD_MODEL_LABEL: model_scores.float().cpu()})
 
     def advantages(self, scores: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,
                    group_size: int) -> torch.Tensor:
@@ -254,9 +264,9 @@ class GRPOTrainer(RLTrainer):
 
     def reward_weights(self) -> dict[str, float]:
         """{component as logged (reward/<name>_mean): its weight in the reward}: the functions, the reward model."""
-        weights = {function_label(function.name): function.weight for function in self.rewards}
+        weights = {function.label: function.weight for function in self.rewards}
         if self.model.score_head is not None:
-            weights["reward_model"] = 1.0
+            weights[REWARD_MODEL_LABEL] = 1.0
         return weights
 
     def plan_health(self) -> HealthPlan:

@@ -7,13 +7,15 @@ precision- or objective-defining setting differ) or that some rank cannot read.
 
 A run's identity is its models (path, config file fingerprint and weights fingerprint, the weights read once per node
 and then only stat-ed: core.fingerprints), the settings in RUN_DEFINING_FLAGS and OBJECTIVE_FLAGS, the DeepSpeed
-config's stage, offload and precision, the number of processes, and its data: the names of the data cache entries it
+config's stage, offload and precision, the number of processes, the content of the files of the user's reward
+functions (GRPO's --reward_funcs: reward_file_contents), and its data: the names of the data cache entries it
 reads (data.cache.build_or_load_cached calls data.run_record.note_data with each, PPO with its prompts' fingerprint).
 A resumed run refuses an entry its checkpoint was not trained on before reading or building it, so a refusal leaves
 the cache as it was. A marker of an earlier identity_version resumes with one line naming what it could not check.
 Every adapter saved records its base's weights fingerprint (core.model_files.BASE_RECORD) for merge and serving."""
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -92,7 +94,7 @@ OBJECTIVE_FLAGS = (
 IDENTITY_VERSION = 2
 # Entries that joined the identity after version 2 markers were first written: absent from such a marker, they are
 # named in one line, not compared (ARCHITECTURE.md, "Upgrades").
-ADDED_SINCE_VERSION_2 = ("--lora_experts", "--max_tokens_per_batch")
+ADDED_SINCE_VERSION_2 = ("--lora_experts", "--max_tokens_per_batch", "--reward_funcs contents")
 
 
 # ----------------------------------------------------------------------------- the run's identity
@@ -159,8 +161,35 @@ def run_identity(model_args: "ModelArguments", data_args: Any, training_args: Tr
             if hasattr(source, flag):
                 identity[f"--{flag}"] = getattr(source, flag)
     identity["--deepspeed"] = deepspeed_identity(getattr(training_args, "deepspeed", None))
+    contents = reward_file_contents(getattr(training_args, "reward_funcs", None) or [])
+    if contents:  # only where a user's file is named: a run of built-ins has nothing more to check
+        identity["--reward_funcs contents"] = contents
     identity["processes"] = training_args.world_size
     return json.loads(json.dumps(identity, default=str))
+
+
+def reward_file_contents(reward_funcs: list[str]) -> dict[str, str | None]:
+    """{file: content hash} of each user reward function's file: `path/to/file.py:function`'s file, or the source
+    file of `module:function`'s module (None where it has none). A reward edited in place, under the same name,
+    changes what the run optimizes (a resume's reward_mean jumped from 0.125 to 2.5): a resume must refuse it.
+    The built-ins (no ':') have no file. The module's own file only, not what it imports."""
+    contents = {}
+    for entry in map(str, reward_funcs):
+        module = entry.rpartition(":")[0]
+        if not module:
+            continue
+        path = module if module.endswith(".py") else module_file(module)
+        contents[module] = file_fingerprint(path) if path and os.path.isfile(path) else None
+    return contents
+
+
+def module_file(module: str) -> str | None:
+    """The source file of an importable module (the GRPO command imported it before the identity is taken), or None."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.has_location else None
 
 
 def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
