@@ -162,6 +162,30 @@ def weightless_copy(model_dir, target) -> str:
     return str(target)
 
 
+def test_a_record_with_more_text_than_max_seq_length_can_hold_is_dropped_untokenized(tokenizer, tmp_path, caplog,
+                                                                                     monkeypatch):
+    """A 50 MB line was rendered and tokenized in full (65 s, 4.6 GB) only to be cut to --max_seq_length: a record with
+    more bytes of text than max_seq_length tokens can spell is dropped before it is rendered, counted with the drops."""
+    from lorakit.data.conversation_tokenizer import ConversationTokenizer
+
+    rendered, render = [], ConversationTokenizer.segments
+    monkeypatch.setattr(ConversationTokenizer, "segments",
+                        lambda self, where, *rest: rendered.append(where) or render(self, where, *rest))
+    huge = json.dumps({"messages": [{"role": "user", "content": "很长 " * 5000},
+                                    {"role": "assistant", "content": "a"}]})
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join([huge, *conversation_lines(3, seed=0)]) + "\n", encoding="utf-8")
+    with caplog.at_level("WARNING", logger="lorakit.data.build_dataset"):
+        built = build_sft_dataset([str(data)], tokenizer, named_template("human_assistant", tokenizer), 64,
+                                  str(tmp_path / "cache"))
+    assert len(built) == 3 and rendered == [f"{data}:{line}" for line in (2, 3, 4)]
+    assert "dropped 1 of 4 samples" in caplog.text and "(1 of them hold over" in caplog.text
+    # The bound keeps every record max_seq_length tokens could spell: the longest token, max_seq_length times.
+    longest = max(tokenizer.get_vocab(), key=lambda token: len(token.encode()))
+    template = named_template("human_assistant", tokenizer)
+    assert not ConversationTokenizer(tokenizer, template, 64).too_large([{"content": longest * 64}])
+
+
 @pytest.mark.slow
 def test_prepare_data_only_builds_the_cache_a_launch_then_hits(tiny_model_dir, tmp_path, monkeypatch):
     data_dir, cache, out = tmp_path / "data", tmp_path / "cache", tmp_path / "out"

@@ -201,6 +201,15 @@ BAD_CONFIGS = {
     # A stage named logs would clear OUTPUT/logs/, every stage's log, on its first run.
     "the logs directory as a stage name": (lambda c: c["stages"][3].update(name="logs"),
                                            "stage name 'logs' is reserved"),
+    # Each of these was a traceback, or a stage failing after the stages before it had run.
+    "a NUL byte in a stage name": (lambda c: c["stages"][3].update(name="s\0ft"),
+                                   "stages[4]: 'name' 's\\x00ft' holds a control character"),
+    "a NUL byte in a path": (lambda c: c["stages"][3].update(dataset_dir="da\0ta"),
+                             "stages[4] ('sft'): 'dataset_dir' holds a NUL byte"),
+    "a list where a number belongs": (lambda c: c["stages"][3].update(learning_rate=[1e-4, 2e-4]),
+                                      "stage 'sft': 'learning_rate' takes one value, not a list"),
+    "a word where a number belongs": (lambda c: c["training_flags"].update(max_steps="many"),
+                                      "stage 'pretraining': 'max_steps' takes a whole number, not 'many'"),
 }
 
 

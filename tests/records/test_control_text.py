@@ -77,6 +77,17 @@ def test_training_and_serving_encode_the_same_prompt(family):
     assert rows.prompt_ids("plain", plain) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
+def test_a_text_prompt_keeps_the_tokenizers_own_tokens_and_special_text_as_text(family):
+    """The server's /v1/completions prompt: the tokenizer's BOS convention around it, as tokenizer(text) has it, and
+    the user's special-token texts as text."""
+    tokenizer, _ = family
+    specials = special_token_texts(tokenizer)
+    held = control_text.encode_text_prompt(tokenizer, specials, injected(tokenizer))
+    plain = tokenizer(PLAIN)["input_ids"]
+    assert [i for i in held if i in special_ids(tokenizer)] == [i for i in plain if i in special_ids(tokenizer)]
+    assert control_text.encode_text_prompt(tokenizer, specials, PLAIN) == plain
+
+
 def test_the_server_encodes_a_request_as_training_did(tmp_path):
     from lorakit.serve.inference import ChatGenerator, load_for_inference
 

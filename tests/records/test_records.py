@@ -2,6 +2,7 @@
 (ANSWER for training, PROMPT where the model answers next) and no stand-in answers."""
 
 import json
+import re
 
 import pytest
 
@@ -189,3 +190,49 @@ def test_lone_carriage_returns_end_lines(tmp_path):
     (tmp_path / "bad.jsonl").write_bytes(f"{GOOD}\r".encode() + b"\xff\r")
     with pytest.raises(InputError, match=rf"^{tmp_path / 'bad.jsonl'}:2: not valid UTF-8$"):
         list(read_records(str(tmp_path / "bad.jsonl")))
+
+
+@pytest.mark.parametrize("shape", ["jsonl", "json", "documents", "prompts", "tool arguments"])
+def test_a_lone_surrogate_is_one_line_naming_the_field(tmp_path, shape):
+    """JSON's escape "\\ud800" decodes to half of a UTF-16 pair, which is no character: SFT and pretraining crashed on
+    it in the tokenizer (TypeError, exit 1). Refused where it is read, by line and field; a pair (one character) and an
+    escaped backslash before "ud800" (text) are read."""
+    from lorakit.data.prompts import read_prompts
+    from lorakit.records.readers import read_documents
+
+    readers = {"jsonl": read_conversations, "json": read_conversations, "tool arguments": read_conversations,
+               "documents": lambda path: list(read_documents(path)),
+               "prompts": lambda path: read_prompts([path], None, 1, 42)}
+    good = '{"instruction": "q \\ud83d\\ude00 \\\\ud800", "output": "a"}'
+    bad, field = '{"instruction": "q", "output": "a \\uDFFF b"}', "output"
+    if shape == "documents":
+        good, bad, field = '{"text": "\\ud83d\\ude00"}', '{"text": "a", "meta": ["\\ud800"]}', "meta[0]"
+    if shape == "tool arguments":  # sharegpt's function_call value: JSON text, its escape escaped once more
+        call = json.dumps({"name": "f", "arguments": {"city": "\ud800"}})
+        turns = [{"from": "human", "value": "q"}, {"from": "function_call", "value": call},
+                 {"from": "observation", "value": "1"}, {"from": "gpt", "value": "a"}]
+        bad, field = json.dumps({"conversations": turns}), "conversations[1].value.arguments.city"
+    path = tmp_path / f"d.{'json' if shape == 'json' else 'jsonl'}"
+    path.write_text(f"[{good},\n{bad}]" if shape == "json" else f"{good}\n{bad}\n")
+    expected = (rf"^{path}:2: field '{re.escape(field)}' holds a lone surrogate "
+                r"\(\\u(dfff|d800), half of a UTF-16 pair\), which is not text$")
+    with pytest.raises(InputError, match=expected):
+        readers[shape](str(path))
+    path.write_text(f"[{good}]" if shape == "json" else f"{good}\n")
+    assert readers[shape](str(path))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, suffix):
+    """json keeps the last of two values of one key without a word: a record with two "output"s trained on whichever
+    came last. Refused by line and key, at any depth; documents too."""
+    from lorakit.records.readers import read_documents
+
+    twice = '{"messages": [{"role": "user", "content": "q", "content": "r"}, {"role": "assistant", "content": "a"}]}'
+    path = tmp_path / f"d{suffix}"
+    path.write_text(f"{GOOD}\n{twice}\n" if suffix == ".jsonl" else f"[{GOOD},\n{twice}]")
+    with pytest.raises(InputError, match=rf"^{path}:2: field 'content' is given twice in one object"):
+        read_conversations(str(path))
+    (tmp_path / "t.jsonl").write_text('{"text": "a", "text": "b"}\n')
+    with pytest.raises(InputError, match=r"t.jsonl:1: field 'text' is given twice"):
+        list(read_documents(str(tmp_path / "t.jsonl")))

@@ -409,7 +409,7 @@ NEUTRAL_CHAT = [
     {"tools": [TOOL], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
      "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1,
      "parallel_tool_calls": True, "user": "someone"},
-    {"tools": [], "functions": [], "function_call": "none", "tool_choice": "none"},
+    {"tools": [], "functions": [], "function_call": "none", "tool_choice": "none", "logit_bias": {"50256": 0}},
 ]
 REFUSED_CHAT = {
     "tools, no tool_choice (auto)": ({"tools": [TOOL]}, "tools"),
@@ -424,12 +424,14 @@ REFUSED_CHAT = {
     "logprobs": ({"logprobs": True}, "logprobs"),
     "top_logprobs": ({"top_logprobs": 2}, "top_logprobs"),
     "logit_bias": ({"logit_bias": {"5": 10}}, "logit_bias"),
+    "logit_bias, one of them not 0": ({"logit_bias": {"5": 0, "6": -0.5}}, "logit_bias"),
     "presence_penalty": ({"presence_penalty": 0.5}, "presence_penalty"),
     "frequency_penalty": ({"frequency_penalty": -1}, "frequency_penalty"),
     "n": ({"n": 2}, "n"),
 }
 NEUTRAL_TEXT = [{"logprobs": None, "echo": False, "best_of": 1, "suffix": None, "n": 1, "logit_bias": {},
-                 "presence_penalty": 0, "frequency_penalty": 0}, {"suffix": "", "best_of": None, "echo": None}]
+                 "presence_penalty": 0, "frequency_penalty": 0}, {"suffix": "", "best_of": None, "echo": None},
+                {"logit_bias": {"50256": 0, "7": 0.0}}]
 REFUSED_TEXT = {"logprobs": 1, "echo": True, "best_of": 2, "suffix": "the end", "n": 3, "logit_bias": {"7": -100},
                 "presence_penalty": 1}
 
@@ -461,3 +463,30 @@ def test_chat_refuses_sampling_values_that_cannot_sample():
         with pytest.raises(InputError, match=f"--{name} must be"):
             sampling_settings(ChatArguments(**{name: value}))
     assert sampling_settings(ChatArguments(temperature=0, repetition_penalty=0.5)).temperature == 0
+
+
+def test_a_lone_surrogate_in_a_request_is_a_400_naming_the_field(server):
+    """JSON's escape "\\ud800" decodes to half of a UTF-16 pair, which is no character: the tokenizer raised TypeError
+    on it (a 500). Each field that holds one is refused by name, before anything echoes it back (the model's name)."""
+    port = server["port"]  # call() sends json.dumps' ASCII: the surrogate travels as the escape
+    message = refused(port, {**GOOD, "messages": [{"role": "user", "content": "the quick \ud800 fox"}]}, 400,
+                      "messages[0].content", "invalid_value")
+    assert "lone surrogate (\\ud800" in message, message
+    refused(port, {**GOOD_TEXT, "prompt": ["the \udfff brown"]}, 400, "prompt[0]", "invalid_value", "/v1/completions")
+    refused(port, {**GOOD_TEXT, "stop": "\udc00"}, 400, "stop", "invalid_value", "/v1/completions")
+    refused(port, {**GOOD, "model": f"{MODEL}\ud800"}, 400, "model", "invalid_value")
+    assert answer(server, messages=[{"role": "user", "content": "the quick \U0001F600 fox"}])  # a pair is a character
+
+
+def test_a_completion_prompt_keeps_a_special_tokens_text_as_text(server):
+    """"</s>" in a /v1/completions prompt became the end-of-sequence token, while chat keeps it as text
+    (records.control_text): completions follow the same rule."""
+    generator = server["service"].generator
+    tokenizer = generator.tokenizer
+    held = generator.encode_text(f"the quick{tokenizer.eos_token} brown")
+    assert tokenizer.eos_token_id not in held
+    assert tokenizer.decode(held, skip_special_tokens=True).replace(" ", "") == "thequick</s>brown"
+    assert generator.encode_text("the quick brown") == tokenizer("the quick brown")["input_ids"]
+    status, reply = call(port := server["port"], "/v1/completions", {**GOOD_TEXT, "prompt": "the quick</s> brown"})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(generator.encode_text("the quick</s> brown")), (
+        port, reply)

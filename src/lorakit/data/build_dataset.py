@@ -206,7 +206,9 @@ class DataCollatorForPretraining:
 
 # ----------------------------------------------------------------------------- supervised data
 
-# 3: a special token's text in a record is encoded as text (records.control_text).
+# 3: a special token's text in a record is encoded as text (records.control_text). Not moved by the drop of records
+# over ConversationTokenizer.record_byte_limit: it changes only a cache that held one (a record of hundreds of KB cut
+# to max_length), and a new key would refuse every interrupted run's resume.
 SFT_CACHE_VERSION = "sft-3"
 PREPARE_DATA_ONLY_HELP = (
     "Build (or check) the tokenized data cache these arguments need, print its entries and exit, without a process "
@@ -285,23 +287,25 @@ class TokenizedShard(NamedTuple):
     control_text: int = 0  # records whose text held a special token's text (encoded as text: records.control_text)
     cut_answers: int = 0  # samples whose last answer max_length cut, so that it lost its turn end
     identical_when_cut: int = 0  # pairs dropped: chosen and rejected became the same token ids when cut to max_length
+    too_large: int = 0  # of dropped: records with more text than max_length tokens can hold, dropped untokenized
 
 
 def tokenize_conversation_shard(conversation_tokenizer: ConversationTokenizer,
                                 sources: list[Conversation]) -> TokenizedShard:
-    """Conversations -> their rows, and the samples dropped (no answer token fits)."""
-    rows, dropped, control_text, cut_answers = {"input_ids": [], "labels": [], "length": []}, 0, 0, 0
+    """Conversations -> their rows, and the samples dropped (no answer token fits, or too much text to tokenize)."""
+    rows, dropped, control_text, cut_answers, too_large = {"input_ids": [], "labels": [], "length": []}, 0, 0, 0, 0
     for where, messages, tools in sources:
-        sample = conversation_tokenizer(where, messages, tools)
+        oversized = conversation_tokenizer.too_large(messages, tools)
+        sample = None if oversized else conversation_tokenizer(where, messages, tools)
         if sample is None:
-            dropped += 1
+            dropped, too_large = dropped + 1, too_large + oversized
             continue
         control_text += sample["control_text"]
         cut_answers += sample["cut_answer"]
         rows["input_ids"].append(sample["input_ids"])
         rows["labels"].append(sample["labels"])
         rows["length"].append(len(sample["input_ids"]))
-    return TokenizedShard(rows, dropped, control_text, cut_answers)
+    return TokenizedShard(rows, dropped, control_text, cut_answers, too_large=too_large)
 
 
 def joined(parts: list[TokenizedShard]) -> TokenizedShard:
@@ -366,6 +370,7 @@ def build_sft_dataset(
         for path in files:
             split = None if path in unsplit_files else data_split
             sources += phase_part(read_conversations(path), split, data_phase, seed)
+        byte_limit = conversation_tokenizer.record_byte_limit  # here, once, not in each forked worker
         with tqdm(total=len(sources), desc="Tokenizing conversations", unit="sample") as progress:
             tokenized = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
                                           shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc, progress))
@@ -373,8 +378,9 @@ def build_sft_dataset(
         report_control_text(tokenized.control_text, len(sources), "samples")
         report_cut_answers(tokenized.cut_answers, len(sources), max_length)
         if dropped:
-            logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d",
-                           dropped, len(sources), max_length)
+            logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d (%d of them hold "
+                           "over %d bytes of text, more than that many tokens can: not tokenized)", dropped,
+                           len(sources), max_length, tokenized.too_large, byte_limit)
         if not rows.get("input_ids"):
             raise InputError(f"no trainable sample left in {', '.join(files)} "
                              f"(all dropped by --max_seq_length {max_length})")

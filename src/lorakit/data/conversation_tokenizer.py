@@ -1,6 +1,7 @@
 """Conversations -> token ids and labels with any chat template: the answer spans the model
 learns, found by character offsets in one render, each trained through its turn-end token."""
 
+import functools
 import logging
 import os
 from bisect import bisect_right
@@ -17,6 +18,32 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+# How many times the most text max_length tokens can spell a record may hold before it is dropped untokenized. A
+# token stands for at most max_token_bytes of text, so a record over max_length * max_token_bytes bytes cannot fit:
+# the margin covers a normalizer that shortens text before it is split (NFKC writes a 3-byte full-width letter as 1
+# byte) and template text, which only adds tokens. Only a tokenizer that deletes or collapses text (whitespace runs)
+# could fit more, and not 4 times the longest token's worth per token.
+RECORD_BYTES_MARGIN = 4
+
+
+def max_token_bytes(tokenizer: "PreTrainedTokenizerBase") -> int:
+    """The most UTF-8 bytes the text of one token takes, from the vocabulary's token strings: each takes at least as
+    many bytes as the text it stands for (byte-level BPE writes a byte as a character of 1 or 2 bytes, SentencePiece
+    a space as "\u2581" (3 bytes), byte fallback a byte as "<0xE9>" (6 bytes))."""
+    return max((len(str(token).encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab()), default=1)
+
+
+def text_bytes(value: Any) -> int:
+    """The UTF-8 bytes of every string in value (messages, tools; keys left out, which can only count fewer)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        return sum(text_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_bytes(item) for item in value)
+    return 0
+
 
 class AnswerSpan(NamedTuple):
     """Where an assistant turn's trained text lies in a render (character offsets), and whether EOS follows it."""
@@ -213,6 +240,17 @@ class ConversationTokenizer:
                                  f"'{name}'; choose a template that supports tools")
             anchor = found_at + len(name)
         return anchor
+
+    @functools.cached_property
+    def record_byte_limit(self) -> int:
+        """The most bytes of text a record may hold and still be tokenized (RECORD_BYTES_MARGIN): read from the
+        vocabulary once, in the process that builds the data (forked workers inherit it)."""
+        return RECORD_BYTES_MARGIN * self.max_length * max_token_bytes(self.tokenizer)
+
+    def too_large(self, messages: list[Message], tools: Tools | None = None) -> bool:
+        """Whether a conversation holds more text than max_length tokens could: a 50 MB record took a minute and
+        gigabytes to tokenize only to be cut to max_length; such a one is dropped before it is rendered."""
+        return text_bytes(messages) + text_bytes(tools) > self.record_byte_limit
 
     def note(self, kind: str, message: str) -> None:
         """Count a by-design difference between training and inference renders; logged once."""

@@ -80,6 +80,9 @@ def load_config(path: str, overrides: list[str]) -> PipelineConfig:
     for key in ("base_model", "output_dir", "stages"):
         if not raw.get(key):
             raise InputError(f"{path}: '{key}' is missing")
+    for key, value in raw.items():
+        if key != "stages" and holds_nul(value):
+            raise InputError(f"{path}: '{key}' {HOLDS_NUL}")
     training_flags = mapping_of(raw.get("training_flags") or {}, path, "training_flags")
     return PipelineConfig(path=path, base_model=str(raw["base_model"]),
                           tokenizer=str(raw["tokenizer"]) if raw.get("tokenizer") else None,
@@ -142,6 +145,9 @@ def stages_of(raw: Any, training_flags: dict[str, Any], path: str) -> list[Stage
         if kind not in STAGE_KINDS:
             raise InputError(f"{where}: unknown stage '{kind}' (the stages are: {', '.join(STAGE_KINDS)})")
         name = str(entry.get("name") or kind)
+        if any(ord(character) < 32 or ord(character) == 127 for character in name):
+            raise InputError(f"{where}: 'name' {name!r} holds a control character: a stage's name is its output "
+                             "directory and appears in every line the pipeline writes about it; give it a plain name")
         if name in RESERVED_NAMES:
             raise InputError(f"{where}: stage name '{name}' is reserved: the pipeline keeps its logs in "
                              "output_dir/logs/ and its markers in output_dir/.pipeline/; give the stage another 'name'")
@@ -153,9 +159,27 @@ def stages_of(raw: Any, training_flags: dict[str, Any], path: str) -> list[Stage
         if turns and (kind != "chat" or not all(isinstance(turn, str) for turn in turns)):
             raise InputError(f"{where}: 'turns' is a list of strings, for a chat stage only")
         flags = {key: value for key, value in entry.items() if key not in PIPELINE_STAGE_KEYS}
+        for key, value in {**training_flags, **flags}.items():
+            if holds_nul(value):
+                raise InputError(f"{where} ('{name}'): '{key}' {HOLDS_NUL}")
         from_all = training_flags if kind in ("pretraining", "sft", "reward", "ppo", "grpo", "dpo") else {}
         stages.append(StageConfig(kind=kind, name=name, flags={**from_all, **flags}, turns=list(turns)))
     return stages
+
+
+# Paths and command lines are C strings: open() and the stage's process would fail with a traceback on one.
+HOLDS_NUL = "holds a NUL byte, which no path or command line can carry"
+
+
+def holds_nul(value: Any) -> bool:
+    """Whether a string in value (or in its lists and mappings) holds a NUL byte."""
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, dict):
+        return any(holds_nul(key) or holds_nul(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(holds_nul(item) for item in value)
+    return False
 
 
 def apply_override(raw: dict[str, Any], text: str, path: str) -> None:

@@ -10,6 +10,7 @@ argument parser), missing files, and a stage whose input no earlier stage produc
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import functools
 import hashlib
@@ -234,8 +235,8 @@ def hf_parser(kind: str) -> bool:
 
 
 @functools.cache  # two merge stages ask once
-def known_flags(kind: str) -> set[str]:
-    """The option names the stage's script accepts, from its own argument parser."""
+def flag_actions(kind: str) -> dict[str, argparse.Action]:
+    """The options the stage's script accepts, by name, each with what it takes, from its own argument parser."""
     module = script_module(kind)
     if hasattr(module, "build_parser"):
         parser = module.build_parser()
@@ -243,7 +244,12 @@ def known_flags(kind: str) -> set[str]:
         from transformers import HfArgumentParser
 
         parser = HfArgumentParser(module.ARGUMENT_CLASSES)
-    return {option[2:] for option in parser._option_string_actions if option.startswith("--")}
+    return {option[2:]: action for option, action in parser._option_string_actions.items() if option.startswith("--")}
+
+
+def known_flags(kind: str) -> set[str]:
+    """The option names the stage's script accepts."""
+    return set(flag_actions(kind))
 
 
 def check_flags(stage: StageConfig, script: Script, where: str) -> None:
@@ -256,6 +262,49 @@ def check_flags(stage: StageConfig, script: Script, where: str) -> None:
         close = difflib.get_close_matches(unknown[0], sorted(known_flags(stage.kind)), n=1)
         hint = f"did you mean '{close[0]}'?" if close else "see its --help"
         raise InputError(f"{where}: '{unknown[0]}' is not a flag of {script.path} ({hint})")
+    for flag, value in stage.flags.items():
+        check_value(flag, value, flag_actions(stage.kind)[flag], where)
+
+
+# A list is one value per item on the command line (argv_of): only options that take several accept it.
+TAKES_SEVERAL = ("+", "*")
+
+
+def check_value(flag: str, value: Any, action: argparse.Action, where: str) -> None:
+    """Refuse a value the stage's own parser would refuse, as the stage's command line (argv_of) would spell it: a
+    list where one value belongs, a value for a switch, or one its type or choices do not take. Caught here, it is
+    the config's one line before anything runs, not a stage failing after the stages before it ran."""
+    if value is None:
+        return
+    if action.nargs == 0:  # argparse's store_true: given or not
+        if not isinstance(value, bool):
+            raise InputError(f"{where}: '{flag}' is a switch: true or false, not {value!r}")
+        return
+    if isinstance(value, list) and action.nargs not in TAKES_SEVERAL and not isinstance(action.nargs, int):
+        raise InputError(f"{where}: '{flag}' takes one value, not a list ({value!r})")
+    if value is True and action.nargs != "?":  # spelled as the bare flag, which only an optional value allows
+        raise InputError(f"{where}: '{flag}' takes a value, not true")
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, (list, dict)) and isinstance(value, list):
+            raise InputError(f"{where}: '{flag}' takes a list of values, not of lists or mappings ({value!r})")
+        check_one_value(flag, item, action, where)
+
+
+def check_one_value(flag: str, item: Any, action: argparse.Action, where: str) -> None:
+    """item, as argv_of writes it, converted by the option's type and found among its choices."""
+    if item is True:
+        return
+    text = json.dumps(item) if isinstance(item, dict) else str(item)
+    try:
+        converted = action.type(text) if callable(action.type) else text
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        kind = getattr(action.type, "__name__", "a value of its type")
+        raise InputError(f"{where}: '{flag}' takes {NUMBER_TYPES.get(kind, kind)}, not {item!r}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise InputError(f"{where}: '{flag}' is one of {', '.join(map(str, action.choices))}, not {item!r}")
+
+
+NUMBER_TYPES = {"int": "a whole number", "float": "a number"}
 
 
 def check_paths(config_path: str, where: str, flags: dict[str, Any]) -> None:

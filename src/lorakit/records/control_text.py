@@ -187,3 +187,34 @@ def encode_prompt(tokenizer: "PreTrainedTokenizerBase", specials: list[str], ren
     messages, tools, marked = marked_conversation(specials, messages, tools)
     text, protected = unmark(render(messages, tools)) if marked else (render(messages, tools), [])
     return encode_protected(tokenizer, text, protected).input_ids
+
+
+def encode_text_prompt(tokenizer: "PreTrainedTokenizerBase", specials: list[str], text: str) -> list[int]:
+    """A plain-text prompt's ids (the server's /v1/completions) with the tokenizer's own tokens around it (its BOS
+    convention, as tokenizer(text) adds them), a special token's text in it encoded as text, as in a chat message: a
+    client who writes "</s>" sends those characters, not an end of sequence. A prompt without such text (nearly every
+    one) encodes exactly as tokenizer(text)."""
+    if not holds_special_text(text, specials):
+        return tokenizer(text)["input_ids"]
+    plain, protected = unmark(mark(text, specials))
+    before, after = added_around(tokenizer)
+    return before + encode_protected(tokenizer, plain, protected).input_ids + after
+
+
+class AddedIds(NamedTuple):
+    """The ids a tokenizer adds around a text of its own accord."""
+
+    before: list[int]
+    after: list[int]
+
+
+def added_around(tokenizer: "PreTrainedTokenizerBase") -> AddedIds:
+    """The ids the tokenizer adds before and after a text (BOS; EOS for some), found around a probe's own ids:
+    tokenizers spell the convention in different places (a post-processor, add_bos_token, a template)."""
+    probe = "a"
+    whole, own = tokenizer(probe)["input_ids"], tokenizer(probe, add_special_tokens=False)["input_ids"]
+    for start in range(len(whole) - len(own) + 1):
+        if whole[start:start + len(own)] == own:
+            return AddedIds(whole[:start], whole[start + len(own):])
+    # The probe's ids changed with the added ones: what an empty text gets, in front.
+    return AddedIds(tokenizer("")["input_ids"], [])

@@ -14,6 +14,7 @@ A conversation has an explicit end:
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from glob import glob
 from typing import Any, NamedTuple, NoReturn
@@ -90,20 +91,109 @@ def nested_too_deep(text: str, value: Any) -> bool:
     return False
 
 
+class DuplicateKey(ValueError):
+    """A key given twice in one JSON object. Python's json keeps the last value without a word, so a record with two
+    "output"s trains on whichever its writer happened to put last: which one was meant cannot be known."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: the object, or DuplicateKey naming the first key given twice."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return value
+
+
+def printable(text: str) -> str:
+    """text as it can be written to a log or a terminal: a lone surrogate escaped (\\ud800), everything else as is."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def given_twice(where: str, err: DuplicateKey) -> InputError:
+    return InputError(f"{where}: field '{printable(err.key)}' is given twice in one object (JSON keys must be unique: "
+                      "which value was meant?)")
+
+
+# A lone surrogate (half of a UTF-16 pair) is no character: tokenizers raise TypeError on it, and it cannot be written
+# as UTF-8. UTF-8 text cannot hold one, so in a decoded file it can only come from a JSON escape "\ud800".."\udfff"
+# (a pair of them decodes to one character): text without such an escape is not walked.
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+class LoneSurrogate(NamedTuple):
+    """Where in a decoded value a lone surrogate is (a field path, "" for the value itself) and the surrogate."""
+
+    field_name: str
+    code_point: int
+
+
+def lone_surrogate_in(value: Any) -> LoneSurrogate | None:
+    """A string or key of value holding a lone surrogate (the first one, in document order, of the strings), or None.
+    The walk keeps its own stack: the reader has bounded the nesting, a request body has not."""
+    stack = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        found = SURROGATE.search(node) if isinstance(node, str) else None
+        if found:
+            return LoneSurrogate(path, ord(found.group()))
+        if isinstance(node, dict):
+            children = []
+            for key, child in node.items():
+                key = str(key)
+                key_path = f"{path}.{printable(key)}" if path else printable(key)
+                if found := SURROGATE.search(key):
+                    return LoneSurrogate(key_path, ord(found.group()))
+                children.append((child, key_path))
+            stack.extend(reversed(children))
+        elif isinstance(node, list):
+            stack.extend(reversed([(child, f"{path}[{index}]") for index, child in enumerate(node)]))
+    return None
+
+
+def surrogate_message(found: LoneSurrogate) -> str:
+    """What is wrong, without the surrogate itself (it cannot be printed): "field 'x': ..." or the value's own."""
+    what = f"a lone surrogate (\\u{found.code_point:04x}, half of a UTF-16 pair), which is not text"
+    return f"field '{found.field_name}' holds {what}" if found.field_name else f"holds {what}"
+
+
+def refuse_lone_surrogates(where: str, text: str, value: Any, field_name: str = "") -> None:
+    """Refuse value, decoded from text, with `where` and the field when a string in it holds a lone surrogate."""
+    if not SURROGATE_ESCAPE.search(text):
+        return
+    found = lone_surrogate_in(value)
+    if found is not None:
+        if field_name:
+            found = found._replace(field_name=field_name + (f".{found.field_name}" if found.field_name else ""))
+        raise InputError(f"{where}: {surrogate_message(found)}")
+
+
 def json_value(where: str, text: str, finite: bool = True) -> Any:
     """The JSON value of text (one record's line, or a field holding JSON), refused with `where` when it is not valid
-    JSON, holds NaN or Infinity (finite), or nests deeper than MAX_NESTING_DEPTH: refused here, so nothing after
-    the reader recurses over a record without bound (json's decoder itself is recursive: RecursionError)."""
+    JSON, holds NaN or Infinity (finite), a key twice in one object or a lone surrogate, or nests deeper than
+    MAX_NESTING_DEPTH: refused here, so nothing after the reader recurses over a record without bound (json's decoder
+    itself is recursive: RecursionError)."""
     try:
-        value = json.loads(text, parse_constant=refuse_non_finite if finite else None)
+        value = json.loads(text, parse_constant=refuse_non_finite if finite else None, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as err:
         raise InputError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
     except NonFiniteNumber as err:
         raise InputError(f"{where}: not valid JSON ({err})") from None
+    except DuplicateKey as err:
+        raise given_twice(where, err) from None
     except RecursionError:
         raise InputError(f"{where}: {TOO_DEEP}") from None
     if nested_too_deep(text, value):
         raise InputError(f"{where}: {TOO_DEEP}")
+    refuse_lone_surrogates(where, text, value)
     return value
 
 
@@ -134,7 +224,7 @@ def read_records(path: str) -> Iterator[NumberedRecord]:
 
 def read_json_list(path: str, text: str) -> Iterator[NumberedRecord]:
     """Decode a JSON list element by element, so each record's error names its own line."""
-    decoder = json.JSONDecoder(parse_constant=refuse_non_finite)
+    decoder = json.JSONDecoder(parse_constant=refuse_non_finite, object_pairs_hook=unique_keys)
     position = len(text) - len(text.lstrip())
     if not text.startswith("[", position):
         raise InputError(f"{path}:1: a .json data file must hold a list of records")
@@ -154,10 +244,13 @@ def read_json_list(path: str, text: str) -> Iterator[NumberedRecord]:
             raise InputError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
         except NonFiniteNumber as err:
             raise InputError(f"{path}:{line_number}: not valid JSON ({err})") from None
+        except DuplicateKey as err:
+            raise given_twice(f"{path}:{line_number}", err) from None
         except RecursionError:
             raise InputError(f"{path}:{line_number}: {TOO_DEEP}") from None
         if nested_too_deep(text[start:position], record):
             raise InputError(f"{path}:{line_number}: {TOO_DEEP}")
+        refuse_lone_surrogates(f"{path}:{line_number}", text[start:position], record)
         yield NumberedRecord(line_number, record)
 
 
@@ -232,13 +325,16 @@ def parse_json_field(where: str, field_name: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     try:
-        decoded = json.loads(value)
+        decoded = json.loads(value, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as err:
         raise InputError(f"{where}: field '{field_name}': not valid JSON ({err.msg})") from None
+    except DuplicateKey as err:
+        raise given_twice(f"{where}: field '{field_name}'", err) from None
     except RecursionError:
         raise InputError(f"{where}: field '{field_name}': {TOO_DEEP}") from None
     if nested_too_deep(value, decoded):
         raise InputError(f"{where}: field '{field_name}': {TOO_DEEP}")
+    refuse_lone_surrogates(where, value, decoded, field_name)
     return decoded
 
 

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from lorakit.records.readers import lone_surrogate_in, surrogate_message
 from lorakit.serve.inference import ChatGenerator, Completion, NonFiniteScores, SamplingSettings, TextDeltaStreamer
 from lorakit.serve.openai_protocol import (
     APIError,
@@ -114,6 +115,11 @@ class CompletionService:
         self.fault_injection: Callable[[], None] | None = None
 
     def check_request(self, request: SamplingRequest) -> None:
+        # First: the tokenizer raises TypeError on a lone surrogate (a 500), and no answer can echo one back (an error
+        # body naming the model would fail to encode as UTF-8).
+        surrogate = lone_surrogate_in(request.model_dump())
+        if surrogate is not None:
+            raise APIError(400, surrogate_message(surrogate), param=surrogate.field_name, code="invalid_value")
         if request.model != self.model_name:
             raise APIError(404, f"The model '{request.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")

@@ -37,7 +37,7 @@ from lorakit.records.chat_templates import (
     special_token_texts,
     turn_end_text,
 )
-from lorakit.records.control_text import encode_prompt
+from lorakit.records.control_text import encode_prompt, encode_text_prompt
 from lorakit.records.readers import Message
 
 if TYPE_CHECKING:  # annotations only: transformers' model and tokenizer classes load with the model
@@ -574,8 +574,9 @@ class ChatGenerator:
         return encode_prompt(self.tokenizer, self.specials, lambda marked, _: self.render(marked), messages)
 
     def encode_text(self, prompt: str) -> list[int]:
-        """A plain-text prompt, with the tokenizer's BOS convention as in pretraining."""
-        return self.tokenizer(prompt)["input_ids"]
+        """A plain-text prompt, with the tokenizer's BOS convention as in pretraining; a special token's text in it is
+        text, as in a chat message (records.control_text)."""
+        return encode_text_prompt(self.tokenizer, self.specials, prompt)
 
     def chat_stops(self, stops: Sequence[str] = ()) -> list[str]:
         return [stop for stop in list(stops) + [self.turn_end] if stop]

@@ -69,8 +69,9 @@ class SamplingRequest(BaseModel):
         found = []
         if self.n not in (None, 1):
             found.append(Unsupported("n", f"n={self.n} is not supported: one choice per request"))
-        if self.logit_bias:
-            found.append(Unsupported("logit_bias", "logit_bias is not supported"))
+        # A bias of 0 changes no score: clients send {"50256": 0} as others send presence_penalty 0.
+        if self.logit_bias and any(bias != 0 for bias in self.logit_bias.values()):
+            found.append(Unsupported("logit_bias", "logit_bias is not supported (only biases of 0)"))
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 found.append(Unsupported(name, f"{name} is not supported (repetition_penalty is)"))
