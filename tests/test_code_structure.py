@@ -214,7 +214,8 @@ def test_nothing_in_the_library_imports_a_command_module(tmp_path):
 
 ARCHITECTURE_MAP = REPO / "docs" / "architecture.md"
 # Modules allowed over the ceiling, each with its reason.
-LONG_MODULES = {"lorakit.data.build_dataset": "every stage's cached pipelines and collators, one seam each (703 lines)"}
+LONG_MODULES = {
+    "lorakit.data.build_dataset": "every stage's cached pipelines and collators, one seam each (~710 lines)"}
 LONGEST_MODULE = 700
 
 

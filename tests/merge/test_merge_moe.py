@@ -50,6 +50,17 @@ PER_EXPERT_KEYS = {
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral}
 
 
+def tiny_qwen3_dense():
+    """tiny_qwen3_moe's attention, embeddings and head, with a dense MLP in place of the experts."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).eval()
+
+
 def expert_adapter(model, seed: int):
     """LoRA on the attention's q and v and on every expert's fused projections, B non-zero."""
     return lora(model, seed, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMETERS,
@@ -110,16 +121,18 @@ def test_expert_adapter_with_verify(tmp_path, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def expert_inputs(tmp_path_factory, tiny_tokenizer_dir):
-    """A 4-expert Qwen3-MoE base and its expert adapter, and an 8-expert base of the same shape otherwise."""
+    """A 4-expert Qwen3-MoE base and its expert adapter (plain peft: no lorakit_base.json), an 8-expert base of the
+    same shape otherwise, and a dense Qwen3 base with the same attention."""
     root = tmp_path_factory.mktemp("expert_inputs")
     model = tiny_qwen3_moe()
     save_base(model, root / "base", tiny_tokenizer_dir)
     expert_adapter(model, seed=33).save_pretrained(str(root / "adapter"))
     save_base(tiny_qwen3_moe(experts=8), root / "base_8_experts", tiny_tokenizer_dir)
+    save_base(tiny_qwen3_dense(), root / "dense_base", tiny_tokenizer_dir)
     return root
 
 
-REFUSALS = ["other_expert_count", "output_exists", "tokenizer_too_large"]
+REFUSALS = ["other_expert_count", "dense_base", "output_exists", "tokenizer_too_large"]
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -128,6 +141,12 @@ def test_expert_adapter_refused(case, expert_inputs, tmp_path, extended_tokenize
     if case == "other_expert_count":
         base = expert_inputs / "base_8_experts"
         expected = "the adapter does not fit the base model: size mismatch for base_model.model.model.layers.0.mlp"
+    elif case == "dense_base":  # peft would load the attention's LoRA, drop the experts' and only warn
+        base = expert_inputs / "dense_base"
+        expected = (f"adapter_model.safetensors: the --lora_model adapter does not fit the base {base}: 8 of its "
+                    "expert LoRA keys (target_parameters ['mlp.experts.down_proj', 'mlp.experts.gate_up_proj']), "
+                    "e.g. base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight, name weights the "
+                    "base does not have")
     elif case == "output_exists":
         out.mkdir()
         (out / "keep.txt").write_text("mine")
@@ -144,3 +163,19 @@ def test_expert_adapter_refused(case, expert_inputs, tmp_path, extended_tokenize
     else:
         assert not out.exists()
     assert not [name for name in os.listdir(tmp_path) if ".tmp-" in name]
+
+
+def test_the_adapter_check_finds_experts_in_either_checkpoint_layout(expert_inputs, tmp_path, tiny_tokenizer_dir):
+    """core.model_files.check_adapter_fits_base (chat, serving, --peft_path) reads the base's headers: Mixtral's
+    experts are mlp.experts in memory and block_sparse_moe.experts.N.wK in its checkpoint, Qwen3-MoE's keep their
+    name; both bases take their expert adapter, a dense base of the same attention does not."""
+    from lorakit.core.cli import InputError
+    from lorakit.core.model_files import check_adapter_fits_base
+
+    model = tiny_mixtral()
+    model.save_pretrained(str(tmp_path / "mixtral"))
+    expert_adapter(model, seed=34).save_pretrained(str(tmp_path / "mixtral_adapter"))
+    check_adapter_fits_base(str(tmp_path / "mixtral_adapter"), str(tmp_path / "mixtral"), "--lora_model")
+    check_adapter_fits_base(str(expert_inputs / "adapter"), str(expert_inputs / "base"), "--lora_model")
+    with pytest.raises(InputError, match="model.layers.0.mlp.experts matches no module of the base"):
+        check_adapter_fits_base(str(expert_inputs / "adapter"), str(expert_inputs / "dense_base"), "--lora_model")

@@ -2,15 +2,29 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_deepspeed_resume import RunsCode
 
-from helpers.commands import KILL_WRAPPER, PT_SCRIPT, REPO, assert_ok, run_script
+from helpers.commands import (
+    KILL_WRAPPER,
+    PT_SCRIPT,
+    REPO,
+    TRAINING,
+    assert_ok,
+    check_refused,
+    free_port,
+    run_script,
+    script_env,
+)
 from helpers.kill_points import resume_proof
-from helpers.run_outputs import adapter_weights, log_history, losses_of
+from helpers.run_outputs import adapter_weights, log_history, losses_of, snapshot
 from helpers.tiny_runs import tiny_pt_args
+from lorakit.trainers.deepspeed_resume import check_deepspeed_files, weights_only_loads
 
 
 def test_loss_falls_and_eval_perplexity_falls(tiny_model_dir, pretrain_dir, tmp_path):
@@ -80,6 +94,39 @@ def test_deepspeed_two_processes(config, tiny_model_dir, varied_pretrain_dir, tm
     assert lora_a.shape == (8, 64)
     losses = [entry["loss"] for entry in log_history(out) if "loss" in entry]
     assert len(losses) == 6 and all(0 < loss < 10 for loss in losses)
+
+    # Its DeepSpeed files load weights-only with DeepSpeed's own few classes allowed (trainers.deepspeed_resume);
+    # under ZeRO-3, a resume of a checkpoint with a planted pickle is refused on every rank, its code never run.
+    for step in ("checkpoint-3", "checkpoint-6"):
+        check_deepspeed_files(str(out / step))
+    if config == "ds_zero3_no_offload":
+        args = tiny_pt_args(tiny_model_dir, varied_pretrain_dir, out, tmp_path / "cache", max_steps=8, save_steps=3,
+                            deepspeed=os.path.join(REPO, "ds_configs", f"{config}.json"))
+        resume_of_a_planted_checkpoint_is_refused(out / "checkpoint-6", args, tmp_path / "the planted code ran")
+
+
+def resume_of_a_planted_checkpoint_is_refused(checkpoint, args, ran) -> None:
+    """Rank 1's optimizer states of `checkpoint` given a pickle that runs code (its completion marker rewritten to
+    match, as whoever sends a checkpoint can): both ranks refuse the resume in one line naming the file, exit 2,
+    nothing written, the code not run. Through launch.py, which reports the ranks' one line once."""
+    from lorakit.core.fingerprints import file_fingerprint
+
+    planted = checkpoint / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with weights_only_loads():
+        states = torch.load(planted, weights_only=True)
+    states["planted"] = RunsCode(str(ran))
+    torch.save(states, planted)
+    marker_path = checkpoint / "checkpoint_complete.json"
+    marker = json.loads(marker_path.read_text())
+    name = str(planted.relative_to(checkpoint))
+    marker["files"][name], marker["hashes"][name] = planted.stat().st_size, file_fingerprint(str(planted))
+    marker_path.write_text(json.dumps(marker))
+    before = snapshot(checkpoint.parent)
+    command = [sys.executable, os.path.join(TRAINING, "launch.py"), "--nproc_per_node", "2", "--master_port",
+               str(free_port()), PT_SCRIPT, *map(str, args)]
+    result = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300)
+    check_refused(result, f"{planted}: this DeepSpeed checkpoint file pickles the global os.makedirs, which")
+    assert not ran.exists() and snapshot(checkpoint.parent) == before
 
 
 @pytest.mark.parametrize("kbits", [4, 8])

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from lorakit.core.cli import InputError, read_json
@@ -285,13 +286,43 @@ def expert_wrapper(module: str, adapter_config: dict[str, Any]) -> bool:
     return any(module.removesuffix(".base_layer").endswith(owner) for owner in owners)
 
 
+def lora_key_modules(tensor_names: Iterable[str]) -> dict[str, list[str]]:
+    """{module of the model peft wrapped: the adapter's LoRA keys on it} (peft's prefix and any .base_layer, which
+    peft nests once per targeted parameter of one module, taken off), whatever wrote the adapter."""
+    modules: dict[str, list[str]] = {}
+    for key in tensor_names:
+        name = key[len(ADAPTER_PREFIX):] if key.startswith(ADAPTER_PREFIX) else key
+        suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
+        if suffix:
+            module = name[: -len(suffix)]
+            while module.endswith(".base_layer"):
+                module = module.removesuffix(".base_layer")
+            modules.setdefault(module, []).append(key)
+    return modules
+
+
+def has_experts_module(name: str, base: dict[str, Any]) -> bool:
+    """Whether a checkpoint holds the experts module `name` of the model in memory: under that name (fused, or one
+    tensor per expert), or, in the same layer, under the name the architecture's checkpoints use (Mixtral's
+    model.layers.0.mlp.experts is stored as model.layers.0.block_sparse_moe.experts.N.w1.weight: transformers
+    renames it at load)."""
+    prefixes = (f"{name}.", f"{name.split('.', 1)[-1]}.")
+    if any(key.startswith(prefixes) for key in base):
+        return True
+    parts = name.split(".")
+    layer_end = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if layer_end is None:
+        return False
+    layers = tuple(f"{'.'.join(parts[first:layer_end + 1])}." for first in range(min(2, layer_end + 1)))
+    return any(key.startswith(layers) and f".{parts[-1]}." in key for key in base)
+
+
 def shape_mismatch(name: str, needed: tuple[int, ...] | None, base: dict[str, Any],
                    adapter_config: dict[str, Any]) -> str | None:
     """Why the base cannot take the adapter's weight `name` of shape `needed` (None: a module, any weights under
     it), or None if it can."""
     if needed is None:
-        prefixes = (f"{name}.", f"{name.split('.', 1)[-1]}.")
-        return None if any(key.startswith(prefixes) for key in base) else f"{name} matches no module of the base"
+        return None if has_experts_module(name, base) else f"{name} matches no module of the base"
     found = base_weight(name, base)
     if found is None:
         if adapter_config.get("task_type") == "SEQ_CLS" and name.startswith("score."):

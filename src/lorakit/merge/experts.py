@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lorakit.core.atomic import atomic_output_dir
-from lorakit.core.model_files import check_recorded_base
+from lorakit.core.model_files import check_recorded_base, expert_parameter_targets, expert_wrapper, lora_key_modules
 from lorakit.merge.common import InputError
 from lorakit.merge.inputs import (
     BaseModel,
@@ -121,11 +121,46 @@ def saved_embedding_rows(adapter_path: str) -> int | None:
     return None
 
 
-def apply_adapters(model: Any, adapter_paths: list[str]) -> Any:
+def wrapped_parameters(module: Any, module_name: str, targets: list[str]) -> list[str]:
+    """The parameters of `module` (named module_name in the model) that peft's target_parameters wrap: it matches
+    each target against the end of a parameter's full name."""
+    full_names = (f"{module_name}.{name}" for name, _ in module.named_parameters(recurse=False))
+    return [full for full in full_names if any(full == target or full.endswith(f".{target}") for target in targets)]
+
+
+def check_adapter_taken(model: Any, path: str, base_path: str) -> None:
+    """Refuse an adapter on fused experts (target_parameters) with LoRA keys the model would not take: peft loads the
+    rest and only warns about "unexpected adapter keys" (the expert LoRA of a mixture of experts onto a dense base
+    with the same attention: the merge would drop the experts' training and exit 0). Each LoRA module must be one of
+    the model's, and one peft reaches through target_parameters must hold a parameter they name. From the adapter's
+    files, whatever wrote it (lorakit_base.json or not), against the model transformers builds. An adapter without
+    target_parameters is left to peft: one written under transformers 4 names modules that peft renames for 5."""
+    config = read_adapter_config(path)
+    if not config.get("target_parameters"):
+        return
+    weights_file, tensors = read_adapter_tensors(path)
+    targets = expert_parameter_targets(config.get("target_parameters"))
+    modules = dict(model.named_modules())
+    dropped = []
+    for name, keys in lora_key_modules(tensors).items():
+        module = modules.get(name)
+        if module is None or (expert_wrapper(name, config) and not wrapped_parameters(module, name, targets)):
+            dropped += keys
+    if dropped:
+        experts = any(expert_wrapper(lora_module, config) for lora_module in lora_key_modules(dropped))
+        what, hint = ((f"expert LoRA keys (target_parameters {targets})", " (trained on a mixture of experts, "
+                       "merged onto a dense base?)") if experts else ("LoRA keys", ""))
+        raise InputError(f"{weights_file}: the --lora_model adapter does not fit the base {base_path}: "
+                         f"{len(dropped)} of its {what}, e.g. {dropped[0]}, name weights the base does not have; "
+                         f"peft would drop them and merge the rest: an adapter for another model{hint}")
+
+
+def apply_adapters(model: Any, adapter_paths: list[str], base_path: str) -> Any:
     """model with every adapter merged in order (a later adapter was trained on the merge of the earlier ones)."""
     from peft import PeftModel
 
     for path in adapter_paths:
+        check_adapter_taken(model, path, base_path)
         rows = saved_embedding_rows(path)
         if rows is not None and rows != model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(rows, mean_resizing=False)  # the adapter carries the rows
@@ -154,7 +189,7 @@ def dry_run(base: BaseModel, adapter_paths: list[str], trust_remote_code: bool) 
     with warnings.catch_warnings():
         # Copying the adapter's tensors into meta parameters is a no-op torch warns about, once per tensor.
         warnings.simplefilter("ignore")
-        model = apply_adapters(model, adapter_paths)
+        model = apply_adapters(model, adapter_paths, base.path)
     embeddings = model.get_input_embeddings()
     return embeddings.weight.shape[0] if embeddings is not None else None
 
@@ -164,7 +199,7 @@ def load_and_merge(base: BaseModel, adapter_paths: list[str], vocab_rows: int | 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=base_dtype(base), trust_remote_code=trust_remote_code)
-    model = apply_adapters(model.eval(), adapter_paths)
+    model = apply_adapters(model.eval(), adapter_paths, base.path)
     if vocab_rows is not None and model.config.vocab_size != vocab_rows:
         model.config.vocab_size = vocab_rows
     return model

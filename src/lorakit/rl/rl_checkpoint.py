@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from lorakit.core.cli import InputError
 from lorakit.models.zero3 import gathered
 from lorakit.rl.rl_math import KLController
+from lorakit.trainers.deepspeed_resume import load_deepspeed_checkpoint
 
 # The file names keep PPO's prefix, which GRPO's checkpoints carry too: checkpoints written before these modules were
 # named for RL resume as they are.
@@ -91,11 +92,10 @@ class RLTrainerPrivateOverrides:
     def _prepare_for_training(self, max_steps: int, train_dataloader: Iterable[Any],
                               resume_from_checkpoint: str | None) -> tuple[torch.nn.Module, Iterable[Any]]:
         if self.is_deepspeed_enabled and resume_from_checkpoint is not None:
-            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-            # Not strict: the checkpoint holds the trained weights only (see _save_optimizer_and_scheduler).
-            deepspeed_load_checkpoint(self.model_wrapped, resume_from_checkpoint, load_module_strict=False)
+            # Not strict: the checkpoint holds the trained weights only (see _save_optimizer_and_scheduler). Its
+            # files are read weights-only, as every stage's DeepSpeed resume reads them.
+            load_deepspeed_checkpoint(self.model_wrapped, resume_from_checkpoint, load_module_strict=False)
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         else:

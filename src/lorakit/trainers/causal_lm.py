@@ -5,7 +5,7 @@ seeded length-grouped sampler and the token-budget batches (trainers.token_batch
 import logging
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from transformers import (
     TrainingArguments,
 )
 from transformers.trainer_pt_utils import LengthGroupedSampler
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import TrainOutput, _is_peft_model
 
 from lorakit.core.cli import ReportedError
 from lorakit.core.model_files import complete_checkpoints
@@ -30,6 +30,7 @@ from lorakit.models.kernels import compile_decoder_layers
 from lorakit.models.router import router_aux_coef, router_aux_term
 from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint
 from lorakit.trainers.common import padding_multiple
+from lorakit.trainers.deepspeed_resume import load_deepspeed_checkpoint
 from lorakit.trainers.router_monitor import add_router_monitor
 from lorakit.trainers.token_batches import TokenBudgetBatchSampler
 
@@ -130,6 +131,13 @@ class StopOnNonFinite(TrainerCallback):
                 "lower --learning_rate or check the data before resuming")
 
 
+class PreparedForTraining(NamedTuple):
+    """Trainer._prepare_for_training's result, which the Trainer unpacks."""
+
+    model: nn.Module
+    train_dataloader: Any
+
+
 class ResumableTrainer(Trainer):
     """Trainer whose length-grouped sampling is reproducible across a resume, which stops a run whose loss
     diverged (StopOnNonFinite) before it saves non-finite weights, and whose checkpoints are complete only once
@@ -171,6 +179,21 @@ class ResumableTrainer(Trainer):
             self.control.should_training_stop = True
             return [], None
         return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any,
+                              resume_from_checkpoint: str | None) -> PreparedForTraining:
+        if not (self.is_deepspeed_enabled and resume_from_checkpoint is not None):
+            return PreparedForTraining(*super()._prepare_for_training(max_steps, train_dataloader,
+                                                                      resume_from_checkpoint))
+        # The Trainer's last step here is the resume's load; DeepSpeed's would unpickle the checkpoint's files
+        # (weights_only=False), running whatever a checkpoint from elsewhere names. The same three loads (transformers
+        # 5.25, Trainer._prepare_for_training), DeepSpeed's made weights-only (trainers.deepspeed_resume).
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        load_deepspeed_checkpoint(self.model_wrapped, resume_from_checkpoint,
+                                  load_module_strict=not _is_peft_model(self.model))
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        self._load_scaler(resume_from_checkpoint)
+        return PreparedForTraining(model, train_dataloader)
 
     def _save_checkpoint(self, model: nn.Module, trial: "optuna.Trial | dict[str, Any] | None") -> None:
         clear_for_checkpoint(self.args, self.state.global_step)
