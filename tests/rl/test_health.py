@@ -89,7 +89,6 @@ TRIPS = {
     "response_length": (steady(response_length=100.0), {"response_length": 49.0}, 50.0, "below"),
     "truncated_share": (steady(truncated_share=0.1), {"truncated_share": 0.55}, 0.5, "above"),
     "reward_length_corr": (steady(reward_length_corr=0.2), {"reward_length_corr": 0.85}, 0.8, "above"),
-    "explained_variance": (steady(explained_variance=0.6), {"explained_variance": -0.1}, 0.0, "below"),
     "sampler_gap": (steady(sampler_gap=1e-4), {"sampler_gap": 0.02}, 0.01, "above"),
     "distinct_2": (steady(distinct_2=0.8), {"distinct_2": 0.35}, 0.4, "below"),
     "top_answer_share": (steady(top_answer_share=0.05), {"top_answer_share": 0.6}, 0.5, "above"),
@@ -112,6 +111,34 @@ def test_each_alarm_fires_on_a_trajectory_that_should_trip_it(signal):
     assert expected in alarm.message()
     short_of_it = {signal: threshold - 0.001 if direction == "above" else threshold + 0.001}
     assert run_monitor(baseline + [short_of_it]).alarms == []
+
+
+def test_explained_variance_alarms_only_when_it_persists():
+    """docs/ppo.md's persistence rule: past its bound (min(2 x 0.6 - 1, 0) = 0) at 2 judged iterations in a row,
+    the alarm at the second, iteration 5 at the earliest; one iteration past it (the earliest judged, and any
+    later one), and the healthy run's swings (-32.4 at step 4, -8.7 at step 6), raise nothing."""
+    baseline = steady(explained_variance=0.6)
+    (alarm,) = run_monitor(baseline + [{"explained_variance": -0.1}] * 2).alarms
+    assert (alarm.signal, alarm.step, alarm.iteration, alarm.threshold) == ("explained_variance", 5, 4, 0.0)
+    assert run_monitor(baseline + [{"explained_variance": -0.1}]).alarms == []
+    assert run_monitor(baseline + [{"explained_variance": -0.1}, {"explained_variance": 0.5}] * 3).alarms == []
+    assert run_monitor(baseline + [{"explained_variance": -0.1}, {"explained_variance": 0.001}]).alarms == []
+    healthy = [{"explained_variance": value} for value in (0.3, 0.5, 0.4, -32.4, 0.2, -8.7, 0.4, 0.5, 0.6)]
+    assert run_monitor(healthy).alarms == []
+
+
+def test_a_streak_travels_in_the_checkpoint_and_an_older_one_starts_it_afresh():
+    """Resumed between the two iterations past the bound, the run alarms where the uninterrupted one does; a
+    checkpoint's state from before the rule (no streaks) loads, its streak counted from the resume."""
+    first = run_monitor(steady(explained_variance=0.6) + [{"explained_variance": -0.1}])
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = HealthMonitor(ALL_SIGNALS)
+    resumed.load_state_dict(state)
+    assert [alarm.step for alarm in resumed.observe(5, 4, {"explained_variance": -0.1})] == [5]
+    older = HealthMonitor(ALL_SIGNALS)
+    older.load_state_dict({name: value for name, value in state.items() if name != "streaks"})
+    assert older.observe(5, 4, {"explained_variance": -0.1}) == []
+    assert [alarm.step for alarm in older.observe(6, 5, {"explained_variance": -0.1})] == [6]
 
 
 def test_response_length_alarms_both_ways_and_an_alarm_clears_when_the_signal_returns():

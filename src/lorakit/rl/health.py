@@ -68,6 +68,11 @@ REWARD_SHARE_BASELINE_MAX = 0.7
 # The critic's explained variance of the returns (PPO), 1 - Var(returns - values) / Var(returns): alarm where the
 # unexplained share doubled from its baseline and exceeds the whole (the critic worse than predicting the mean),
 # i.e. below min(2 x baseline - 1, 0). Its advantages are then mostly noise.
+# The explained variance is a ratio of two of one batch's variances: on a small batch one iteration can fall far
+# below any bound and recover the next (-32.4 and -8.7, two iterations apart, in a healthy 12-iteration PPO run),
+# while a critic that stopped predicting stays below. It alarms only past its bound this many judged iterations
+# in a row (docs/ppo.md#health-alarms: the rule was written before it was tried).
+PERSISTENT_SIGNALS = {"explained_variance": 2}
 # The sampler-vs-trainer gap, KL(sampler || trainer) per token: ~0 where both compute alike (fp32), ~1e-3 for a bf16
 # or compiled sampler; 5x its baseline and at least 0.01 nats per token means the sampler's weights or numerics
 # drift from the trained ones and the update is off-policy.
@@ -170,6 +175,7 @@ class HealthMonitor:
             raise ValueError(f"no health rule for {unknown}")
         self.baseline_values: dict[str, list[float]] = {}
         self.recent_kl: list[float] = []  # the KL of the last iterations, for its second difference
+        self.streaks: dict[str, int] = {}  # PERSISTENT_SIGNALS: judged iterations in a row past the bound
         self.latest: dict[str, float] = {}  # the figures of the last iteration judged
         self.active: list[Alarm] = []
         self.alarms: list[Alarm] = []
@@ -208,10 +214,17 @@ class HealthMonitor:
                 continue
             baseline = self.baseline(rule_of(signal).baseline_of or signal)
             alarm = None if baseline is None else judged(signal, figures[signal], baseline, step, iteration)
-            if alarm is not None:
+            if self.persisted(signal, alarm) is not None:
                 alarms.append(alarm)
         self.record(alarms)
         return alarms
+
+    def persisted(self, signal: str, alarm: Alarm | None) -> Alarm | None:
+        """alarm where its signal needs no persistence or has now been past its bound PERSISTENT_SIGNALS[signal]
+        judged iterations in a row; None otherwise (the streak counted)."""
+        needed = PERSISTENT_SIGNALS.get(signal, 1)
+        self.streaks[signal] = self.streaks.get(signal, 0) + 1 if alarm is not None else 0
+        return alarm if self.streaks[signal] >= needed else None
 
     def record(self, alarms: list[Alarm]) -> None:
         """alarms as the verdict of the latest iteration (the one every process takes: rank 0's)."""
@@ -219,13 +232,16 @@ class HealthMonitor:
         self.alarms.extend(alarms)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"baseline_values": self.baseline_values, "recent_kl": self.recent_kl, "latest": self.latest,
+        return {"baseline_values": self.baseline_values, "recent_kl": self.recent_kl, "streaks": self.streaks,
+                "latest": self.latest,
                 "active": [alarm._asdict() for alarm in self.active],
                 "alarms": [alarm._asdict() for alarm in self.alarms]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.baseline_values = {name: list(values) for name, values in state["baseline_values"].items()}
         self.recent_kl = list(state["recent_kl"])
+        # A checkpoint from before the persistence rule has no streaks: they count from the resume (docs/ppo.md).
+        self.streaks = dict(state.get("streaks", {}))
         self.latest = dict(state["latest"])
         self.active = [Alarm(**alarm) for alarm in state["active"]]
         self.alarms = [Alarm(**alarm) for alarm in state["alarms"]]
