@@ -91,7 +91,11 @@ test-latest: $(VENDOR_STAMP)
 	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_PIP) install -q --upgrade pip
 	$(call install_torch,$(LATEST_PIP))
-	$(LATEST_PIP) install -q --upgrade --upgrade-strategy eager -r requirements.txt -r requirements-dev.txt
+	@# torch stays the machine's build (the CPU one pinned above): an upgrade by the eager strategy would pull CUDA.
+	$(LATEST_VENV)/bin/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" \
+		> $(LATEST_VENV)/torch-pin.txt
+	$(LATEST_PIP) install -q --upgrade --upgrade-strategy eager -c $(LATEST_VENV)/torch-pin.txt \
+		-r requirements.txt -r requirements-dev.txt
 	$(LATEST_PIP) install -q --no-deps -e .
 	@$(LATEST_PIP) list --format=freeze | grep -iE '^(torch|transformers|peft|accelerate|datasets|deepspeed|bitsandbytes|tokenizers)=='
 	$(LATEST_VENV)/bin/python -m pytest tests -m "not slow"
