@@ -124,7 +124,8 @@ def test_rloo_and_reinforce_pp_learn_the_same_task(estimator, tiny_model_dir, gr
 
 @pytest.mark.parametrize("case", ["no_reward", "import", "missing_answer", "uneven_groups", "one_answer",
                                   "k1_in_loss", "save_inside_rollout", "non_finite", "generation_batch_0",
-                                  "generation_batch_-1", "reward_timeout", "exit_in_reward"])
+                                  "generation_batch_-1", "reward_timeout", "exit_in_reward",
+                                  "stop_and_publish_on_alarm"])
 def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs, tmp_path):
     """One line naming what is wrong, exit 2; a refusal before training writes nothing, a non-finite reward or a
     sys.exit(0) in the reward function (which ended the run with status 0 and no adapter) in the first rollout (the
@@ -144,6 +145,8 @@ def test_grpo_bad_input_is_refused_in_one_line(case, tiny_model_dir, grpo_inputs
         "generation_batch_0": ({"per_device_generation_batch_size": 0}, "--per_device_generation_batch_size 0: give"),
         "generation_batch_-1": ({"per_device_generation_batch_size": -1}, "--per_device_generation_batch_size -1:"),
         "reward_timeout": ({"reward_timeout": -1}, "--reward_timeout -1.0: give the seconds"),
+        "stop_and_publish_on_alarm": ({"stop_on_alarm": True, "publish_on_alarm": True},
+                                      "--stop_on_alarm and --publish_on_alarm: give one"),
         # In this process the Trainer's progress bar shares stderr: off, so that the error line starts its line.
         "exit_in_reward": ({"reward_funcs": f"{rewards}:exits", "disable_tqdm": "true"},
                            f"the reward function {rewards}:exits called sys.exit(0)"),

@@ -359,7 +359,10 @@ def test_stop_on_alarm_exits_4_and_publishes_the_last_alarm_free_checkpoint(tiny
     assert first["signal"] == "response_length" and first["direction"] == "below" and stop > BASELINE_ITERATIONS
     assert first["threshold"] == pytest.approx(0.5 * baseline) and first["value"] < first["threshold"]
     assert record["ending"] == {"step": stop, "stopped": True, "alarm_active": True,
-                                "published_from": f"checkpoint-{stop - 1}/grpo_lora_model"}
+                                "published_from": f"checkpoint-{stop - 1}/grpo_lora_model",
+                                "published_through_alarm": False}
+    assert error.endswith("resume with --publish_on_alarm instead of --stop_on_alarm to train on through it and "
+                          "publish its end")
     assert record["left_out"]["kl"].startswith("--beta 0") and "sft_copy_share" in record["left_out"]
     assert checkpoint_steps(out) == list(range(1, stop))
     assert same_weights(out / "grpo_lora_model", out / f"checkpoint-{stop - 1}" / "grpo_lora_model")
@@ -371,13 +374,20 @@ def test_stop_on_alarm_exits_4_and_publishes_the_last_alarm_free_checkpoint(tiny
     assert steps[-1]["response_length"] == pytest.approx(first["value"])
     saved_state = json.loads((out / f"checkpoint-{stop - 1}" / HEALTH_STATE_NAME).read_text())
     assert saved_state["baseline_values"]["response_length"] == [entry["response_length"] for entry in steps[:3]]
-    # --stop_on_alarm may change on a resume: the same command without it resumes from the last alarm-free
-    # checkpoint, whose monitor raises the same alarm at the same step, and trains on to the end.
-    resumed = run_in_process(GRPO_SCRIPT, collapse_args(tiny_model_dir, collapse_inputs, out))
+    # Both alarm flags may change on a resume: the command the line gives resumes from the last alarm-free
+    # checkpoint, whose monitor raises the same alarm at the same step, and trains on through it to the end,
+    # saving checkpoints and publishing the end of training (not checkpoint-{stop - 1}'s adapter again).
+    resumed = run_in_process(GRPO_SCRIPT, collapse_args(tiny_model_dir, collapse_inputs, out, publish_on_alarm=True))
     assert_ok(resumed)
     assert f"resuming from {out / f'checkpoint-{stop - 1}'}" in resumed.stdout
+    assert "--publish_on_alarm: grpo_lora_model is the end of training's, trained through the alarm" in resumed.stdout
     again = json.loads((out / ALARM_FILE).read_text())
-    assert again["alarms"][0] == first and again["ending"]["step"] == 12 and not again["ending"]["stopped"]
+    assert again["alarms"][0] == first and again["ending"] == {"step": 12, "stopped": False, "alarm_active": True,
+                                                               "published_from": None,
+                                                               "published_through_alarm": True}
+    assert checkpoint_steps(out) == list(range(1, 13))
+    assert same_weights(out / "grpo_lora_model", out / "checkpoint-12" / "grpo_lora_model")
+    assert not same_weights(out / "grpo_lora_model", out / f"checkpoint-{stop - 1}" / "grpo_lora_model")
 
 
 def test_a_run_that_ends_with_an_alarm_active_publishes_the_last_alarm_free_checkpoint(tiny_model_dir,
@@ -388,7 +398,8 @@ def test_a_run_that_ends_with_an_alarm_active_publishes_the_last_alarm_free_chec
     out = tmp_path / "out"
     sft = tmp_path / "sft.jsonl"
     sft.write_text(json.dumps({"instruction": "1+0?", "output": "The answer is 1."}) + "\n")
-    assert_ok(run_in_process(GRPO_SCRIPT, collapse_args(tiny_model_dir, collapse_inputs, out, sft_answers_file=sft)))
+    result = run_in_process(GRPO_SCRIPT, collapse_args(tiny_model_dir, collapse_inputs, out, sft_answers_file=sft))
+    assert_ok(result)
     assert all(entry["sft_copy_share"] == 0 for entry in log_history(out) if "loss" in entry)
     record = json.loads((out / ALARM_FILE).read_text())
     assert "sft_copy_share" in record["signals"] and record["baselines"]["sft_copy_share"] == 0
@@ -397,6 +408,9 @@ def test_a_run_that_ends_with_an_alarm_active_publishes_the_last_alarm_free_chec
     assert 12 in alarmed and record["ending"]["alarm_active"] and not record["ending"]["stopped"]
     assert saved and not alarmed & set(saved) and set(saved) | alarmed == set(range(1, 13))
     assert record["ending"]["published_from"] == f"checkpoint-{saved[-1]}/grpo_lora_model"
+    assert not record["ending"]["published_through_alarm"]
+    assert (f"grpo_lora_model is checkpoint-{saved[-1]}'s, the last saved with no alarm active (what was trained "
+            "under the alarm is not kept; --publish_on_alarm on a resume trains on through it") in result.stdout
     assert same_weights(out / "grpo_lora_model", out / f"checkpoint-{saved[-1]}" / "grpo_lora_model")
     assert not (out / "actor_ema").exists()
 

@@ -44,13 +44,17 @@ class HealthCallback(TrainerCallback):
     """At the end of each iteration (every steps_per_iteration optimizer steps, and the last step) check(step)
     judges it and returns its alarms (every process gets rank 0's); a new alarm makes the step a logged one, and
     with stop (--stop_on_alarm) ends training there (the Trainer then ends as usual and rl.rl_trainer raises
-    StoppedByAlarm). While an alarm is active nothing is saved: the last checkpoint on disk holds weights no alarm
-    was raised on."""
+    StoppedByAlarm). While an alarm is active nothing is saved, so the last checkpoint on disk holds weights no
+    alarm was raised on, unless publish (--publish_on_alarm) keeps what is trained through alarms."""
 
     def __init__(self, check: Callable[[int], list[Alarm]], monitor: HealthMonitor, steps_per_iteration: int,
-                 stop: bool) -> None:
-        self.check, self.monitor, self.steps_per_iteration, self.stop = check, monitor, steps_per_iteration, stop
+                 stop: bool, publish: bool) -> None:
+        self.check, self.monitor, self.steps_per_iteration = check, monitor, steps_per_iteration
+        self.stop, self.publish = stop, publish
         self.stopped = False
+
+    def holds_saving(self) -> bool:
+        return bool(self.monitor.active) and not self.publish
 
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
                     **kwargs: Any) -> "TrainerControl":
@@ -60,13 +64,13 @@ class HealthCallback(TrainerCallback):
                 control.should_log = True
             if alarms and self.stop:
                 control.should_training_stop = self.stopped = True
-        if self.monitor.active:
+        if self.holds_saving():
             control.should_save = False
         return control
 
     def on_epoch_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
                      **kwargs: Any) -> "TrainerControl":
-        if self.monitor.active:  # the Trainer may save once more as its loop ends
+        if self.holds_saving():  # the Trainer may save once more as its loop ends
             control.should_save = False
         return control
 
@@ -139,6 +143,16 @@ def publication_note(adapter: str, checkpoint: str | None) -> str:
     return f"{adapter} is {os.path.basename(checkpoint)}'s, the last saved with no alarm active"
 
 
+def ended_under_alarm_note(adapter: str, checkpoint: str | None, published_through: bool) -> str:
+    """The warning of a run that trained to its end with an alarm active: what it published, and how to keep what
+    it trained (a resume of a stopped run without --publish_on_alarm retrains into the same alarm and publishes the
+    same checkpoint again)."""
+    if published_through:
+        return f"--publish_on_alarm: {adapter} is the end of training's, trained through the alarm"
+    return (f"{publication_note(adapter, checkpoint)} (what was trained under the alarm is not kept; "
+            "--publish_on_alarm on a resume trains on through it and publishes its end)")
+
+
 def stop_message(alarms: Sequence[Alarm], adapter: str, checkpoint: str | None, output_dir: str) -> str:
     """The one line of a run --stop_on_alarm ended (exit status 4)."""
     first = alarms[0]
@@ -146,5 +160,5 @@ def stop_message(alarms: Sequence[Alarm], adapter: str, checkpoint: str | None, 
     return (f"training stopped by a health alarm (--stop_on_alarm) at step {first.step}: {first.signal} = "
             f"{first.value:.4g}, {first.direction} its threshold {first.threshold:.4g}{more}; "
             f"{publication_note(adapter, checkpoint)}; every alarm is in {os.path.join(output_dir, ALARM_FILE)}; "
-            "check the reward and lower the learning rate before running again, or resume without --stop_on_alarm "
-            "to train on through it")
+            "check the reward and lower the learning rate before running again, or, if the alarm is false, resume "
+            "with --publish_on_alarm instead of --stop_on_alarm to train on through it and publish its end")

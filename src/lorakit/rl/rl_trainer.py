@@ -24,9 +24,9 @@ from lorakit.rl.alarms import (
     HealthCallback,
     HealthPlan,
     alarm_logs,
+    ended_under_alarm_note,
     last_alarm_free_checkpoint,
     load_health_state,
-    publication_note,
     publish_from_checkpoint,
     save_health_state,
     stop_message,
@@ -209,7 +209,7 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
         self.health_plan = self.plan_health()
         self.health = HealthMonitor(self.health_plan.signals)
         self.health_callback = HealthCallback(self.check_health, self.health, self.steps_per_iteration,
-                                              self.args.stop_on_alarm)
+                                              self.args.stop_on_alarm, self.args.publish_on_alarm)
         self.add_callback(self.health_callback)
         if self.args.should_log:
             logger.info(self.health_plan.describe(self.stage_name))
@@ -238,10 +238,12 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
 
     def end_health(self) -> None:
         """Once training ended: with an alarm active, the adapter (and actor_ema) published are the last checkpoint's,
-        saved with none (or nothing is published); the alarm file gets the ending; a run --stop_on_alarm ended
-        raises StoppedByAlarm (exit status 4) once its state is saved."""
+        saved with none (or nothing is published), unless --publish_on_alarm keeps the end of training's; the alarm
+        file gets the ending; a run --stop_on_alarm ended raises StoppedByAlarm (exit status 4) once its state is
+        saved."""
         adapter, checkpoint, published = self.adapter_dir_name(), None, None
-        if self.health.active:
+        through = bool(self.health.active) and self.args.publish_on_alarm
+        if self.health_callback.holds_saving():
             checkpoint = last_alarm_free_checkpoint(self.args.output_dir, self.state.global_step)
             if self.args.should_save:
                 names = [adapter] + ([EMA_DIR_NAME] if self.args.enable_ema else [])
@@ -250,10 +252,11 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
         stopped = self.health_callback.stopped
         if self.args.process_index == 0:
             ending = {"step": self.state.global_step, "stopped": stopped, "alarm_active": bool(self.health.active),
-                      "published_from": published}
+                      "published_from": published, "published_through_alarm": through}
             write_alarm_file(self.args.output_dir, self.stage_name, self.health_plan, self.health, ending)
             if self.health.active and not stopped:
-                logger.warning("training ended with a health alarm active: %s", publication_note(adapter, checkpoint))
+                logger.warning("training ended with a health alarm active: %s",
+                               ended_under_alarm_note(adapter, checkpoint, through))
         if stopped:
             self.save_state()
         barrier()  # the files are in place before any process leaves (a launcher stops the rest when one exits)
@@ -269,8 +272,8 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
     # -- saving and resuming ----------------------------------------------------
 
     def save_final_roles(self, directory: str) -> None:
-        """The roles at the end of training, unless an alarm is active (end_health publishes the checkpoint's)."""
-        if self.health.active:
+        """The roles at the end of training, unless an alarm holds saving (end_health publishes the checkpoint's)."""
+        if self.health_callback.holds_saving():
             logger.info("the roles trained while a health alarm is active are not saved to %s", directory)
             return
         self.save_roles(directory)

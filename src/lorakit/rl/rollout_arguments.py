@@ -60,6 +60,15 @@ class RolloutArguments(CausalLMTrainingArguments):
                           "then the last checkpoint's, saved with no alarm. Without it alarms are logged (and still "
                           "keep checkpoints from being saved while active). Changeable on resume."},
     )
+    publish_on_alarm: bool = field(
+        default=False,
+        metadata={"help": "Train on through health alarms and keep what is trained: checkpoints are saved and the "
+                          "end of training is published while an alarm is active (alarms are still logged and "
+                          "recorded, and the alarm file says the adapter was trained through them). Without it a "
+                          "run that ends with an alarm active publishes its last checkpoint saved with none. For "
+                          "resuming a run --stop_on_alarm ended, when you judge the alarm false. Changeable on "
+                          "resume."},
+    )
     # What the rollout's code reads (rl.experience): prompts per sampling pass, sampling passes per iteration and rows
     # per micro-batch of the old policy's pass. Declared here so that shared code reads declared fields; not flags
     # (init=False): PPO redeclares them as its flags (DeepSpeed-Chat's names), GRPO derives them from its own.
@@ -74,6 +83,9 @@ class RolloutArguments(CausalLMTrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.stop_on_alarm and self.publish_on_alarm:
+            raise InputError("--stop_on_alarm and --publish_on_alarm: give one (stop at the first alarm, or train on "
+                             "through alarms and publish what is trained)")
         if self.sampler_correction_cap <= 0:
             raise InputError(f"--sampler_correction_cap {self.sampler_correction_cap}: give a positive cap")
         # Nothing to skip on resume: the experience stream restarts at the checkpoint's iteration.
