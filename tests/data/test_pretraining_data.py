@@ -89,7 +89,7 @@ def _build_after_barrier(barrier, data, tokenizer_dir, cache, queue):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         barrier.wait()
         queue.put(blocks_digest(build_pretraining_blocks(data, tokenizer, 16, cache)))
-    except BaseException as err:  # reported to the parent, which fails the test
+    except BaseException as err:  # noqa: BLE001 reported to the parent, which fails the test
         queue.put(f"error: {err!r}")
 
 

@@ -216,7 +216,7 @@ def take_lock(output_dir, outcome, leave):
     try:
         OutputLock(output_dir, 0).acquire()
         outcome.put("taken")
-    except Exception as err:  # the refusal
+    except Exception as err:  # noqa: BLE001 the refusal, whatever its type, is what the parent reads
         outcome.put(str(err))
     if leave is not None:
         leave.wait(30)

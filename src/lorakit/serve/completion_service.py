@@ -263,7 +263,7 @@ class CompletionService:
                     yield sse({**chunk(None, None), "choices": [], "usage": usage(completion)})
             except APIError as err:  # the stream has begun: the error goes in it
                 yield sse(error_body(err.message, err.error_type, err.param, err.code))
-            except Exception as err:  # likewise, without its details
+            except Exception as err:  # noqa: BLE001 likewise, without its details (any failure ends the stream)
                 yield sse(error_body(failure_message(err), "server_error"))
             finally:
                 cancel.set()
