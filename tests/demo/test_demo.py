@@ -76,8 +76,8 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert list(stages) == ["prepare", "pipeline", "vocabulary extension", "held-out before", "continued pretraining",
                             "held-out after", "SFT data", "exact match before", "supervised fine-tuning",
                             "exact match after", "reward model", "reward before PPO", "PPO", "reward after PPO",
-                            "PPO, second seed", "DPO", "reward after DPO", "GRPO", "exact match after GRPO",
-                            "merge", "chat"]
+                            "PPO, second seed", "DPO", "reward after DPO", "DPO, second seed", "GRPO",
+                            "exact match after GRPO", "merge", "chat"]
 
     vocab = stages["vocabulary extension"]
     assert vocab["vocab_size.after"] > vocab["vocab_size.before"] == 49152
@@ -133,6 +133,13 @@ def test_quick_demo_runs_every_stage_and_reports_its_figures(tmp_path):
     assert [answer["prompt"] for answer in dpo_reward["answers"]] == [a["prompt"] for a in ppo_before["answers"]]
     assert dpo_reward["prompts"] == 4 and math.isfinite(dpo_reward["reward_mean"])
     assert all(math.isfinite(answer["reward"]) for answer in dpo_reward["answers"])
+    # DPO again with seed 7, into its own directory, its answers to the same prompts scored the same way: the spread
+    # its verdict needs (docs/demo.md, "Verdict rules").
+    dpo_second = stages["DPO, second seed"]
+    assert dpo_second["seed"] == 7 and dpo_second["prompts"] == 4 and math.isfinite(dpo_second["reward_mean"])
+    assert dpo_second["policy"] == f"{out / 'sft' / 'sft_lora_model'},{out / 'dpo_seed7' / 'dpo_lora_model'}"
+    for figures in (ppo_before, ppo_after, second, dpo_reward, dpo_second, stages["exact match after"]):
+        assert 0 < figures["distinct_answer_share"] <= 1 and 0 <= figures["other_task_answer_share"] <= 1
 
     # GRPO of the SFT policy on new arithmetic questions (none held out), its adapter continuing SFT's, rewarded by
     # exact match against each record's output; scored on the SFT stage's held-out questions, paired with SFT's.

@@ -39,6 +39,9 @@ SFT_REVIEW_SHARE = 8  # one review-writing demonstration for every eight arithme
 # PPO runs again with this seed (the stage's own is the Trainer's default, 42) to measure the
 # spread between seeds.
 PPO_SECOND_SEED = 7
+# DPO runs again with the same second seed: its verdict needs the spread between two seeds too (docs/demo.md,
+# "Verdict rules"); about 2 minutes of the full demo (its 20 steps, eval and held-out answers).
+DPO_SECOND_SEED = PPO_SECOND_SEED
 REWARD_SEED = 0
 # One reward-model training pair in OTHER_TASK_EVERY has an arithmetic answer ("The answer is 42.") as its rejected
 # answer, the rest are sentiment pairs. With sentiment pairs alone the reward model scored "The answer is 1." above
@@ -123,7 +126,7 @@ class RewardScorer(NamedTuple):
 class Demo:
     """What the stages hand on to later stages. Stage outputs lie where the pipeline puts them:
     output_dir/<stage name>/ (vocabulary, pretraining, pt_merged, sft, reward, ppo, final, chat); the
-    demo's own runs of stages beside the chain in ppo_seed<N>/ and dpo/."""
+    demo's own runs of stages beside the chain in ppo_seed<N>/, dpo/ and dpo_seed<N>/."""
 
     plan: Plan
     cache_dir: Path

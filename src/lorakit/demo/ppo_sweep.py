@@ -27,7 +27,7 @@ from typing import Any
 from lorakit.core.cli import ArgumentParser, InputError, run_cli
 from lorakit.demo.plan import DEMO_CONFIG, FULL, HELDOUT_FRACTION, PPO_SECOND_SEED, SPLIT_SEED, Demo
 from lorakit.demo.prepare_default import prepare_model, write_pretraining_corpus
-from lorakit.demo.report import Figures, collapsed
+from lorakit.demo.report import Figures
 from lorakit.demo.review_tasks import prompt_split
 from lorakit.demo.sft_tasks import ANSWER_FORMAT
 from lorakit.demo.stage_evaluation import (
@@ -47,6 +47,7 @@ from lorakit.demo.stages import (
     with_flag,
     write_jsonl,
 )
+from lorakit.demo.verdicts import collapse
 from lorakit.pipeline.config import load_config
 from lorakit.pipeline.stages import PlannedStage, plan_stages
 
@@ -176,9 +177,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def holds(figures: Figures, sft: Figures) -> bool:
-    """No alarm raised, and the held-out greedy answers not collapsed against the SFT policy's (report.collapsed:
-    the demo report's rule)."""
-    return not figures["alarms"]["first"] and not collapsed(figures, sft)
+    """No alarm raised, and the held-out greedy answers not collapsed (verdicts.collapse, the demo report's rule: by
+    the floor or against the SFT policy's; missing figures do not hold)."""
+    return not figures["alarms"]["first"] and collapse(figures, sft, gain=0.0).holds is True
 
 
 def best_variant(results: list[Figures]) -> str | None:

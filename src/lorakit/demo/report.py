@@ -9,17 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# One stage's figures by name (demo.stages' stage functions return them; report.json holds them).
-Figures = dict[str, Any]
+from lorakit.demo.verdicts import Figures, rl_targets
 
 SAMPLE_ANSWERS = 5
 # The full demo's targets: exact match on the held-out questions, and held-out pair accuracy.
 SFT_TARGET, REWARD_TARGET = 0.4, 0.80
-# Greedy answers to the held-out review prompts have collapsed, against the SFT policy's answers to the same prompts,
-# when fewer than half as many of them differ, or when at least a quarter more of them are written in the arithmetic
-# task's form ("The answer is 1."). Relative, because the demo's SFT policy is itself repetitive: 7 distinct answers
-# of 20 in the run of 2026-11-27, one of them "The answer is 1.".
-COLLAPSED_DISTINCT_RATIO, COLLAPSED_OTHER_TASK_RISE = 0.5, 0.25
+MET = {True: "yes", False: "**not met**", None: "**unknown**"}
 
 
 def render_report(results: list[dict[str, Any]], quick: bool, failed: str | None, plot_path: Path | None) -> str:
@@ -94,7 +89,8 @@ def render_summary(by_stage: dict[str, Figures]) -> list[str]:
 
 
 def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
-    """The figures the full demo is held to (learning, not a hair above chance), each met or not."""
+    """The figures the full demo is held to (learning, not a hair above chance), each met, not met or unknown (a
+    figure its verdict needs is missing)."""
     rows = []
     after = by_stage.get("exact match after")
     if after:
@@ -104,71 +100,13 @@ def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
     if rm:
         rows.append((f"reward model held-out accuracy >= {REWARD_TARGET:.2f}", f"{rm['eval_accuracy']:.3f}",
                      rm["eval_accuracy"] >= REWARD_TARGET))
-    before, after, second = (by_stage.get(name) for name in ("reward before PPO", "reward after PPO",
-                                                             "PPO, second seed"))
-    if before and after and second:
-        gain, spread = after["reward_mean"] - before["reward_mean"], abs(after["reward_mean"] - second["reward_mean"])
-        collapse = alarm_verdict(by_stage.get("PPO"), gain) or collapse_verdict(after, before, gain)
-        # The second seed is held to the same: a spread measured against a collapsed run means nothing.
-        second_verdict = alarm_verdict(second, gain) or collapse_verdict(second, before, gain)
-        collapse = collapse or (f"seed {second['seed']}: {second_verdict}" if second_verdict else "")
-        rows.append(("PPO held-out reward gain > the spread between two seeds, with no health alarm and no collapse "
-                     "of the held-out answers", f"{collapse}gain {gain:+.3f}, spread {spread:.3f} (seed "
-                     f"{second['seed']}: {second['reward_mean']:.3f})", gain > spread and not collapse))
-    dpo_reward = by_stage.get("reward after DPO")
-    if before and dpo_reward:
-        rows.append(("DPO held-out reward > the SFT policy's (the reward model's score)",
-                     f"DPO {dpo_reward['reward_mean']:.3f}, SFT {before['reward_mean']:.3f}"
-                     + (f" (PPO {after['reward_mean']:.3f})" if after else ""),
-                     dpo_reward["reward_mean"] > before["reward_mean"]))
-    grpo = by_stage.get("exact match after GRPO")
-    if grpo:
-        sampled = grpo["sampled_gain"]
-        low, high = sampled["interval"]
-        collapse = alarm_verdict(by_stage.get("GRPO"), sampled["gain"])
-        rows.append((f"GRPO held-out exact match ({sampled_label(grpo)}) above SFT's, beyond the 95% paired-bootstrap "
-                     "interval, with no health alarm", f"{collapse}{sampled['before']:.3f} -> {sampled['after']:.3f}: "
-                     f"gain {100 * sampled['gain']:+.1f} points, interval [{100 * low:+.1f}, {100 * high:+.1f}]",
-                     low > 0 and not collapse))
+    rows += rl_targets(by_stage)  # every preference and RL stage, by the one rule (lorakit.demo.verdicts)
     if not rows:
         return []
     lines = [f"Targets{' (set for the full demo; --quick is not expected to meet them)' if quick else ''}:", "",
              "| target | figure | met |", "|---|---|---|"]
-    lines += [f"| {target} | {figure} | {'yes' if met else '**not met**'} |" for target, figure, met in rows]
+    lines += [f"| {target} | {figure} | {MET[met]} |" for target, figure, met in rows]
     return lines + [""]
-
-
-def alarm_verdict(stage: Figures | None, gain: float) -> str:
-    """"" for an RL stage that raised no health alarm; else what its gain means, the alarms named: a gain that
-    comes with an alarm is never a met target."""
-    alarms = (stage or {}).get("alarms") or {}
-    if not alarms.get("first"):
-        return ""
-    what = "reward rose, policy collapsed" if gain > 0 else "health alarms raised"
-    return f"**{what}** ({alarm_names(alarms)}): "
-
-
-def collapsed(after: Figures, before: Figures) -> bool:
-    """Greedy held-out answers after RL collapsed against before's (COLLAPSED_DISTINCT_RATIO, ..._OTHER_TASK_RISE);
-    figures without the collapse figures (an older run's) never count as collapsed."""
-    if "distinct_answer_share" not in after or "distinct_answer_share" not in before:
-        return False
-    return (after["distinct_answer_share"] < COLLAPSED_DISTINCT_RATIO * before["distinct_answer_share"]
-            or after["other_task_answer_share"] >= before["other_task_answer_share"] + COLLAPSED_OTHER_TASK_RISE)
-
-
-def collapse_verdict(after: Figures, before: Figures, gain: float) -> str:
-    """"" for held-out answers that did not collapse; else the collapse, in the words alarm_verdict uses."""
-    if not collapsed(after, before):
-        return ""
-    what = "reward rose, policy collapsed" if gain > 0 else "policy collapsed"
-    return (f"**{what}** (held-out answers: {after['distinct_answer_share']:.0%} distinct, "
-            f"{after['other_task_answer_share']:.0%} in the arithmetic task's form; before "
-            f"{before['distinct_answer_share']:.0%} and {before['other_task_answer_share']:.0%}): ")
-
-
-def alarm_names(alarms: dict[str, Any]) -> str:
-    return ", ".join(f"{alarm['signal']} at step {alarm['step']}" for alarm in alarms["first"])
 
 
 def alarm_lines(name: str, stage: Figures | None) -> list[str]:
@@ -380,12 +318,15 @@ def render_ppo(by_stage: dict[str, Figures]) -> list[str]:
     lines += alarm_lines("PPO", ppo)
     second = by_stage.get("PPO, second seed")
     if second:
-        lines += [f"The same PPO stage with --seed {second['seed']} (output ppo_seed{second['seed']}/): held-out "
-                  f"mean reward {second['reward_mean']:.3f}"
-                  + (f", KL to the reference at the end {second['kl_last']:.4f}." if second.get("kl_last") is not None
-                     else "."), ""]
-        lines += alarm_lines(f"PPO, seed {second['seed']}", second)
+        lines += second_seed_lines("PPO", second) + alarm_lines(f"PPO, seed {second['seed']}", second)
     return lines
+
+
+def second_seed_lines(stage: str, second: Figures) -> list[str]:
+    """The stage run again with another seed: the spread its gain has to beat (lorakit.demo.verdicts)."""
+    kl = f", KL to the reference at the end {second['kl_last']:.4f}" if second.get("kl_last") is not None else ""
+    return [f"The same {stage} stage with --seed {second['seed']} (output {stage.lower()}_seed{second['seed']}/): "
+            f"held-out mean reward {second['reward_mean']:.3f}{kl}.", ""]
 
 
 def render_dpo(by_stage: dict[str, Figures]) -> list[str]:
@@ -413,7 +354,8 @@ def render_dpo(by_stage: dict[str, Figures]) -> list[str]:
     else:
         lines += [f"Result: DPO did NOT learn the preference: held-out implicit-reward accuracy {accuracy:.3f}, no "
                   "better than chance.", ""]
-    return lines + render_policies_side_by_side(by_stage)
+    second = by_stage.get("DPO, second seed")
+    return lines + render_policies_side_by_side(by_stage) + (second_seed_lines("DPO", second) if second else [])
 
 
 def render_policies_side_by_side(by_stage: dict[str, Figures]) -> list[str]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -38,6 +40,9 @@ if TYPE_CHECKING:  # the models load lazily, inside the stages that score them
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger("demo")
+# The arithmetic task's whole answer ("The answer is -7." included): an answer to a question in any other form counts as
+# the other task's in the collapse figures.
+ARITHMETIC_ANSWER = re.compile(re.escape(ANSWER_FORMAT).replace(r"\{\}", r"-?\d+"))
 
 
 # ----------------------------------------------------------------------------- stages
@@ -161,7 +166,8 @@ def heldout_exact_match(demo: Demo, adapter: Path | None, sampled: bool = False)
     for answer in figures["answers"][:3]:
         logger.info("  %s -> %r (expected %r)", answer["instruction"], answer["generated"], answer["expected"])
     return {"prompt_template_from": str(adapter or demo.path("pt_merged")),
-            "prompt_example": render_prompts(tokenizer, demo.sft_heldout[:1])[0], **figures}
+            "prompt_example": render_prompts(tokenizer, demo.sft_heldout[:1])[0],
+            **arithmetic_answer_collapse([answer["generated"] for answer in figures["answers"]]), **figures}
 
 
 def heldout_reward(demo: Demo, *policy: Path) -> Figures:
@@ -211,11 +217,29 @@ def score_answers(demo: Demo, scorer: RewardScorer, answers: list[str]) -> list[
 
 def answer_collapse(answers: list[str]) -> Figures:
     """How far greedy answers to different held-out review prompts have collapsed, which a mean reward hides: the
-    share of distinct answers, and the share written in the arithmetic task's form ("The answer is N.")."""
-    stripped = [answer.strip() for answer in answers]
+    share of distinct answers, and the share written in the other task's form, the arithmetic one ("The answer is
+    N.")."""
     other_task = ANSWER_FORMAT.split("{}")[0]
+    return answer_forms(answers, lambda answer: other_task in answer)
+
+
+def arithmetic_answer_collapse(answers: list[str]) -> Figures:
+    """answer_collapse's figures for greedy answers to held-out arithmetic questions (the verdict on GRPO): to them,
+    the other task's form is any answer whose first line is not the arithmetic one, "The answer is N."."""
+    return answer_forms(answers, lambda answer: not in_arithmetic_form(answer))
+
+
+def in_arithmetic_form(answer: str) -> bool:
+    """The answer's first line is "The answer is N." (is_exact_match reads the same line)."""
+    lines = answer.strip().splitlines()
+    return bool(lines) and ARITHMETIC_ANSWER.fullmatch(lines[0].strip()) is not None
+
+
+def answer_forms(answers: list[str], in_other_form: Callable[[str], bool]) -> Figures:
+    """The share of distinct answers (stripped) and the share in_other_form says are in the other task's form."""
+    stripped = [answer.strip() for answer in answers]
     return {"distinct_answer_share": len(set(stripped)) / len(stripped),
-            "other_task_answer_share": sum(other_task in answer for answer in stripped) / len(stripped)}
+            "other_task_answer_share": sum(in_other_form(answer) for answer in stripped) / len(stripped)}
 
 
 def reward_scorer(demo: Demo) -> RewardScorer:

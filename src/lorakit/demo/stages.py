@@ -2,8 +2,8 @@
 (lorakit.demo.plan) and returns a dict of figures; demo.report renders the report from those dicts. prepare
 writes the model, the corpus and every later stage's data; pipeline runs configs/pipeline/demo.yaml through the
 pipeline command, as a user would; the stages after it read what each pipeline stage left, and the held-out
-ones (lorakit.demo.stage_evaluation) score its models. PPO with a second seed, DPO and GRPO run beside the chain,
-into directories of their own. A rerun skips the pipeline stages that completed with the same config (their
+ones (lorakit.demo.stage_evaluation) score its models. PPO and DPO, each also with a second seed, and GRPO run beside
+the chain, into directories of their own. A rerun skips the pipeline stages that completed with the same config (their
 figures are measured again)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from lorakit.commands import command_line
 from lorakit.demo.plan import (
     DEMO_CONFIG,
     DPO_RECIPE,
+    DPO_SECOND_SEED,
     GRPO_TRAIN_SEED,
     HELDOUT_FRACTION,
     OTHER_TASK_EVERY,
@@ -279,6 +280,17 @@ def dpo(demo: Demo) -> Figures:
             "accuracy_after": results["eval_rewards/accuracies"], **loss_summary(out), **results}
 
 
+def dpo_second_seed(demo: Demo) -> Figures:
+    """The DPO stage's own command again with another seed, into dpo_seed<N>/, and its held-out answers scored as the
+    first seed's: how far the two seeds' held-out rewards lie apart is the yardstick DPO's gain has to beat."""
+    planned = dpo_stage(demo)
+    out = demo.path(f"dpo_seed{DPO_SECOND_SEED}")
+    run_beside_the_chain(with_flag(planned.command, "output_dir", str(out)) + ["--seed", str(DPO_SECOND_SEED)], out,
+                         f"DPO with --seed {DPO_SECOND_SEED}")
+    return {"seed": DPO_SECOND_SEED,
+            **heldout_reward(demo, demo.path("sft", "sft_lora_model"), out / "dpo_lora_model")}
+
+
 def dpo_stage(demo: Demo) -> PlannedStage:
     """The pipeline's plan of a dpo stage right after demo.yaml's sft (which demo.yaml cannot hold: DPO
     leaves two adapters, the SFT one and its own, and PPO takes one), into dpo/: the reward stage's
@@ -358,6 +370,7 @@ STAGES: list[tuple[str, Callable[[Demo], Figures]]] = [
     ("PPO, second seed", ppo_second_seed),
     ("DPO", dpo),
     ("reward after DPO", reward_after_dpo),
+    ("DPO, second seed", dpo_second_seed),
     ("GRPO", grpo),
     ("exact match after GRPO", exact_match_after_grpo),
     ("merge", merge),
