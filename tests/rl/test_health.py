@@ -19,9 +19,10 @@ from helpers.corpora import CHINESE, ENGLISH
 from helpers.pipeline_runs import PIPELINE, actions, run_pipeline, write_config
 from helpers.run_outputs import adapter_weights, log_history
 from lorakit.core.cli import InputError
-from lorakit.rl.alarms import ALARM_FILE, HEALTH_STATE_NAME
+from lorakit.rl.alarms import ALARM_FILE, HEALTH_STATE_NAME, HealthPlan, write_alarm_file
 from lorakit.rl.health import (
     BASELINE_ITERATIONS,
+    AnswerLimit,
     HealthMonitor,
     PairMoments,
     answer_diversity,
@@ -36,9 +37,9 @@ PPO_SIGNALS = ["kl", "kl_acceleration", "entropy", "response_length", "truncated
 ALL_SIGNALS = PPO_SIGNALS + ["reward_share/correct", "reward_share/format"]
 
 
-def run_monitor(trajectory, signals=ALL_SIGNALS) -> HealthMonitor:
+def run_monitor(trajectory, signals=ALL_SIGNALS, answer_limit=None) -> HealthMonitor:
     """A monitor fed one figures dict per iteration (step = iteration + 1)."""
-    monitor = HealthMonitor(signals)
+    monitor = HealthMonitor(signals, answer_limit)
     for iteration, figures in enumerate(trajectory):
         monitor.observe(iteration + 1, iteration, figures)
     return monitor
@@ -97,20 +98,60 @@ TRIPS = {
 }
 
 
+# A KL that reaches its 0.5 floor within one iteration of a baseline of 0.01 has steepened too: its acceleration,
+# judged from its first value on, alarms with it (on the value short of the KL's threshold as well).
+ALSO_TRIPPED = {"kl": {"kl_acceleration"}}
+
+
 @pytest.mark.parametrize("signal", sorted(TRIPS))
 def test_each_alarm_fires_on_a_trajectory_that_should_trip_it(signal):
-    """The baseline iterations are never judged; the tripping iteration alarms on that signal alone, naming its
-    value, threshold and step; the same value short of the threshold does not."""
+    """The baseline iterations are never judged; the tripping iteration alarms on that signal (and no other signal
+    but the KL's acceleration, for a KL jump), naming its value, threshold and step; the same value short of the
+    threshold does not."""
     baseline, trip, threshold, direction = TRIPS[signal]
     monitor = run_monitor(baseline + [trip])
-    (alarm,) = monitor.alarms
+    also = ALSO_TRIPPED.get(signal, set())
+    assert {a.signal for a in monitor.alarms} == {signal} | also
+    (alarm,) = [a for a in monitor.alarms if a.signal == signal]
     assert (alarm.signal, alarm.step, alarm.iteration, alarm.direction) == (signal, 4, 3, direction)
     assert alarm.value == trip[signal] and alarm.threshold == pytest.approx(threshold)
-    assert monitor.active == [alarm]
+    assert monitor.active == monitor.alarms and alarm in monitor.active
     expected = f"at step 4 (iteration 3): {signal} = {trip[signal]:.4g}, {direction} its threshold {threshold:.4g}"
     assert expected in alarm.message()
     short_of_it = {signal: threshold - 0.001 if direction == "above" else threshold + 0.001}
-    assert run_monitor(baseline + [short_of_it]).alarms == []
+    assert {a.signal for a in run_monitor(baseline + [short_of_it]).alarms} == also
+
+
+def jump_at(signal: str, step: int) -> list:
+    """A trajectory whose jump in signal lands at step (its last iteration): TRIPS' tripping figures after their
+    baseline's; the KL climbing 0.01 per iteration, then 0.2 more in one (kl_acceleration); the critic's explained
+    variance from 0.6 to -0.1 at two iterations in a row (its persistence)."""
+    if signal == "kl_acceleration":
+        return [{"kl": 0.01 * i} for i in range(1, step)] + [{"kl": 0.01 * (step - 1) + 0.2}]
+    if signal == "explained_variance":
+        return [{signal: 0.6}] * (step - 2) + [{signal: -0.1}] * 2
+    baseline, trip, _, _ = TRIPS[signal]
+    return baseline[:1] * (step - 1) + [trip]
+
+
+# The earliest step at which each signal can alarm (docs/ppo.md#health-alarms): the first iteration after its own
+# 3-iteration baseline; kl_acceleration its first value, once the KL's baseline is known (the 3rd; the 6th before
+# it spent three values of its own on a baseline its rule does not use); explained_variance 2 judged in a row.
+EARLIEST = {signal: BASELINE_ITERATIONS + 1 for signal in TRIPS} | {"kl_acceleration": 3, "explained_variance": 5}
+
+
+@pytest.mark.parametrize("signal", sorted(EARLIEST))
+def test_each_signal_alarms_at_the_earliest_iteration_its_rule_allows_and_not_one_before(signal):
+    """The jump at the earliest step alarms there; one step earlier it lands in the baseline (kl_acceleration: at an
+    iteration with two KL values, so no acceleration yet; explained_variance: its first value past the bound in
+    the baseline) and raises nothing on that signal, then or after."""
+    earliest = EARLIEST[signal]
+    alarms = [(a.signal, a.step) for a in run_monitor(jump_at(signal, earliest)).alarms if a.signal == signal]
+    assert alarms == [(signal, earliest)]
+    before = run_monitor(jump_at(signal, earliest - 1))
+    assert [a for a in before.alarms if a.signal == signal] == []
+    if signal == "kl_acceleration":
+        assert earliest < 6 and "kl_acceleration" not in before.latest
 
 
 def test_explained_variance_alarms_only_when_it_persists():
@@ -151,10 +192,11 @@ def test_response_length_alarms_both_ways_and_an_alarm_clears_when_the_signal_re
 
 
 def test_the_kl_threshold_is_relative_to_the_run_own_baseline():
-    """The same KL of 1.0 nat per token: a run that started at 0.01 (threshold: the 0.5 floor) alarms, a run that
-    started at 0.4 (threshold 5 x 0.4 = 2.0) does not; the entropy likewise against its own start."""
+    """The same KL of 1.0 nat per token: a run that started at 0.01 (threshold: the 0.5 floor) alarms, and so does
+    its acceleration (0.99 in one iteration, past its 0.15 floor); a run that started at 0.4 (thresholds 5 x 0.4 =
+    2.0, and 2 x 0.4 = 0.8 for the acceleration of 0.6) does not; the entropy likewise against its own start."""
     low, high = run_monitor(steady(kl=0.01) + [{"kl": 1.0}]), run_monitor(steady(kl=0.4) + [{"kl": 1.0}])
-    assert [(a.signal, a.threshold) for a in low.alarms] == [("kl", 0.5)]
+    assert [(a.signal, a.threshold) for a in low.alarms] == [("kl", 0.5), ("kl_acceleration", 0.15)]
     assert high.alarms == [] and high.baselines()["kl"] == pytest.approx(0.4)
     assert run_monitor(steady(kl=0.4) + [{"kl": 2.01}]).alarms[0].threshold == pytest.approx(2.0)
     fell = run_monitor(steady(entropy=3.0) + [{"entropy": 0.8}])
@@ -162,12 +204,89 @@ def test_the_kl_threshold_is_relative_to_the_run_own_baseline():
     assert run_monitor(steady(entropy=1.0) + [{"entropy": 0.8}]).alarms == []
 
 
-def test_shares_that_were_high_from_the_start_are_not_judged():
+def test_shares_that_were_high_from_the_start_are_not_judged_and_named_so():
     """A batch cut by a short limit from the first iteration (truncated share 0.8) or of few prompts (top answer
-    share 0.25) is the run's design: a share of 1.0 later raises nothing."""
-    monitor = run_monitor(steady(truncated_share=0.8, top_answer_share=0.25)
-                          + [{"truncated_share": 1.0, "top_answer_share": 1.0}])
+    share 0.25) is the run's design: a share of 1.0 later raises nothing. Each share past its baseline's limit is
+    named not judged, with its baseline; one under it is judged (absent)."""
+    high = {"truncated_share": 0.8, "top_answer_share": 0.25, "sft_copy_share": 0.3, "reward_length_corr": 0.5,
+            "reward_share/format": 0.75, "reward_share/correct": 0.25}
+    started_high = set(high) - {"reward_share/correct"}
+    monitor = run_monitor(steady(**high) + [dict.fromkeys(started_high, 1.0)])
     assert monitor.alarms == []
+    not_judged = monitor.not_judged()
+    assert set(not_judged) == started_high
+    assert not_judged["truncated_share"].startswith("its baseline 0.8 is not under 0.2: a share that high from the "
+                                                    "start is the run's design")
+    assert not_judged["reward_length_corr"].startswith("its baseline 0.5 is not under 0.4")
+    assert not_judged["reward_share/format"].startswith("its baseline 0.75 is not under 0.7")
+    assert run_monitor(steady(**high)[:2]).not_judged() == {}  # decided when the baseline is complete
+
+
+def test_an_entropy_that_starts_near_zero_is_named_not_judged():
+    """An entropy baseline under 0.05 leaves no bound: a fall to 0 raises nothing, and not_judged says why."""
+    monitor = run_monitor(steady(entropy=0.03) + [{"entropy": 0.0}])
+    assert monitor.alarms == []
+    assert monitor.not_judged() == {"entropy": "its baseline 0.03 is under 0.05: a policy near-deterministic from "
+                                               "the start has nothing left to fall from"}
+    assert run_monitor(steady(entropy=0.05)).not_judged() == {}
+
+
+def test_a_length_bound_past_the_answer_limit_is_named_not_judged_and_the_other_still_alarms():
+    """Answers of 10 tokens under a 16-token limit: the bound above, 2 x 10 = 20, is past what any answer reaches,
+    so response_length is judged below only (and says so); a fall under 5 still alarms. At 7.9 tokens the bound,
+    15.8, can be passed: judged both ways. Answers of 1.5 tokens have a bound below, 0.75, under the shortest
+    answer; with a 2-token limit neither bound can be passed."""
+    limit = AnswerLimit(16, "--max_completion_length")
+    monitor = run_monitor(steady(response_length=10.0) + [{"response_length": 16.0}, {"response_length": 4.0}],
+                          ["response_length"], limit)
+    assert [(a.direction, a.threshold, a.step) for a in monitor.alarms] == [("below", 5.0, 5)]
+    assert monitor.not_judged() == {"response_length": (
+        "its bound above, 20 tokens, is not under the answer limit (--max_completion_length 16), which no answer "
+        "passes (baseline 10): judged below only")}
+    judged_both = run_monitor(steady(response_length=7.9) + [{"response_length": 16.0}], ["response_length"], limit)
+    assert judged_both.not_judged() == {} and judged_both.alarms[0].threshold == pytest.approx(15.8)
+    stubs = run_monitor(steady(response_length=1.5), ["response_length"], limit).not_judged()
+    assert stubs["response_length"].endswith("is not over 1 token, the shortest answer (baseline 1.5): judged above "
+                                             "only")
+    neither = run_monitor(steady(response_length=1.5), ["response_length"], AnswerLimit(2, "--max_answer_seq_len"))
+    reason = neither.not_judged()["response_length"]
+    assert reason.startswith("its bound above, 3 tokens, is not under the answer limit (--max_answer_seq_len 2)")
+    assert reason.endswith("; its bound below, 0.75 tokens, is not over 1 token, the shortest answer (baseline 1.5)")
+    assert run_monitor(steady(response_length=10.0), ["response_length"]).not_judged() == {}  # no limit given
+
+
+def test_each_kind_of_not_judged_is_in_the_alarm_file_and_named_in_one_line_when_decided(tmp_path, caplog):
+    """The trainer's check (RLTrainer.check_health on constructed figures): the iteration that completes the
+    baselines logs one line naming each signal they leave unable to alarm, with its reason, and writes them to
+    rl_alarms.json's not_judged; no other iteration repeats the line."""
+    from lorakit.rl.experience import SumStats
+    from lorakit.rl.rl_trainer import RLTrainer
+
+    plan = HealthPlan(["entropy", "response_length", "truncated_share", "distinct_2"], {},
+                      AnswerLimit(16, "--max_completion_length"))
+    trajectory = steady(entropy=0.03, response_length=10.0, truncated_share=0.3, distinct_2=0.8) * 2
+    stub = SimpleNamespace(health_stats=SumStats(), stage_name="GRPO", health_plan=plan,
+                           health=HealthMonitor(plan.signals, plan.answer_limit), stream=SimpleNamespace(iteration=0),
+                           args=SimpleNamespace(device=torch.device("cpu"), process_index=0, output_dir=str(tmp_path)))
+    lines = {}
+    for iteration, figures in enumerate(trajectory):
+        stub.stream.iteration, stub.health_figures = iteration + 1, lambda update, figures=figures: figures
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lorakit.rl.alarms"):
+            assert RLTrainer.check_health(stub, iteration + 1) == []
+        lines[iteration + 1] = [r.getMessage() for r in caplog.records if "not judged" in r.getMessage()]
+    assert {step: len(found) for step, found in lines.items()} == {1: 0, 2: 0, 3: 1, 4: 0, 5: 0, 6: 0}
+    (line,) = lines[3]
+    record = json.loads((tmp_path / ALARM_FILE).read_text())
+    assert set(record["not_judged"]) == {"entropy", "response_length", "truncated_share"}
+    for signal, reason in record["not_judged"].items():
+        assert f"{signal}: {reason}" in line
+    assert line.startswith("GRPO health monitors: not judged in this run (decided by their baselines): entropy: its "
+                           "baseline 0.03 is under 0.05")
+    assert "(--max_completion_length 16)" in record["not_judged"]["response_length"]
+    assert "is not under 0.2" in record["not_judged"]["truncated_share"]
+    write_alarm_file(str(tmp_path), "GRPO", plan, HealthMonitor(plan.signals))
+    assert json.loads((tmp_path / ALARM_FILE).read_text())["not_judged"] == {}  # before any baseline
 
 
 def test_kl_acceleration_warns_before_the_kl_itself_is_high():
@@ -179,6 +298,7 @@ def test_kl_acceleration_warns_before_the_kl_itself_is_high():
     assert alarm.signal == "kl_acceleration" and alarm.step == 6
     assert alarm.value == pytest.approx(0.25 - 2 * 0.05 + 0.04) and alarm.threshold == pytest.approx(0.15)
     assert monitor.latest["kl_acceleration"] == pytest.approx(0.19)
+    assert "baseline 0.02, the mean of kl's first 3 values" in alarm.message()
 
 
 def test_a_missing_or_non_finite_figure_is_skipped_and_unknown_signals_are_refused():
@@ -187,6 +307,24 @@ def test_a_missing_or_non_finite_figure_is_skipped_and_unknown_signals_are_refus
     assert [(a.signal, a.step) for a in monitor.alarms] == [("entropy", 6)]
     with pytest.raises(ValueError, match="no health rule"):
         HealthMonitor(["perplexity"])
+
+
+def test_an_older_checkpoint_with_an_own_kl_acceleration_baseline_loads_and_judges_it_at_once():
+    """A checkpoint from before kl_acceleration was judged against the KL's baseline alone holds values of its own
+    baseline: they are dropped, and the resumed run judges its next value; a resumed monitor names the same signals
+    not judged as the uninterrupted one (they follow from the baselines that travel, and the answer limit)."""
+    older = {"baseline_values": {"kl": [0.01, 0.02, 0.03], "kl_acceleration": [0.0]}, "recent_kl": [0.02, 0.03],
+             "latest": {}, "active": [], "alarms": []}
+    monitor = HealthMonitor(["kl", "kl_acceleration"])
+    monitor.load_state_dict(older)
+    assert "kl_acceleration" not in monitor.state_dict()["baseline_values"]
+    (alarm,) = monitor.observe(4, 3, {"kl": 0.25})
+    assert (alarm.signal, alarm.step, alarm.value) == ("kl_acceleration", 4, pytest.approx(0.25 - 0.06 + 0.02))
+    limit = AnswerLimit(16, "--max_answer_seq_len")
+    whole = run_monitor(steady(response_length=10.0, entropy=0.01), ["response_length", "entropy"], limit)
+    resumed = HealthMonitor(["response_length", "entropy"], limit)
+    resumed.load_state_dict(json.loads(json.dumps(whole.state_dict())))
+    assert resumed.not_judged() == whole.not_judged() and set(whole.not_judged()) == {"response_length", "entropy"}
 
 
 def test_a_restored_monitor_judges_as_the_uninterrupted_one():
@@ -272,12 +410,25 @@ def test_ppo_judges_the_kl_per_answer_token_and_the_cut_share():
     from lorakit.rl.ppo_trainer import PPOTrainer
 
     stub = SimpleNamespace(experience_stats={"kl": 6.0, "response_length": 20.0, "eos_fraction": 0.75,
-                                             "entropy": 1.5, "distinct_2": 0.4}, sft_answers=None)
+                                             "entropy": 1.5, "distinct_2": 0.4}, sft_answers=None,
+                           maker=SimpleNamespace(max_answer_len=64))
     figures = PPOTrainer.health_figures(stub, {"sampler_gap/kl": 0.002})
     assert figures["kl"] == pytest.approx(0.3) and figures["truncated_share"] == pytest.approx(0.25)
     assert figures["sampler_gap"] == 0.002 and figures["entropy"] == 1.5 and figures["sft_copy_share"] is None
     plan = PPOTrainer.plan_health(stub)
     assert plan.signals == PPO_SIGNALS[:-1] and set(plan.left_out) == {"reward_share", "sft_copy_share"}
+    assert plan.answer_limit == AnswerLimit(64, "--max_answer_seq_len")
+
+
+def test_grpo_gives_its_monitor_the_completion_limit():
+    """The answer limit a length bound is compared with is --max_completion_length."""
+    from lorakit.rl.grpo_trainer import GRPOTrainer
+
+    stub = SimpleNamespace(model=SimpleNamespace(score_head=None), sft_answers=None,
+                           args=SimpleNamespace(beta=0.04, max_completion_length=48),
+                           reward_weights=lambda: {"correct": 1.0})
+    plan = GRPOTrainer.plan_health(stub)
+    assert plan.answer_limit == AnswerLimit(48, "--max_completion_length") and "kl_acceleration" in plan.signals
 
 
 def test_sft_answers_are_read_from_any_sft_shape_and_compared_whitespace_aside(tmp_path):
@@ -394,7 +545,8 @@ def test_a_run_that_ends_with_an_alarm_active_publishes_the_last_alarm_free_chec
                                                                                     collapse_inputs, tmp_path):
     """Without --stop_on_alarm the same run trains on to its last step (exit 0), saving no checkpoint at a step whose
     iteration alarmed; it ends with the alarm active, so grpo_lora_model is the last checkpoint's adapter. Given SFT
-    answers the tiny policy never gives, sft_copy_share is monitored and 0 at every step."""
+    answers the tiny policy never gives, sft_copy_share is monitored and 0 at every step. Its rollouts of 4 prompts
+    leave top_answer_share not judged, said in one line and in the alarm file."""
     out = tmp_path / "out"
     sft = tmp_path / "sft.jsonl"
     sft.write_text(json.dumps({"instruction": "1+0?", "output": "The answer is 1."}) + "\n")
@@ -403,6 +555,10 @@ def test_a_run_that_ends_with_an_alarm_active_publishes_the_last_alarm_free_chec
     assert all(entry["sft_copy_share"] == 0 for entry in log_history(out) if "loss" in entry)
     record = json.loads((out / ALARM_FILE).read_text())
     assert "sft_copy_share" in record["signals"] and record["baselines"]["sft_copy_share"] == 0
+    # 16 answers in groups of 4: 4 prompts, so the most common answer's share is at least 0.25 from the start.
+    assert record["not_judged"]["top_answer_share"].startswith("its baseline 0.25 is not under 0.2")
+    (line,) = [line for line in result.stdout.splitlines() if "not judged in this run" in line]
+    assert f"top_answer_share: {record['not_judged']['top_answer_share']}" in line
     alarmed = {alarm["step"] for alarm in record["alarms"]}
     saved = checkpoint_steps(out)
     assert 12 in alarmed and record["ending"]["alarm_active"] and not record["ending"]["stopped"]

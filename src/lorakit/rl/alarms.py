@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from lorakit.core.atomic import replace_directory, write_json_atomically
 from lorakit.core.model_files import checkpoint_states
-from lorakit.rl.health import BASELINE_ITERATIONS, Alarm, HealthMonitor, rule_of
+from lorakit.rl.health import BASELINE_ITERATIONS, Alarm, AnswerLimit, HealthMonitor, rule_of
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -28,11 +28,13 @@ HEALTH_STATE_NAME = "rl_health.json"
 
 
 class HealthPlan(NamedTuple):
-    """The signals a stage monitors (rl.health.RULES' names, reward_share/<component>) and, for each signal it
-    cannot have, why (said once in the log and in the alarm file)."""
+    """The signals a stage monitors (rl.health.RULES' names, reward_share/<component>), for each signal it cannot
+    have, why (said once in the log and in the alarm file), and the stage's answer limit (a length bound past it
+    cannot fire: the monitor names it not judged)."""
 
     signals: list[str]
     left_out: dict[str, str]
+    answer_limit: AnswerLimit | None = None
 
     def describe(self, stage: str) -> str:
         left_out = "; ".join(f"{signal} ({why})" for signal, why in self.left_out.items())
@@ -87,14 +89,36 @@ def alarm_logs(monitor: HealthMonitor) -> dict[str, float]:
 
 def write_alarm_file(output_dir: str, stage: str, plan: HealthPlan, monitor: HealthMonitor,
                      ending: dict[str, Any] | None = None) -> None:
-    """OUTPUT/rl_alarms.json, whole or not at all: the signals monitored and left out, each rule and baseline,
-    every alarm (step, iteration, signal, value, threshold, direction, baseline), the alarms active at the last
-    iteration judged, and, once training ended, how (ending: stopped, published)."""
+    """OUTPUT/rl_alarms.json, whole or not at all: the signals monitored and left out, each rule and baseline, the
+    signals their baselines leave unable to alarm and why (not_judged), every alarm (step, iteration, signal, value,
+    threshold, direction, baseline), the alarms active at the last iteration judged, and, once training ended, how
+    (ending: stopped, published)."""
     record = {"stage": stage, "baseline_iterations": BASELINE_ITERATIONS, "signals": plan.signals,
               "left_out": plan.left_out, "rules": {signal: rule_of(signal).text for signal in plan.signals},
-              "baselines": monitor.baselines(), "alarms": [alarm._asdict() for alarm in monitor.alarms],
+              "baselines": monitor.baselines(), "not_judged": monitor.not_judged(),
+              "alarms": [alarm._asdict() for alarm in monitor.alarms],
               "active": [alarm._asdict() for alarm in monitor.active], "ending": ending}
     write_json_atomically(os.path.join(output_dir, ALARM_FILE), record, make_parents=True)
+
+
+def not_judged_line(stage: str, decided: dict[str, str]) -> str:
+    """The one line naming the signals whose just completed baselines leave them unable to alarm, and why."""
+    reasons = "; ".join(f"{signal}: {why}" for signal, why in decided.items())
+    return f"{stage} health monitors: not judged in this run (decided by their baselines): {reasons}"
+
+
+def report_iteration(output_dir: str, stage: str, plan: HealthPlan, monitor: HealthMonitor, alarms: list[Alarm],
+                     not_judged_before: dict[str, str]) -> None:
+    """On rank 0, once an iteration is judged (alarms: its alarms): a warning line per alarm, one line for the
+    signals whose baselines it completed and left unable to alarm (not_judged_before: the monitor's not_judged()
+    before it), and the alarm file where either is new, so that a report read during the run has them."""
+    decided = {signal: why for signal, why in monitor.not_judged().items() if not_judged_before.get(signal) != why}
+    if decided:
+        logger.info(not_judged_line(stage, decided))
+    for alarm in alarms:
+        logger.warning(alarm.message())
+    if decided or alarms:
+        write_alarm_file(output_dir, stage, plan, monitor)
 
 
 def save_health_state(directory: str, monitor: HealthMonitor) -> None:

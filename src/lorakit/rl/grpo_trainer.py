@@ -30,7 +30,7 @@ from lorakit.rl.group_math import (
     reinforce_pp_returns,
     zero_spread_groups,
 )
-from lorakit.rl.health import pop_moments
+from lorakit.rl.health import AnswerLimit, pop_moments
 from lorakit.rl.reward_functions import (
     REWARD_MODEL_LABEL,
     RewardBatch,
@@ -292,7 +292,7 @@ class GRPOTrainer(RLTrainer):
             signals.append("sft_copy_share")
         else:
             left_out["sft_copy_share"] = "no --sft_answers_file"
-        return HealthPlan(signals, left_out)
+        return HealthPlan(signals, left_out, AnswerLimit(self.args.max_completion_length, "--max_completion_length"))
 
     def health_figures(self, update: dict[str, float]) -> dict[str, float | None]:
         """The rollout's statistics (experience_metrics, answer_figures), the KL per token to the reference (the

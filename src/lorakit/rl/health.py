@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     import torch
 
 # The baseline: the mean of each signal's first values. Three iterations average out one noisy rollout and still
-# leave a short run most of its iterations to judge; the iterations of the baseline are never judged themselves.
+# leave a short run most of its iterations to judge; the iterations of a signal's baseline are never judged on that
+# signal. A signal judged against another's baseline (kl_acceleration, the KL's) spends none of its own values on
+# one: it is judged from its first value on, once that other baseline is known.
 BASELINE_ITERATIONS = 3
 
 # KL to the reference, per answer token (an answer's length does not move it). 5x the baseline: a policy that
@@ -91,42 +93,57 @@ class Bounds(NamedTuple):
 
 
 class Rule(NamedTuple):
-    """How a signal is judged: its bounds from a baseline, the rule as the log and the docs state it, and the
-    signal whose baseline it uses (None: its own)."""
+    """How a signal is judged: its bounds from a baseline, the rule as the log and the docs state it, the signal
+    whose baseline it uses (None: its own), why a bound its baseline removes is not judged (off, formatted with
+    baseline=), and whether the signal is an answer length (in_tokens: it lies between 1 token and the answer limit,
+    so a bound outside that range cannot be passed)."""
 
     bounds: Callable[[float], Bounds]
     text: str
     baseline_of: str | None = None
+    off: str = ""
+    in_tokens: bool = False
 
 
-def share_bounds(limit: float, baseline_max: float) -> Callable[[float], Bounds]:
-    return lambda baseline: Bounds(None, limit if baseline < baseline_max else None)
+def share_rule(limit: float, baseline_max: float, why_off: str) -> Rule:
+    """A share (or correlation) judged above limit only where its baseline was under baseline_max."""
+    return Rule(lambda baseline: Bounds(None, limit if baseline < baseline_max else None),
+                f"> {limit:g} where the baseline was < {baseline_max:g}",
+                off=f"its baseline {{baseline:.4g}} is not under {baseline_max:g}: {why_off}")
 
 
+SHARE_OFF = "a share that high from the start is the run's design (a short answer limit, few prompts), not a drift"
 RULES: dict[str, Rule] = {
     "kl": Rule(lambda b: Bounds(None, max(KL_FACTOR * b, KL_FLOOR)),
                f"> max({KL_FACTOR:g} x baseline, {KL_FLOOR:g})"),
     "kl_acceleration": Rule(lambda b: Bounds(None, max(KL_ACCELERATION_FACTOR * b, KL_ACCELERATION_FLOOR)),
                             f"> max({KL_ACCELERATION_FACTOR:g} x the KL's baseline, {KL_ACCELERATION_FLOOR:g})", "kl"),
     "entropy": Rule(lambda b: Bounds(ENTROPY_FACTOR * b if b >= ENTROPY_MIN_BASELINE else None, None),
-                    f"< {ENTROPY_FACTOR:g} x baseline"),
+                    f"< {ENTROPY_FACTOR:g} x baseline",
+                    off=f"its baseline {{baseline:.4g}} is under {ENTROPY_MIN_BASELINE:g}: a policy near-deterministic "
+                        "from the start has nothing left to fall from"),
     "response_length": Rule(lambda b: Bounds(LENGTH_LOW_FACTOR * b, LENGTH_HIGH_FACTOR * b),
-                            f"< {LENGTH_LOW_FACTOR:g} x or > {LENGTH_HIGH_FACTOR:g} x baseline"),
-    "truncated_share": Rule(share_bounds(SHARE_LIMIT, SHARE_BASELINE_MAX),
-                            f"> {SHARE_LIMIT:g} where the baseline was < {SHARE_BASELINE_MAX:g}"),
-    "reward_length_corr": Rule(share_bounds(CORRELATION_LIMIT, CORRELATION_BASELINE_MAX),
-                               f"> {CORRELATION_LIMIT:g} where the baseline was < {CORRELATION_BASELINE_MAX:g}"),
-    "reward_share": Rule(share_bounds(REWARD_SHARE_LIMIT, REWARD_SHARE_BASELINE_MAX),
-                         f"> {REWARD_SHARE_LIMIT:g} where the baseline was < {REWARD_SHARE_BASELINE_MAX:g}"),
+                            f"< {LENGTH_LOW_FACTOR:g} x or > {LENGTH_HIGH_FACTOR:g} x baseline", in_tokens=True),
+    "truncated_share": share_rule(SHARE_LIMIT, SHARE_BASELINE_MAX, SHARE_OFF),
+    "reward_length_corr": share_rule(CORRELATION_LIMIT, CORRELATION_BASELINE_MAX,
+                                     "a reward that followed the length from the start is the reward's design"),
+    "reward_share": share_rule(REWARD_SHARE_LIMIT, REWARD_SHARE_BASELINE_MAX,
+                               "a component that held most of the reward from the start is the reward's design"),
     "explained_variance": Rule(lambda b: Bounds(min(2 * b - 1, 0.0), None), "< min(2 x baseline - 1, 0)"),
     "sampler_gap": Rule(lambda b: Bounds(None, max(SAMPLER_GAP_FACTOR * b, SAMPLER_GAP_FLOOR)),
                         f"> max({SAMPLER_GAP_FACTOR:g} x baseline, {SAMPLER_GAP_FLOOR:g})"),
     "distinct_2": Rule(lambda b: Bounds(DISTINCT_FACTOR * b, None), f"< {DISTINCT_FACTOR:g} x baseline"),
-    "top_answer_share": Rule(share_bounds(SHARE_LIMIT, SHARE_BASELINE_MAX),
-                             f"> {SHARE_LIMIT:g} where the baseline was < {SHARE_BASELINE_MAX:g}"),
-    "sft_copy_share": Rule(share_bounds(SHARE_LIMIT, SHARE_BASELINE_MAX),
-                           f"> {SHARE_LIMIT:g} where the baseline was < {SHARE_BASELINE_MAX:g}"),
+    "top_answer_share": share_rule(SHARE_LIMIT, SHARE_BASELINE_MAX, SHARE_OFF),
+    "sft_copy_share": share_rule(SHARE_LIMIT, SHARE_BASELINE_MAX, SHARE_OFF),
 }
+
+
+class AnswerLimit(NamedTuple):
+    """The most tokens the stage samples per answer and the flag that sets it: no answer, so no mean length, passes
+    it."""
+
+    tokens: int
+    flag: str
 
 
 def rule_of(signal: str) -> Rule:
@@ -147,9 +164,10 @@ class Alarm(NamedTuple):
 
     def message(self) -> str:
         rule = rule_of(self.signal)
+        whose = f"{rule.baseline_of}'s" if rule.baseline_of else "its"  # kl_acceleration is judged on the KL's
         return (f"health alarm at step {self.step} (iteration {self.iteration}): {self.signal} = {self.value:.4g}, "
                 f"{self.direction} its threshold {self.threshold:.4g} ({self.signal} {rule.text}; baseline "
-                f"{self.baseline:.4g}, the mean of its first {BASELINE_ITERATIONS} iterations)")
+                f"{self.baseline:.4g}, the mean of {whose} first {BASELINE_ITERATIONS} values)")
 
 
 def judged(signal: str, value: float, baseline: float, step: int, iteration: int) -> Alarm | None:
@@ -162,17 +180,52 @@ def judged(signal: str, value: float, baseline: float, step: int, iteration: int
     return None
 
 
+def unreachable_length_bounds(bounds: Bounds, limit: AnswerLimit | None) -> dict[str, str]:
+    """{"above"/"below": why} for an answer length's bounds that no value can pass: a mean length lies between 1
+    token (an answer holds at least its first token) and the answer limit."""
+    unreachable = {}
+    if bounds.high is not None and limit is not None and bounds.high >= limit.tokens:
+        unreachable["above"] = (f"its bound above, {bounds.high:.4g} tokens, is not under the answer limit "
+                                f"({limit.flag} {limit.tokens}), which no answer passes")
+    if bounds.low is not None and bounds.low <= 1:
+        unreachable["below"] = f"its bound below, {bounds.low:.4g} tokens, is not over 1 token, the shortest answer"
+    return unreachable
+
+
+def not_judged_reason(signal: str, baseline: float, limit: AnswerLimit | None) -> str | None:
+    """Why a signal cannot alarm in a run with this baseline (its rule removes its bounds, or puts one where no value
+    reaches), or None where it can. A length with one bound left says which direction is still judged."""
+    rule = rule_of(signal)
+    bounds = rule.bounds(baseline)
+    if bounds.low is None and bounds.high is None:
+        return rule.off.format(baseline=baseline)
+    unreachable = unreachable_length_bounds(bounds, limit) if rule.in_tokens else {}
+    if not unreachable:
+        return None
+    reasons = "; ".join(unreachable.values())
+    if len(unreachable) == 2:
+        return f"{reasons} (baseline {baseline:.4g})"
+    kept = "below" if "above" in unreachable else "above"
+    return f"{reasons} (baseline {baseline:.4g}): judged {kept} only"
+
+
 class HealthMonitor:
     """The signals a stage has (names of RULES, reward_share/<component>), judged each iteration (observe) against
-    the mean of their own first BASELINE_ITERATIONS values. active: the alarms of the last iteration observed;
-    alarms: every alarm so far. Its state travels in checkpoints (state_dict), so a resumed run judges as the
-    uninterrupted one would."""
+    the mean of the first BASELINE_ITERATIONS values of their own, or of the signal their rule names (baseline_of).
+    answer_limit: the stage's most tokens per answer (a length bound past it cannot fire: not_judged). active: the
+    alarms of the last iteration observed; alarms: every alarm so far. Its state travels in checkpoints
+    (state_dict), so a resumed run judges as the uninterrupted one would."""
 
-    def __init__(self, signals: Iterable[str]) -> None:
+    def __init__(self, signals: Iterable[str], answer_limit: AnswerLimit | None = None) -> None:
         self.signals = list(signals)
         unknown = [signal for signal in self.signals if signal.split("/")[0] not in RULES]
         if unknown:
             raise ValueError(f"no health rule for {unknown}")
+        self.answer_limit = answer_limit
+        # The signals whose values make a baseline: those judged against their own, and those another's rule uses.
+        borrowed = [rule_of(signal).baseline_of for signal in self.signals if rule_of(signal).baseline_of]
+        self.baseline_sources = list(dict.fromkeys(
+            [signal for signal in self.signals if rule_of(signal).baseline_of is None] + borrowed))
         self.baseline_values: dict[str, list[float]] = {}
         self.recent_kl: list[float] = []  # the KL of the last iterations, for its second difference
         self.streaks: dict[str, int] = {}  # PERSISTENT_SIGNALS: judged iterations in a row past the bound
@@ -197,20 +250,32 @@ class HealthMonitor:
             figures["kl_acceleration"] = latest - 2 * previous + older
         return figures
 
+    def add_to_baselines(self, figures: Mapping[str, float]) -> set[str]:
+        """Each baseline still short of BASELINE_ITERATIONS values takes this iteration's; returns the signals that
+        took one (not judged at this iteration). All are taken before any signal is judged, so a rule that uses
+        another signal's baseline has it at the iteration that completes it."""
+        taken = set()
+        for name in self.baseline_sources:
+            if name not in figures:
+                continue
+            values = self.baseline_values.setdefault(name, [])
+            if len(values) < BASELINE_ITERATIONS:
+                values.append(figures[name])
+                taken.add(name)
+        return taken
+
     def observe(self, step: int, iteration: int, figures: Mapping[str, float]) -> list[Alarm]:
         """Judge one iteration's figures (a figure the stage does not monitor, or not finite, is ignored): a
-        signal's first BASELINE_ITERATIONS values make its baseline; each later value alarms past its bounds."""
+        signal's first BASELINE_ITERATIONS values make its baseline; each later value alarms past its bounds; a
+        signal with another's baseline is judged from its first value on, once that baseline is known."""
         finite = {name: float(value) for name, value in figures.items()
                   if value is not None and math.isfinite(value)}
         figures = self.with_acceleration(finite)
         self.latest = {name: value for name, value in figures.items() if name in self.signals}
+        in_baseline = self.add_to_baselines(figures)
         alarms = []
         for signal in self.signals:
-            if signal not in figures:
-                continue
-            own = self.baseline_values.setdefault(signal, [])
-            if len(own) < BASELINE_ITERATIONS:
-                own.append(figures[signal])
+            if signal not in figures or signal in in_baseline:
                 continue
             baseline = self.baseline(rule_of(signal).baseline_of or signal)
             alarm = None if baseline is None else judged(signal, figures[signal], baseline, step, iteration)
@@ -232,13 +297,17 @@ class HealthMonitor:
         self.alarms.extend(alarms)
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps. not_judged is no state: it follows from the baselines and the answer limit."""
         return {"baseline_values": self.baseline_values, "recent_kl": self.recent_kl, "streaks": self.streaks,
                 "latest": self.latest,
                 "active": [alarm._asdict() for alarm in self.active],
                 "alarms": [alarm._asdict() for alarm in self.alarms]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.baseline_values = {name: list(values) for name, values in state["baseline_values"].items()}
+        # A checkpoint from before kl_acceleration was judged against the KL's baseline holds values of its own
+        # baseline: nothing uses them any more (the resumed run judges it from its next value on, docs/ppo.md).
+        self.baseline_values = {name: list(values) for name, values in state["baseline_values"].items()
+                                if name.split("/")[0] not in RULES or rule_of(name).baseline_of is None}
         self.recent_kl = list(state["recent_kl"])
         # A checkpoint from before the persistence rule has no streaks: they count from the resume (docs/ppo.md).
         self.streaks = dict(state.get("streaks", {}))
@@ -248,12 +317,15 @@ class HealthMonitor:
 
     def baselines(self) -> dict[str, float]:
         """{signal: the baseline its rule compares with} (kl_acceleration's is the KL's), once it is known."""
-        known = {}
-        for signal in self.signals:
-            value = self.baseline(rule_of(signal).baseline_of or signal)
-            if value is not None and len(self.baseline_values.get(signal, [])) == BASELINE_ITERATIONS:
-                known[signal] = value
-        return known
+        known = {signal: self.baseline(rule_of(signal).baseline_of or signal) for signal in self.signals}
+        return {signal: value for signal, value in known.items() if value is not None}
+
+    def not_judged(self) -> dict[str, str]:
+        """{signal: why it cannot alarm in this run} for each signal whose baseline is known and leaves it no bound
+        a value can pass (or, for a length, says which direction it is still judged in)."""
+        reasons = {signal: not_judged_reason(signal, baseline, self.answer_limit)
+                   for signal, baseline in self.baselines().items()}
+        return {signal: reason for signal, reason in reasons.items() if reason is not None}
 
 
 class StoppedByAlarm(ReportedError):

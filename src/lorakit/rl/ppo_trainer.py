@@ -22,6 +22,7 @@ from lorakit.rl.experience import (
     micro_batches,
     training_metrics,
 )
+from lorakit.rl.health import AnswerLimit
 from lorakit.rl.rl_math import make_kl_controller, policy_loss, value_loss
 from lorakit.rl.rl_trainer import RLTrainer
 
@@ -79,7 +80,7 @@ class PPOTrainer(RLTrainer):
         else:
             left_out["sft_copy_share"] = ("no --sft_answers_file (the ptx data is pretraining text cut into blocks, "
                                           "not answers to compare with)")
-        return HealthPlan(signals, left_out)
+        return HealthPlan(signals, left_out, AnswerLimit(self.maker.max_answer_len, "--max_answer_seq_len"))
 
     def health_figures(self, update: dict[str, float]) -> dict[str, float | None]:
         """The experience's statistics (training_metrics, answer_figures), the KL per answer token, and the

@@ -28,6 +28,7 @@ from lorakit.rl.alarms import (
     last_alarm_free_checkpoint,
     load_health_state,
     publish_from_checkpoint,
+    report_iteration,
     save_health_state,
     stop_message,
     write_alarm_file,
@@ -207,7 +208,7 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
     def start_health(self) -> None:
         """The stage's monitor and the callback that judges each iteration with it (rl.alarms.HealthCallback)."""
         self.health_plan = self.plan_health()
-        self.health = HealthMonitor(self.health_plan.signals)
+        self.health = HealthMonitor(self.health_plan.signals, self.health_plan.answer_limit)
         self.health_callback = HealthCallback(self.check_health, self.health, self.steps_per_iteration,
                                               self.args.stop_on_alarm, self.args.publish_on_alarm)
         self.add_callback(self.health_callback)
@@ -217,18 +218,19 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
     def check_health(self, step: int) -> list[Alarm]:
         """Judge the iteration just trained: its figures reduced over every process, then rank 0's monitor decides
         and every process takes its verdict (a broadcast: no process saves or stops while another goes on). Each
-        new alarm is a warning line and goes to the alarm file at once."""
+        new alarm is a warning line, each signal a completed baseline leaves unable to alarm is named in one line,
+        and both go to the alarm file at once (rl.alarms.report_iteration)."""
         update = self.health_stats.reduced(self.args.device) if self.health_stats.sums else {}
         self.health_stats = SumStats()
         figures = self.health_figures(update)
         iteration = self.stream.iteration - 1
+        not_judged_before = self.health.not_judged()
         alarms = rank_zero_decides(lambda: self.health.observe(step, iteration, figures))
         if self.args.process_index != 0:
             self.health.record(alarms)
-        elif alarms:
-            for alarm in alarms:
-                logger.warning(alarm.message())
-            write_alarm_file(self.args.output_dir, self.stage_name, self.health_plan, self.health)
+        else:
+            report_iteration(self.args.output_dir, self.stage_name, self.health_plan, self.health, alarms,
+                             not_judged_before)
         return alarms
 
     def adapter_dir_name(self) -> str:
