@@ -13,7 +13,9 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast, overload
+
+_N = TypeVar("_N")
 
 
 class ReportedError(Exception):
@@ -74,7 +76,8 @@ def parse_args(dataclass_types: type | Iterable[type], argv: Sequence[str] | Non
 
     argv = sys.argv[1:] if argv is None else list(argv)
     # No prefix abbreviations: argparse would take --learning_rat for --learning_rate without a word.
-    parser = HfArgumentParser(dataclass_types, allow_abbrev=False)
+    # transformers types the argument as DataClassType, a NewType no plain dataclass matches without its wrapper.
+    parser = HfArgumentParser(cast(Any, dataclass_types), allow_abbrev=False)
     path, command_line = split_argument_file(argv)
     file_tokens = argument_file_tokens(path, parser) if path else []
     tokens = file_tokens + bare_switch_as_empty(command_line, "--deepspeed")
@@ -104,7 +107,15 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+    # argparse's own overloads: a namespace passed in comes back filled in, else a new Namespace.
+    @overload
+    def parse_args(self, args: Sequence[str] | None = None, namespace: None = None) -> argparse.Namespace: ...
+    @overload
+    def parse_args(self, args: Sequence[str] | None, namespace: _N) -> _N: ...
+    @overload
+    def parse_args(self, *, namespace: _N) -> _N: ...
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         tokens = sys.argv[1:] if args is None else [str(token) for token in args]
         refuse_unknown_flags(self, tokens)
         parsed, rest = self.parse_known_args(tokens, namespace)
@@ -154,7 +165,7 @@ class ArgumentFile(NamedTuple):
 
 def split_argument_file(argv: list[str]) -> ArgumentFile:
     """The argument file (or None) and the other arguments."""
-    launcher = []
+    launcher: list[str] = []
     rest = list(argv)
     while rest and rest[0].startswith("--local_rank"):
         taken = 1 if "=" in rest[0] else 2

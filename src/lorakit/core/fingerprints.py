@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from typing import NamedTuple
 
 from lorakit.core.atomic import write_json_atomically
 
@@ -29,12 +30,24 @@ RACY_SECONDS = 2.0
 FINGERPRINT_MEMO_NAME = "file-fingerprints.json"
 
 
-def stat_signature(path: str) -> list[str | int]:
+class StatSignature(NamedTuple):
+    """A file's stat signature; json.dumps writes it as the JSON list the memos key on."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+
+
+def stat_signature(path: str) -> StatSignature:
     """What moves whenever the file's content may have changed. ctime is set by the kernel on every write and
     cannot be set back by the user (os.utime restores mtime only), so an in-place edit of the same size with the
     old mtime put back still changes the signature; inode and device catch a file replaced by another."""
     info = os.stat(path)
-    return [os.path.abspath(path), info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+    return StatSignature(os.path.abspath(path), info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino,
+                         info.st_dev)
 
 
 def read_fingerprint_memo(path: str) -> dict[str, str]:
@@ -71,7 +84,7 @@ class FingerprintMemo:
         fingerprint = self.known.get(key)
         if fingerprint is None:
             fingerprint = file_fingerprint(path)
-            if signature[3] >= started_ns - RACY_SECONDS * 1e9 or stat_signature(path) != signature:
+            if signature.ctime_ns >= started_ns - RACY_SECONDS * 1e9 or stat_signature(path) != signature:
                 return fingerprint
         self.settled[key] = fingerprint
         return fingerprint

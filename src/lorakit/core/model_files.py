@@ -11,7 +11,7 @@ import os
 import re
 import struct
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from lorakit.core.cli import InputError, read_json
 from lorakit.core.fingerprints import FingerprintMemo, weights_fingerprint
@@ -39,10 +39,11 @@ TOKENIZER_FILES = (
 )
 
 
-def has_tokenizer(directory: str | None) -> bool:
+def has_tokenizer(directory: str | None) -> TypeGuard[str]:
     """Whether directory holds a loadable tokenizer (its vocabulary, in any of the three forms)."""
-    return bool(directory) and any(os.path.isfile(os.path.join(directory, name))
-                                   for name in TOKENIZER_VOCABULARY_FILES)
+    if not directory:
+        return False
+    return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_VOCABULARY_FILES)
 
 
 def tokenizer_files(directory: str) -> list[str]:
@@ -243,7 +244,8 @@ def adapter_updates(adapter_config: dict[str, Any],
                     tensors: dict[str, dict[str, Any]]) -> dict[str, tuple[int, ...] | None]:
     """{weight name: the shape the adapter needs the base's weight to have} for every LoRA module (B @ A,
     transposed for fan_in_fan_out and embeddings) and every tensor the adapter saved whole (modules_to_save)."""
-    pairs, needed = {}, {}
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    needed: dict[str, tuple[int, ...] | None] = {}
     for key, info in tensors.items():
         name = key[len(ADAPTER_PREFIX):] if key.startswith(ADAPTER_PREFIX) else key
         suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)

@@ -25,6 +25,7 @@ from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.splits import phase_part
 from lorakit.records.readers import (
     Conversation,
+    LocatedRecord,
     Message,
     find_pretraining_files,
     preference_of,
@@ -79,7 +80,7 @@ def encode_lines(tokenizer: "PreTrainedTokenizerBase", lines: list[str]) -> list
 def tokenize_documents(tokenizer: "PreTrainedTokenizerBase", documents: list[str], prefix: list[int],
                        suffix: list[int]) -> np.ndarray:
     """One flat int32 array: prefix + ids + suffix for each document, in order."""
-    parts = []
+    parts: list[list[int]] = []
     for start in range(0, len(documents), TOKENIZE_BATCH_LINES):
         for ids in encode_lines(tokenizer, documents[start : start + TOKENIZE_BATCH_LINES]):
             parts.extend((prefix, ids, suffix))
@@ -178,7 +179,7 @@ def build_pretraining_blocks(
     )
 
     def build(tmp_dir: str) -> None:
-        documents = []
+        documents: list[str] = []
         for path in files:
             documents.extend(read_documents(path))
         flat_ids = tokenize_all(tokenizer, documents, num_proc)
@@ -293,7 +294,8 @@ class TokenizedShard(NamedTuple):
 def tokenize_conversation_shard(conversation_tokenizer: ConversationTokenizer,
                                 sources: list[Conversation]) -> TokenizedShard:
     """Conversations -> their rows, and the samples dropped (no answer token fits, or too much text to tokenize)."""
-    rows, dropped, control_text, cut_answers, too_large = {"input_ids": [], "labels": [], "length": []}, 0, 0, 0, 0
+    rows: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": []}
+    dropped, control_text, cut_answers, too_large = 0, 0, 0, 0
     for where, messages, tools in sources:
         oversized = conversation_tokenizer.too_large(messages, tools)
         sample = None if oversized else conversation_tokenizer(where, messages, tools)
@@ -310,11 +312,11 @@ def tokenize_conversation_shard(conversation_tokenizer: ConversationTokenizer,
 
 def joined(parts: list[TokenizedShard]) -> TokenizedShard:
     """The shards' rows, in order, and their counts, as one."""
-    rows = {name: [] for name in parts[0].rows} if parts else {}
+    rows: dict[str, list[Any]] = {name: [] for name in parts[0].rows} if parts else {}
     for part in parts:
         for name, values in part.rows.items():
             rows[name] += values
-    counts = [sum(part[index] for part in parts) for index in range(1, len(TokenizedShard._fields))]
+    counts = [sum(getattr(part, name) for part in parts) for name in TokenizedShard._fields[1:]]
     return TokenizedShard(rows, *counts)
 
 
@@ -396,9 +398,10 @@ def pack_samples(dataset: Dataset, max_length: int) -> Dataset:
     sample keeping its own position_ids from 0 so attention never crosses samples. Rows stay
     bounded by max_length: one row per batch would make sdpa attention cost O(row^2)."""
     lengths = np.asarray(dataset["length"])
-    bins = []
+    bins: list[list[int]] = []
     # Best fit, longest first: rooms[k] is the free space of bin room_bins[k], kept sorted.
-    rooms, room_bins = [], []
+    rooms: list[int] = []
+    room_bins: list[int] = []
     for index in np.argsort(-lengths, kind="stable"):
         size = int(lengths[index])
         k = bisect_left(rooms, size)
@@ -412,7 +415,7 @@ def pack_samples(dataset: Dataset, max_length: int) -> Dataset:
         rooms.insert(k, room - size)
         room_bins.insert(k, slot)
     input_ids, labels = dataset["input_ids"], dataset["labels"]
-    rows = {"input_ids": [], "labels": [], "position_ids": [], "length": []}
+    rows: dict[str, list[Any]] = {"input_ids": [], "labels": [], "position_ids": [], "length": []}
     for members in bins:
         rows["input_ids"].append([t for i in members for t in input_ids[i]])
         rows["labels"].append([t for i in members for t in labels[i]])
@@ -531,7 +534,8 @@ class DataCollatorForSupervisedDataset:
         longest = max(len(f["input_ids"]) for f in features)
         width = -(-longest // self.multiple) * self.multiple
         packed = "position_ids" in features[0]
-        batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
+        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [],
+                                             ("position_ids" if packed else "attention_mask"): []}
         for feature in features:
             pad = width - len(feature["input_ids"])
             batch["input_ids"].append(list(feature["input_ids"]) + [self.pad_token_id] * pad)
@@ -541,9 +545,8 @@ class DataCollatorForSupervisedDataset:
             else:
                 batch["attention_mask"].append([1] * len(feature["input_ids"]) + [0] * pad)
         tensors = {name: torch.tensor(values, dtype=torch.long) for name, values in batch.items()}
-        if packed and self.with_bounds:
-            tensors.update(flash_varlen_kwargs(tensors["position_ids"]))
-        return tensors
+        bounds = flash_varlen_kwargs(tensors["position_ids"]) if packed and self.with_bounds else {}
+        return {**tensors, **bounds}
 
 
 # ----------------------------------------------------------------------------- preference pairs
@@ -607,11 +610,12 @@ def build_preference_dataset(
 
 
 def tokenize_pair_shard(conversation_tokenizer: ConversationTokenizer,
-                        records: list[tuple[str, Any]]) -> TokenizedShard:
+                        records: list[LocatedRecord]) -> TokenizedShard:
     """[(where, record)] of preference pairs -> their rows, and the pairs dropped: identical answers, and answers
     whose token ids are identical once cut to max_length."""
-    rows, identical = {"chosen_input_ids": [], "rejected_input_ids": [], "chosen_answer_start": [],
-                       "rejected_answer_start": [], "margin": [], "length": []}, 0
+    rows: dict[str, list[Any]] = {"chosen_input_ids": [], "rejected_input_ids": [], "chosen_answer_start": [],
+                                  "rejected_answer_start": [], "margin": [], "length": []}
+    identical = 0
     control_text = identical_when_cut = 0
     for where, record in records:
         context, chosen, rejected, margin = preference_of(where, record)
@@ -687,7 +691,7 @@ class DataCollatorForPreferencePairs:
         }
 
     def shared_prefix_rows(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        rows = []
+        rows: list[tuple[list[int], list[int], list[int]]] = []  # ids, positions, segments
         for feature in features:
             chosen, rejected = list(feature["chosen_input_ids"]), list(feature["rejected_input_ids"])
             shared = 0
@@ -700,7 +704,7 @@ class DataCollatorForPreferencePairs:
                         + [PAIR_REJECTED] * (len(rejected) - shared))
             rows.append((ids, positions, segments))
         width = self.padded_width(max(len(ids) for ids, _, _ in rows))
-        batch = {"input_ids": [], "position_ids": [], "pair_segments": []}
+        batch: dict[str, list[list[int]]] = {"input_ids": [], "position_ids": [], "pair_segments": []}
         for ids, positions, segments in rows:
             pad = width - len(ids)
             batch["input_ids"].append(ids + [self.pad_token_id] * pad)

@@ -5,12 +5,12 @@ import functools
 import logging
 import os
 from bisect import bisect_right
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from jinja2 import TemplateError
 
 from lorakit.core.cli import InputError
-from lorakit.records.chat_templates import first_special_token, special_token_texts, turn_end_text
+from lorakit.records.chat_templates import first_special_token, render_text, special_token_texts, turn_end_text
 from lorakit.records.control_text import CharRange, encode_prompt, encode_protected, marked_conversation, unmark
 from lorakit.records.readers import Message, Tools
 
@@ -107,13 +107,13 @@ class ConversationTokenizer:
             raise InputError("the tokenizer has no eos_token: answers could not end")
         self.turn_end, self.turn_end_is_special = turn_end_text(tokenizer, template, self.template_kwargs)
         self.specials = special_token_texts(tokenizer)  # what a record's text may not turn into (control_text)
-        self.notes = {}  # what the template does differently from inference, counted once per build
+        self.notes: dict[str, int] = {}  # what the template does differently from inference, counted once per build
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: Tools | None = None,
                where: str = "a conversation") -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            return render_text(
+                self.tokenizer, messages, chat_template=self.template, add_generation_prompt=add_generation_prompt,
                 tools=tools, **self.template_kwargs,
             )
         except TemplateError as err:  # the template's own raise_exception (roles it does not support, ...)
@@ -202,8 +202,8 @@ class ConversationTokenizer:
         message = messages[index]
         pieces = [message.get("reasoning_content") or "", message["content"], message["content"].strip()]
         pieces += [call["function"]["name"] for call in message.get("tool_calls") or []]
-        found = [text.find(piece.strip(), cursor) for piece in pieces if piece.strip()]
-        body = min((at for at in found if at >= 0), default=len(text))
+        starts = [text.find(piece.strip(), cursor) for piece in pieces if piece.strip()]
+        body = min((at for at in starts if at >= 0), default=len(text))
         for size in range(len(header), 0, -1):
             at = text.rfind(header[:size], cursor, body)
             if at >= 0:
@@ -286,7 +286,8 @@ class ConversationTokenizer:
         """The id of the token that ends an answer: the template's turn-end token, else EOS."""
         token = first_special_token(self.turn_end, special_token_texts(self.tokenizer)) if self.turn_end_is_special \
             else None
-        return self.tokenizer.convert_tokens_to_ids(token) if token else self.tokenizer.eos_token_id
+        # One token (a str) converts to one id; transformers types the call for a list of tokens too.
+        return cast(int, self.tokenizer.convert_tokens_to_ids(token)) if token else self.tokenizer.eos_token_id
 
     def after_turn_end_ids(self) -> list[int]:
         """The ids the template puts after an answer's EOS to close its turn (empty for templates
@@ -295,7 +296,9 @@ class ConversationTokenizer:
         with_end = ConversationTokenizer(self.tokenizer, self.template, 1 << 30, keep_after_turn_end=True,
                                          template_kwargs=self.template_kwargs)
         at_eos = ConversationTokenizer(self.tokenizer, self.template, 1 << 30, template_kwargs=self.template_kwargs)
-        whole, short = with_end("turn end probe", probe)["input_ids"], at_eos("turn end probe", probe)["input_ids"]
+        whole_row, short_row = with_end("turn end probe", probe), at_eos("turn end probe", probe)
+        assert whole_row is not None and short_row is not None  # max_length 1 << 30 keeps the probe's answer
+        whole, short = whole_row["input_ids"], short_row["input_ids"]
         if whole[: len(short)] != short:
             raise InputError("the chat template's turn end changes how the answer before it is tokenized; "
                              "choose a --template")

@@ -101,9 +101,8 @@ def build_prompt_sets(data_args: PromptDataArguments, tokenizer: "PreTrainedToke
         prompts = prompts[: data_args.max_train_samples]
     if eval_prompts is not None and data_args.max_eval_samples is not None:
         eval_prompts = eval_prompts[: data_args.max_eval_samples]
-    rows = {}
-    for name, chosen in (("train", prompts), ("eval", eval_prompts)):
-        rows[name] = None if chosen is None else tokenize_prompts(
-            chosen, tokenizer, chat_template.text, data_args.max_prompt_seq_len, f"{name} prompts",
-            chat_template.kwargs)
-    return PromptSets(rows["train"], rows["eval"], prompts, eval_prompts)
+    train_ids = tokenize_prompts(prompts, tokenizer, chat_template.text, data_args.max_prompt_seq_len,
+                                 "train prompts", chat_template.kwargs)
+    eval_ids = None if eval_prompts is None else tokenize_prompts(
+        eval_prompts, tokenizer, chat_template.text, data_args.max_prompt_seq_len, "eval prompts", chat_template.kwargs)
+    return PromptSets(train_ids, eval_ids, prompts, eval_prompts)

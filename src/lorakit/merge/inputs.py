@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -137,7 +138,7 @@ class AdapterTensors(NamedTuple):
     """The adapter's weights file and the tensors saved in it, by name."""
 
     weights_file: str
-    tensors: dict[str, SavedTensor]
+    tensors: Mapping[str, SavedTensor]  # read only: a safetensors file's hold FileTensors alone
 
 
 def read_adapter_tensors(path: str) -> AdapterTensors:
@@ -198,11 +199,13 @@ class AdapterParts(NamedTuple):
     replacements: dict[str, SavedTensor]
 
 
-def sort_adapter_tensors(weights_file: str, tensors: dict[str, SavedTensor]) -> AdapterParts:
+def sort_adapter_tensors(weights_file: str, tensors: Mapping[str, SavedTensor]) -> AdapterParts:
     """(pairs, replacements) from the adapter's saved tensors: pairs maps a module name to its
     LoRA matrices by kind (A, B, or eA, eB for an embedding); replacements maps a model tensor
     name to a tensor the adapter saved whole (modules_to_save)."""
-    pairs, replacements, aliases = {}, {}, {}
+    pairs: dict[str, dict[str, SavedTensor]] = {}
+    replacements: dict[str, SavedTensor] = {}
+    aliases: dict[str, SavedTensor] = {}
     for key, entry in tensors.items():
         if not key.startswith(PEFT_PREFIX):
             raise InputError(f"{weights_file}: tensor {key} does not start with {PEFT_PREFIX!r}: "

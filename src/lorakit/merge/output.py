@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,7 +59,8 @@ def shard_layout(plan: MergePlan, base: BaseModel, max_shard_size: int | None) -
             groups[plan.home.get(tensor.name) or last].append(tensor)
         shards = [tensors for tensors in groups.values() if tensors]
     else:
-        shards, current, size = [], [], 0
+        shards, size = [], 0
+        current: list[TensorPlan] = []
         for tensor in plan.tensors.values():
             if current and size + tensor.nbytes > max_shard_size:
                 shards.append(current)
@@ -118,8 +119,9 @@ def write_model(plan: MergePlan, layout: list[OutputFile], out_dir: str, chunk_b
     if progress is not None:
         progress.close()
     if len(layout) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {tensor.name: file_name for file_name, tensors in layout for tensor in tensors}}
+        index: dict[str, dict[str, Any]] = {
+            "metadata": {"total_size": total},
+            "weight_map": {tensor.name: file_name for file_name, tensors in layout for tensor in tensors}}
         index["weight_map"] = dict(sorted(index["weight_map"].items()))
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
             json.dump(index, handle, indent=2)

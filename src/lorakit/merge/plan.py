@@ -70,7 +70,8 @@ class Workspace:
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = self.buffers.get(slot)
         if buffer is None or buffer.numel() < nbytes:
-            self.buffers[slot] = buffer = None  # let the old one go first
+            self.buffers.pop(slot, None)
+            buffer = None  # let the old one go first
             self.buffers[slot] = buffer = torch.empty(max(nbytes, 8), dtype=torch.uint8)
         return buffer[:nbytes].view(dtype).view(shape)
 
@@ -106,7 +107,7 @@ def plan_merge(base: BaseModel, adapters: list[Adapter], workspace: Workspace | 
         # The model type where the recorded base is here; every tensor's shape below, wherever it is.
         check_recorded_base(adapter.path, adapter.config, base.config, "--lora_model")
         replacements = dict(adapter.replacements)
-        if tied and ({embed, OUTPUT_EMBEDDING} & (set(adapter.lora) | set(replacements))):
+        if tied and embed is not None and ({embed, OUTPUT_EMBEDDING} & (set(adapter.lora) | set(replacements))):
             tied = plan_tied_embeddings(plan, embed, adapter, replacements, workspace)
         plan_replacements(plan, base, embed, adapter, replacements)
         plan_lora_updates(plan, base, adapter)
@@ -158,12 +159,14 @@ def plan_tied_embeddings(plan: MergePlan, embed: str, adapter: Adapter, replacem
         del replacements[OUTPUT_EMBEDDING]  # trained as one matrix: stays one
         return True
     tensors = plan.tensors
-    if new_head is None and tuple(new_embed.shape) != tensors[embed].shape:
-        raise InputError(
-            f"{label}: the adapter resizes the embeddings of a tied model to {new_embed.shape[0]} rows "
-            "but saves only embed_tokens, so the output embedding's new rows are not in it; "
-            "train with ensure_weight_tying (as our training scripts do) or "
-            "--modules_to_save embed_tokens,lm_head")
+    if new_head is None:
+        assert new_embed is not None  # the caller comes here when the adapter saved one of the two (no LoRA on them)
+        if tuple(new_embed.shape) != tensors[embed].shape:
+            raise InputError(
+                f"{label}: the adapter resizes the embeddings of a tied model to {new_embed.shape[0]} rows "
+                "but saves only embed_tokens, so the output embedding's new rows are not in it; "
+                "train with ensure_weight_tying (as our training scripts do) or "
+                "--modules_to_save embed_tokens,lm_head")
     # Trained apart: the output embedding keeps what it was (or what the adapter saved).
     tensors[OUTPUT_EMBEDDING] = replace(tensors[embed], name=OUTPUT_EMBEDDING, deltas=list(tensors[embed].deltas))
     plan.home[OUTPUT_EMBEDDING] = plan.home.get(embed)

@@ -10,15 +10,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lorakit.core.model_files import safetensors_header
 from lorakit.merge.common import InputError
-
-if TYPE_CHECKING:  # numpy comes with torch; named here only for a return type
-    import numpy as np
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -28,9 +25,9 @@ SAFETENSORS_DTYPES = {
 SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
-def _byte_view(tensor: torch.Tensor) -> "np.ndarray":
-    """A writable numpy byte view of a contiguous tensor (any dtype, bfloat16 included)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor (any dtype, bfloat16 included), through numpy."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 @dataclass
@@ -54,7 +51,7 @@ class FileTensor:
     def read_into(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Fill out (contiguous, this dtype) with the rows from start on; plain reads, no mmap."""
         row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
-        buffer = memoryview(_byte_view(out))
+        buffer = _byte_view(out)
         with open(self.path, "rb", buffering=0) as handle:
             handle.seek(self.offset + start * row_bytes)
             done = 0
@@ -108,7 +105,8 @@ def file_tensors(path: str) -> dict[str, FileTensor]:
     header, start, size = safetensors_header(path), data_start(path), os.path.getsize(path)
     entries = []
     for name, info in header.items():
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        dtype_name = info.get("dtype")
+        dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise InputError(f"{path}: tensor {name} has dtype {info.get('dtype')}, which the merge does not handle")
         begin, end = info["data_offsets"]
@@ -132,7 +130,8 @@ class SafetensorsWriter:
 
     def __init__(self, path: str, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         self.path = path
-        header, position = {"__metadata__": {"format": "pt"}}, 0
+        header: dict[str, dict[str, Any]] = {"__metadata__": {"format": "pt"}}
+        position = 0
         for name, dtype, shape in layout:
             nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
@@ -146,7 +145,7 @@ class SafetensorsWriter:
         self.handle.write(encoded)
 
     def write(self, chunk: torch.Tensor) -> None:
-        self.handle.write(memoryview(_byte_view(chunk.contiguous())))
+        self.handle.write(_byte_view(chunk.contiguous()))
 
     def close(self) -> None:
         end = self.handle.tell()

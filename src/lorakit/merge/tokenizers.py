@@ -53,13 +53,14 @@ import tempfile
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, cast
 
 from lorakit.core.text_lines import byte_lines
 from lorakit.merge.common import InputError, code_files, copy_files, read_json, tokenizer_files
 
 if TYPE_CHECKING:  # imported where used: the merge loads sentencepiece, tokenizers and transformers late
-    from sentencepiece.sentencepiece_model_pb2 import ModelProto
+    # protoc's generated module builds its classes at run time: mypy finds no ModelProto in it.
+    from sentencepiece.sentencepiece_model_pb2 import ModelProto  # type: ignore[attr-defined]
     from tokenizers.normalizers import Normalizer
     from tokenizers.pre_tokenizers import PreTokenizer
     from transformers import PreTrainedTokenizerBase
@@ -117,7 +118,7 @@ def read_lines(files: list[str]) -> Iterator[CorpusLine]:
 
 def split_corpus(args: argparse.Namespace, train_path: str | None) -> list[str]:
     """Write the training lines to train_path (if training); return the eval lines."""
-    eval_lines = []
+    eval_lines: list[str] = []
     if args.eval_corpus:
         for _, _, text in read_lines(corpus_files(args.eval_corpus, "--eval_corpus")):
             if len(eval_lines) < args.max_eval_lines:
@@ -149,11 +150,17 @@ class BaseTokenizer:
     proto: "ModelProto | None" = None  # sentencepiece kind
     data: dict[str, Any] = field(default_factory=dict)  # parsed tokenizer.json (BPE kinds)
 
+    @property
+    def model_proto(self) -> "ModelProto":
+        """proto, which the sentencepiece kind (the only one that reads it) always has."""
+        assert self.proto is not None, f"{self.path}: a {self.kind} base has no SentencePiece model"
+        return self.proto
+
 
 def json_types(node: Any) -> list[str]:
     """Every component 'type' inside a tokenizer.json normalizer / pre_tokenizer tree."""
     if isinstance(node, dict):
-        found = [node.get("type")] if "type" in node else []
+        found = [node["type"]] if "type" in node else []
         for value in node.values():
             found += json_types(value)
         return found
@@ -178,7 +185,7 @@ def find_component(node: Any, type_name: str) -> dict[str, Any] | None:
 def load_proto(path: str) -> "ModelProto":
     from sentencepiece import sentencepiece_model_pb2
 
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # built at run time, as above
     try:
         with open(path, "rb") as handle:
             proto.ParseFromString(handle.read())
@@ -234,14 +241,23 @@ def read_tokenizer_dir(path: str, trust_remote_code: bool = False) -> "PreTraine
 # ----------------------------------------------------------------------------- extra pieces
 
 
-def training_options(base: BaseTokenizer) -> dict[str, str | bool]:
+class TrainingOptions(TypedDict):
+    """The SentencePieceTrainer.train options that follow from the base."""
+
+    normalization_rule_name: str
+    add_dummy_prefix: bool
+    remove_extra_whitespaces: bool
+    split_digits: bool
+
+
+def training_options(base: BaseTokenizer) -> TrainingOptions:
     """SentencePiece settings that make the extra pieces match how the base sees text."""
     if base.kind == "sentencepiece":
-        spec = base.proto.normalizer_spec
+        spec = base.model_proto.normalizer_spec
         known = ("identity", "nfkc", "nmt_nfkc", "nfkc_cf", "nmt_nfkc_cf")
         return {"normalization_rule_name": spec.name if spec.name in known else "identity",
                 "add_dummy_prefix": spec.add_dummy_prefix, "remove_extra_whitespaces": spec.remove_extra_whitespaces,
-                "split_digits": base.proto.trainer_spec.split_digits}
+                "split_digits": base.model_proto.trainer_spec.split_digits}
     metaspace = find_component(base.data.get("pre_tokenizer"), "Metaspace") or {}
     prepends = metaspace.get("prepend_scheme", "never") in ("always", "first") or metaspace.get("add_prefix_space") \
         or "Prepend" in json_types(base.data.get("normalizer"))
@@ -253,7 +269,7 @@ def training_options(base: BaseTokenizer) -> dict[str, str | bool]:
 def train_extra_model(args: argparse.Namespace, base: BaseTokenizer, train_path: str, work_dir: str) -> "ModelProto":
     import sentencepiece as spm
 
-    spec = base.proto.trainer_spec if base.kind == "sentencepiece" else None
+    spec = base.model_proto.trainer_spec if base.kind == "sentencepiece" else None
     unigram_base = spec is not None and spec.model_type == spec.UNIGRAM
     model_type = args.model_type or ("unigram" if unigram_base else "bpe")
     options = training_options(base)
@@ -287,11 +303,11 @@ def extra_pieces(extra: "ModelProto") -> list[ExtraPiece]:
 def check_compatible(base: BaseTokenizer, extra: "ModelProto", extra_name: str) -> None:
     spec = extra.trainer_spec
     if base.kind == "sentencepiece":
-        if spec.model_type != base.proto.trainer_spec.model_type:
+        base_type = base.model_proto.trainer_spec.model_type
+        if spec.model_type != base_type:
             names = {spec.BPE: "bpe", spec.UNIGRAM: "unigram"}
             raise InputError(f"{extra_name}: a {names.get(spec.model_type, spec.model_type)} model cannot extend a "
-                             f"{names.get(base.proto.trainer_spec.model_type)} base: train it with --model_type "
-                             f"{names.get(base.proto.trainer_spec.model_type)}")
+                             f"{names.get(base_type)} base: train it with --model_type {names.get(base_type)}")
     elif spec.model_type != spec.BPE:
         # A unigram piece's prefixes are often not pieces: no merge chain would reach it.
         raise InputError(f"{extra_name}: a BPE tokenizer.json base needs a BPE extra model (--model_type bpe)")
@@ -309,8 +325,8 @@ class SentencePieceMerge(NamedTuple):
 
 def merge_sentencepiece(base: BaseTokenizer, extra: "ModelProto") -> SentencePieceMerge:
     """Append the extra pieces the base lacks to a copy of the base proto; (proto, stats)."""
-    merged = type(base.proto)()
-    merged.CopyFrom(base.proto)
+    merged = type(base.model_proto)()
+    merged.CopyFrom(base.model_proto)
     present = {piece.piece for piece in merged.pieces}
     unigram = merged.trainer_spec.model_type == merged.trainer_spec.UNIGRAM
     lowest = min(piece.score for piece in merged.pieces)
@@ -335,7 +351,7 @@ def write_sentencepiece_tokenizer(base: BaseTokenizer, merged_proto: "ModelProto
                                   base_tokenizer: "PreTrainedTokenizerBase",
                                   trust_remote_code: bool = False) -> None:
     """The merged tokenizer.model plus the HF files transformers makes from it."""
-    extra_ids = [token for token, index in base_tokenizer.get_vocab().items() if index >= len(base.proto.pieces)]
+    extra_ids = [token for token, index in base_tokenizer.get_vocab().items() if index >= len(base.model_proto.pieces)]
     if extra_ids:
         raise InputError(f"{base.path}: the tokenizer has {len(extra_ids)} token(s) past its tokenizer.model "
                          f"({', '.join(sorted(extra_ids)[:3])}): appended pieces would take their ids; "
@@ -393,8 +409,10 @@ class BpeGrowth:
 
     def __init__(self, model: dict[str, Any]) -> None:
         self.vocab: dict[str, int] = model["vocab"]  # grown in place
-        self.pairs: list[tuple[str, str]] = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
-                                             for m in model["merges"]]
+        self.pairs: list[tuple[str, str]] = []
+        for merge in model["merges"]:  # "a b", or ["a", "b"]: tokenizers has loaded the file, each is a pair
+            first, second = merge.split(" ", 1) if isinstance(merge, str) else merge
+            self.pairs.append((first, second))
         self.ranks = {pair: rank for rank, pair in enumerate(self.pairs)}
         self.next_id = max(self.vocab.values()) + 1
         self.stats = {"new_tokens": 0, "intermediate_tokens": 0, "already_present": 0,
@@ -509,10 +527,11 @@ def round_trips(tokenizer: "PreTrainedTokenizerBase", lines: list[str], encoded:
 
 def readable_tokens(tokenizer: "PreTrainedTokenizerBase", ids: list[int]) -> list[str]:
     """Each token as text; a token holding part of a character's bytes as its raw form."""
-    shown = []
+    shown: list[str] = []
     for i in ids:
-        text = tokenizer.decode([i], clean_up_tokenization_spaces=False)
-        shown.append(text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(i))
+        # One id decodes to one string (transformers types both calls for a list of ids too).
+        text = cast(str, tokenizer.decode([i], clean_up_tokenization_spaces=False))
+        shown.append(text if "\ufffd" not in text else cast(str, tokenizer.convert_ids_to_tokens(i)))
     return shown
 
 

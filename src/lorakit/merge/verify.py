@@ -6,7 +6,7 @@ alone."""
 import argparse
 import logging
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,23 +40,16 @@ def verify(base_path: str, adapter_paths: list[str], merged_path: str, plan: Mer
     up to ~0.5 on its own; the first figure checks the merge, the second shows that rounding.
     Earlier adapters are merged by peft (a later adapter was trained on top of them)."""
     import transformers
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     transformers.logging.set_verbosity_error()
     auto = AutoModelForSequenceClassification if plan.sequence_classification else AutoModelForCausalLM
-    extra = {"num_labels": plan.tensors["score.weight"].shape[0]} if plan.sequence_classification else {}
+    extra: dict[str, Any] = ({"num_labels": plan.tensors["score.weight"].shape[0]}
+                             if plan.sequence_classification else {})
     if trust_remote_code:
         logger.warning("--trust_remote_code: running the model's own code from %s", base_path)
-    reference = auto.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=trust_remote_code, **extra)
-    for i, adapter_path in enumerate(adapter_paths):
-        rows = plan.embedding_rows_after[i]
-        if rows is not None and rows != reference.get_input_embeddings().weight.shape[0]:
-            reference.resize_token_embeddings(rows, mean_resizing=False)  # the adapter carries the rows
-        reference = PeftModel.from_pretrained(reference, adapter_path)
-        if i < len(adapter_paths) - 1:
-            reference = reference.merge_and_unload()
-    reference.eval()
+    base = auto.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=trust_remote_code, **extra)
+    reference = peft_reference(base, adapter_paths, plan)
     merged = auto.from_pretrained(merged_path, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
 
     batches = verify_batches(merged_path, plan.vocab_rows, trust_remote_code)
@@ -68,12 +61,29 @@ def verify(base_path: str, adapter_paths: list[str], merged_path: str, plan: Mer
         written = {name: tensor.dtype for name, tensor in plan.tensors.items()}
         embed = input_embedding_name(plan.tensors)
         for name, parameter in reference.named_parameters():
-            dtype = written.get(name, written.get(embed) if name == OUTPUT_EMBEDDING else None)
+            dtype = written.get(name, written.get(embed) if name == OUTPUT_EMBEDDING and embed is not None else None)
             if dtype in (torch.float16, torch.bfloat16):
                 parameter.copy_(parameter.to(dtype).float())
         difference = max((reference(input_ids=ids).logits - out).abs().max().item()
                          for ids, out in zip(batches, outputs, strict=True))
     return LogitDifferences(difference, as_trained)
+
+
+def peft_reference(base: Any, adapter_paths: list[str], plan: MergePlan) -> Any:
+    """base with the adapters applied by peft, in eval mode: each but the last merged, the last on top unmerged.
+    Any: the base model, then peft's wrapper of it, then the merged model (no one class)."""
+    from peft import PeftModel
+
+    reference = base
+    for i, adapter_path in enumerate(adapter_paths):
+        rows = plan.embedding_rows_after[i]
+        if rows is not None and rows != reference.get_input_embeddings().weight.shape[0]:
+            reference.resize_token_embeddings(rows, mean_resizing=False)  # the adapter carries the rows
+        reference = PeftModel.from_pretrained(reference, adapter_path)
+        if i < len(adapter_paths) - 1:
+            reference = reference.merge_and_unload()
+    reference.eval()
+    return reference
 
 
 def verify_batches(tokenizer_dir: str, vocab_rows: int | None, trust_remote_code: bool) -> list[torch.Tensor]:

@@ -114,7 +114,7 @@ class OutputLock:
     def __init__(self, output_dir: str, node_rank: int) -> None:
         self.path = lock_path(output_dir, node_rank)
         self.output_dir = output_dir
-        self.record = {"pid": os.getpid(), "host": socket.gethostname(),
+        self.record: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(),
                        "since": time.strftime("%Y-%m-%d %H:%M:%S %z"), "process_start": process_start(os.getpid()),
                        "token": secrets.token_hex(8)}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from lorakit.core.atomic import write_json_atomically
 from lorakit.core.cli import InputError
@@ -83,8 +83,9 @@ def is_legacy(record: Marker) -> bool:
     return "flags_hash" not in record
 
 
-def same_config(record: Marker | None, stage: PlannedStage) -> bool:
-    """The record's hash is the stage's: config_hash, or for an earlier version's marker the flags hash it had."""
+def same_config(record: Marker | None, stage: PlannedStage) -> TypeGuard[Marker]:
+    """The record's hash is the stage's: config_hash, or for an earlier version's marker the flags hash it had (so
+    never for no record)."""
     if record is None:
         return False
     if is_legacy(record):
@@ -119,7 +120,7 @@ def missing_product(record: Marker, stage: PlannedStage, output_dir: str) -> str
     return gone[0] if gone else None
 
 
-def is_complete(marker: Marker | None, stage: PlannedStage, output_dir: str) -> bool:
+def is_complete(marker: Marker | None, stage: PlannedStage, output_dir: str) -> TypeGuard[Marker]:
     """Complete with this config and contents, its products there (the earlier stages' run ids not compared)."""
     record = completed(marker)
     return same_config(record, stage) and missing_product(record, stage, output_dir) is None

@@ -122,7 +122,9 @@ def stream(command: list[str], stdin: str | None, log: BinaryIO) -> StageOutput:
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         FORWARDING.started(process)
+        assert process.stdout is not None  # stdout=PIPE above
         if stdin is not None:
+            assert process.stdin is not None  # stdin=PIPE above when there is input
             with contextlib.suppress(BrokenPipeError):  # a stage that ended first says why in its output
                 process.stdin.write(stdin.encode())
                 process.stdin.close()

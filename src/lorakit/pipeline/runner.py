@@ -94,7 +94,9 @@ def run_stage(stage: PlannedStage, decision: Decision, inputs: dict[str, str | N
     if decision.action == "run":
         shutil.rmtree(decision.build_dir, ignore_errors=True)  # never a link: the launcher refused those
     else:  # a resume continues the run it was
-        attempt["run_id"] = attempt_of(marker)["run_id"]
+        resumed = attempt_of(marker)
+        assert resumed is not None  # decide() resumes only the attempt it found in this marker
+        attempt["run_id"] = resumed["run_id"]
     old = completed(marker) if decision.build_dir != stage.out_dir else None
     write_stage_marker(run.output_dir, name, {**old, "attempt": attempt} if old else attempt)
     try:

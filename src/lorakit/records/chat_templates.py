@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from lorakit.core.cli import InputError, read_json
 from lorakit.core.model_files import TEMPLATE_KWARGS_FILE
@@ -151,6 +151,12 @@ class TurnEnd(NamedTuple):
     special: bool
 
 
+def render_text(tokenizer: "PreTrainedTokenizerBase", messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """The text tokenizer.apply_chat_template(messages, tokenize=False, **kwargs) renders."""
+    # transformers types the result as every form the call can return (ids, a BatchEncoding); untokenized it is str.
+    return cast(str, tokenizer.apply_chat_template(messages, tokenize=False, **kwargs))
+
+
 def turn_end_text(tokenizer: "PreTrainedTokenizerBase", template: str,
                   template_kwargs: dict[str, Any] | None = None) -> TurnEnd:
     """The text and special flag with which the template closes an assistant turn: the text after an
@@ -160,9 +166,9 @@ def turn_end_text(tokenizer: "PreTrainedTokenizerBase", template: str,
     it writes after the answer, whitespace-trimmed, and special=False: training then appends EOS
     so the model still learns to stop."""
     sentinel = "\u2063answer\u2063"
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": sentinel}],
-        chat_template=template, tokenize=False, **(template_kwargs or {}),
+    rendered = render_text(
+        tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": sentinel}],
+        chat_template=template, **(template_kwargs or {}),
     )
     after = rendered.split(sentinel, 1)[-1]
     special = first_special_token(after, special_token_texts(tokenizer))

@@ -16,7 +16,7 @@ encoding, which keeps no state between calls and so is safe under a server's con
 import functools
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from lorakit.core.cli import InputError
 
@@ -154,7 +154,8 @@ def _plain_ids(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
         splits = [split for split, _ in backend.pre_tokenizer.pre_tokenize_str(normalized)] \
             if backend.pre_tokenizer is not None else [normalized]
         return [token.id for split in splits for token in backend.model.tokenize(split)]
-    return tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text, split_special_tokens=True))
+    # A list of tokens converts to a list of ids (transformers types the call for a single token too).
+    return cast(list[int], tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text, split_special_tokens=True)))
 
 
 # Renders messages (and tools) to the text a template makes of them: a tokenizer's apply_chat_template with the

@@ -294,7 +294,7 @@ def turn_list(where: str, record: dict[str, Any], name: str, role_key: str, cont
     turns = record[name]
     if not isinstance(turns, list) or not turns:
         raise InputError(f"{where}: field '{name}' must be a non-empty list of turns")
-    messages = []
+    messages: list[Message] = []
     for index, turn in enumerate(turns):
         field_name = f"{name}[{index}]"
         if not isinstance(turn, dict):
@@ -306,6 +306,7 @@ def turn_list(where: str, record: dict[str, Any], name: str, role_key: str, cont
             raise InputError(f"{where}: field '{field_name}.{role_key}' has unknown role '{role}' "
                              f"(expected one of {', '.join(roles)})")
         content = turn.get(content_key)
+        message: Message
         if role == "function_call":  # sharegpt: the value is the call as JSON
             message = {"role": "assistant", "content": "",
                        "tool_calls": [tool_call(where, f"{field_name}.{content_key}", parse_json_field(
@@ -356,7 +357,7 @@ def tool_call(where: str, field_name: str, call: Any) -> dict[str, Any]:
 def message_extras(where: str, field_name: str, turn: dict[str, Any], role: str) -> dict[str, Any]:
     """The optional keys of a message that templates render: an assistant's reasoning_content and
     tool_calls, a tool result's tool_call_id and name."""
-    extras = {}
+    extras: dict[str, Any] = {}
     if role == "assistant":
         if turn.get("reasoning_content") is not None:
             extras["reasoning_content"] = string_field(where, turn, "reasoning_content")
@@ -407,7 +408,7 @@ def conversation_of(where: str, record: Any, ends_with: str = ANSWER) -> list[Me
     """One record of any conversation shape as chat messages, validated, ending as `ends_with` says."""
     record = record_object(where, record)
     name, messages = turns_of(where, record)
-    if name is None:
+    if messages is None:  # neither turn list: an alpaca record
         if not ("instruction" in record or "output" in record):
             raise InputError(f"{where}: no 'instruction'/'output', 'conversations' or 'messages' field")
         messages = alpaca_messages(where, record, ends_with)
@@ -419,7 +420,7 @@ def prompt_of(where: str, record: Any) -> list[Message]:
     needed), sharegpt or messages records, whose final answer, if any, is dropped."""
     record = record_object(where, record)
     name, messages = turns_of(where, record)
-    if name is not None:
+    if messages is not None:
         if messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         return validate_conversation(where, messages, name, PROMPT)

@@ -37,9 +37,9 @@ def sampling_settings(args: ChatArguments) -> SamplingSettings:
                          f"got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise InputError(f"--top_p must be in (0, 1], got {args.top_p}")
-    low, high = REPETITION_PENALTY_RANGE
-    if not low <= args.repetition_penalty <= high:
-        raise InputError(f"--repetition_penalty must be in [{low}, {high}], got {args.repetition_penalty}")
+    lowest, highest = REPETITION_PENALTY_RANGE
+    if not lowest <= args.repetition_penalty <= highest:
+        raise InputError(f"--repetition_penalty must be in [{lowest}, {highest}], got {args.repetition_penalty}")
     # No per-generation seed: --seed seeds the process once (see the command's main, lorakit.commands.chat).
     return SamplingSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
 
@@ -99,13 +99,14 @@ def predict_file(generator: ChatGenerator, prompts: list[EncodedPrompt], setting
     """Answer every prompt, batching prompts of similar length (less padding), and write the
     answers in input order. The file appears only when complete."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
-    completions: list[Completion | None] = [None] * len(prompts)
+    answered: dict[int, Completion] = {}
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         results = generator.generate([prompts[i].ids for i in chunk], settings, stops=generator.chat_stops())
         for index, completion in zip(chunk, results, strict=True):
-            completions[index] = completion
+            answered[index] = completion
         logger.info("answered %d of %d prompts", min(start + batch_size, len(order)), len(order))
+    completions = [answered[index] for index in range(len(prompts))]  # order holds every index: each was answered
     lines = [json.dumps({name: value, "response": completion.text, "finish_reason": completion.finish_reason},
                         ensure_ascii=False) + "\n"
              for (name, value, _), completion in zip(prompts, completions, strict=True)]

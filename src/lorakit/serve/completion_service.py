@@ -165,7 +165,7 @@ class CompletionService:
 
     def submit(self, slot: Slot, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
                cancel: threading.Event, streamer: TextDeltaStreamer | None = None,
-               on_end: Callable[[], None] | None = None) -> asyncio.Future[Completion | None]:
+               on_end: Callable[[], object] | None = None) -> asyncio.Future[Completion | None]:
         """The generation queued on the worker, holding the request's slot until it ends. A job whose
         client left while it waited (cancel set) is skipped: nothing is generated for nobody."""
 
@@ -240,21 +240,23 @@ class CompletionService:
         """Server-sent events: text deltas as the worker generates them, then the finish reason
         (and usage if asked), then [DONE]. A client that goes away stops its generation."""
         loop = asyncio.get_running_loop()
-        deltas, end, cancel = asyncio.Queue(), object(), threading.Event()
+        deltas: asyncio.Queue[str | None] = asyncio.Queue()  # the text deltas, then None at the end
+        cancel = threading.Event()
         streamer = TextDeltaStreamer(self.generator.tokenizer,
                                      lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta), stops)
         result = self.submit(slot, prompt_ids, settings, stops, cancel, streamer,
-                             on_end=lambda: loop.call_soon_threadsafe(deltas.put_nowait, end))
+                             on_end=lambda: loop.call_soon_threadsafe(deltas.put_nowait, None))
 
         async def events() -> AsyncIterator[str]:
             sent = ""
             try:
                 if opening is not None:
                     yield sse(opening)
-                while (delta := await deltas.get()) is not end:
+                while (delta := await deltas.get()) is not None:
                     sent += delta
                     yield sse(chunk(delta, None))
                 completion = await result
+                assert completion is not None  # submit skips a job once cancel is set: only this stream's end sets it
                 rest = completion.text[len(sent):] if completion.text.startswith(sent) else ""
                 if rest:
                     yield sse(chunk(rest, None))

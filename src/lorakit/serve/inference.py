@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from transformers import (
@@ -33,6 +33,7 @@ from lorakit.records.chat_templates import (
     TEMPLATES,
     named_template,
     parse_template_kwargs,
+    render_text,
     saved_template_kwargs,
     special_token_texts,
     turn_end_text,
@@ -41,7 +42,8 @@ from lorakit.records.control_text import encode_prompt, encode_text_prompt
 from lorakit.records.readers import Message
 
 if TYPE_CHECKING:  # annotations only: transformers' model and tokenizer classes load with the model
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from peft import PeftModel
+    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +212,7 @@ def inference_device(requested: str | None, load_in_kbits: int = 16) -> torch.de
 class LoadedModel(NamedTuple):
     """A model ready to generate (eval mode, on its device) and the tokenizer it goes with."""
 
-    model: "PreTrainedModel"
+    model: "PreTrainedModel | PeftModel"  # peft's wrapper where the adapter stays apart (a quantized base)
     tokenizer: "PreTrainedTokenizerBase"
 
 
@@ -229,7 +231,8 @@ def load_for_inference(base_model: str, lora_model: str | None = None, load_in_k
     model = load_model(model_args, None, tokenizer, config=load_model_config(model_args), trainable=False,
                        adapter_flag="--lora_model")
     if load_in_kbits == 16 and place.type != "cpu":
-        model = model.to(place)
+        # transformers wraps PreTrainedModel.to in functools.wraps, whose stub leaves self unbound.
+        model = model.to(place)  # type: ignore[arg-type]
     model.eval()
     logger.info("loaded %s%s (%s, %s)", base_model, f" + {lora_model}" if lora_model else "",
                 next(model.parameters()).dtype, model.device)
@@ -267,7 +270,7 @@ def template_turn_end(tokenizer: "PreTrainedTokenizerBase", template: str,
     return text.strip()
 
 
-def context_limit(model: "PreTrainedModel", requested: int | None) -> int:
+def context_limit(model: "PreTrainedModel | PeftModel", requested: int | None) -> int:
     max_positions = getattr(model.config, "max_position_embeddings", None) or 2048
     if requested is None:
         return max_positions
@@ -341,6 +344,12 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 MAX_UNSETTLED_TOKENS = 8
 
 
+def decoded_text(tokenizer: "PreTrainedTokenizerBase", token_ids: list[int]) -> str:
+    """The text of one sequence of ids, special tokens skipped."""
+    # One sequence decodes to one string; transformers types decode for a batch of them too (str | list[str]).
+    return cast(str, tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
 class IncrementalDecoder:
     """The text of a growing reply, decoded a bounded window at a time, text-generation-inference's and vLLM's
     prefix/read offsets: the text of the tokens from `prefix` to the end, less that of the tokens from `prefix`
@@ -368,7 +377,7 @@ class IncrementalDecoder:
         return self.settle(final=True)
 
     def decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+        return decoded_text(self.tokenizer, self.token_ids[start:end])
 
     def settle(self, final: bool) -> str:
         if self.read == len(self.token_ids):
@@ -419,7 +428,7 @@ class TextDeltaStreamer(BaseStreamer):
     long reply costs linear time; unlike transformers' TextStreamer, which restarts after each newline, the
     concatenated deltas equal the reply decoded at once."""
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase", on_text: Callable[[str], None],
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", on_text: Callable[[str], object],
                  stops: Sequence[str] = ()) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
         self.scanner = StopScanner(stops)
@@ -536,7 +545,7 @@ class DeadlineCriteria(StoppingCriteria):
 class ChatGenerator:
     """A loaded model and tokenizer with the chat template they were trained with."""
 
-    def __init__(self, model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", template: str | None,
+    def __init__(self, model: "PreTrainedModel | PeftModel", tokenizer: "PreTrainedTokenizerBase", template: str | None,
                  context_tokens: int, template_kwargs: dict[str, Any] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -564,8 +573,8 @@ class ChatGenerator:
         return ids
 
     def render(self, messages: list[Message]) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        return render_text(
+            self.tokenizer, messages, chat_template=self.template, add_generation_prompt=True, **self.template_kwargs
         )
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
@@ -607,8 +616,11 @@ class ChatGenerator:
         deadline = DeadlineCriteria(settings.time_limit) if settings.time_limit is not None else None
         if deadline is not None:
             criteria.append(deadline)
+        # A causal LM, whose class mixes GenerationMixin in (PreTrainedModel itself declares no generate), or peft's
+        # wrapper of one, whose generate calls it.
+        generating = cast("GenerationMixin", self.model)
         with private_rng(settings.seed, self.model.device):
-            output = self.model.generate(
+            output = generating.generate(
                 input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device),
                 streamer=streamer, stopping_criteria=criteria, **self.generation_kwargs(settings, stops),
             )
@@ -624,7 +636,7 @@ class ChatGenerator:
         eos_at = next((i for i, token in enumerate(generated) if token in self.eos_ids), None)
         if eos_at is not None:
             generated = generated[: eos_at + 1]  # what follows in a batch is padding
-        text, hit = cut_at_stop(self.tokenizer.decode(generated, skip_special_tokens=True), stops)
+        text, hit = cut_at_stop(decoded_text(self.tokenizer, generated), stops)
         if hit:
             # Count the tokens up to the one completing the stop string; padding may follow it.
             generated = generated[: tokens_until_stop(self.tokenizer, generated, stops)]

@@ -6,7 +6,8 @@ is answered with an error id, its details only in the log. The command, its flag
 
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,12 +39,22 @@ def create_app(service: CompletionService, api_key: str | None,
     app.state.service = service
     app.add_middleware(RequestSizeLimit, max_bytes=service.limits.max_request_bytes)
     app.middleware("http")(request_gate(service, api_key, allowed_hosts_of("127.0.0.1") | allowed_hosts))
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, server_error)
+    add_error_handler(app, APIError, api_error)
+    add_error_handler(app, RequestValidationError, validation_error)
+    add_error_handler(app, StarletteHTTPException, http_error)
+    add_error_handler(app, Exception, server_error)
     app.include_router(openai_routes(service))
     return app
+
+
+Error = TypeVar("Error", bound=Exception)
+
+
+def add_error_handler(app: FastAPI, error_type: type[Error],
+                      handler: Callable[[Request, Error], Awaitable[JSONResponse]]) -> None:
+    """app.add_exception_handler(error_type, handler). Starlette calls the handler with error_type's exceptions alone,
+    which its signature (a handler of any Exception) cannot say: the cast is safe for the type registered with it."""
+    app.add_exception_handler(error_type, cast(Callable[[Request, Exception], Awaitable[JSONResponse]], handler))
 
 
 async def api_error(request: Request, err: APIError) -> JSONResponse:
