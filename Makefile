@@ -103,9 +103,11 @@ test-latest: $(VENDOR_STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo/run_demo.py $(if $(QUICK),--quick,)
 
-# On a machine with a CUDA GPU: LoRA SFT throughput and MFU, QLoRA, the chunked loss's peak memory, PPO's
-# iteration split and the rollout engines' ms per token at 1B and 7B shapes (benchmarks/bench_gpu.py; outputs/bench/gpu.json). Without a GPU it says so
-# and exits 2; `make gpu-check ARGS=--cpu_smoke` runs its code paths on tiny shapes on the CPU.
+# On a machine with a CUDA GPU, one plan of at most 8 minutes (ARGS="--plan rl|sft|moe", default rl): rl the rollout
+# engines, a PPO iteration and a GRPO step; sft LoRA SFT throughput and MFU against TRL + Liger and peak memory; moe a
+# Qwen3-MoE shape and QLoRA PPO (benchmarks/bench_gpu.py, the benchmarks/gpu package; outputs/bench/gpu-PLAN.json).
+# Without a GPU it says so and exits 2; `make gpu-check ARGS="--cpu_smoke --plan rl"` runs that plan's code paths on
+# tiny shapes on the CPU.
 gpu-check: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py $(ARGS)
 

@@ -277,9 +277,10 @@ class Ratios:
 
     def add(self, name: str, run: str, other: str, key: str, target: float | None = None,
             at_most: bool = True) -> None:
-        """results[run][key] / results[other][key] (skipped unless both ran); a verdict when target
-        is given: the ratio must be <= target (at_most) or >= it."""
-        if run not in self.results or other not in self.results:
+        """results[run][key] / results[other][key] (skipped unless both ran, and where the other's figure
+        is 0 or missing: no ratio is known then, and a report written mid-run must not crash on it); a
+        verdict when target is given: the ratio must be <= target (at_most) or >= it."""
+        if run not in self.results or other not in self.results or not self.results[other].get(key):
             return
         value = self.results[run][key] / self.results[other][key]
         self.values[name] = value

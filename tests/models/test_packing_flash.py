@@ -359,7 +359,8 @@ def test_packed_rows_under_flex_attention_equal_each_sample_alone(packed_case):
 
 def whole_row_control(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The control of a packed batch: the same rows and restarting position ids, and a causal mask over each whole
-    row (data.build_dataset.whole_row_causal_mask, which benchmarks/bench_gpu.py's control takes too)."""
+    row (data.build_dataset.whole_row_causal_mask, which the GPU benchmark's control takes too:
+    benchmarks/gpu/packing_check.py)."""
     rows, width = batch["input_ids"].shape
     return {**batch, "attention_mask": whole_row_causal_mask(rows, width, device=batch["input_ids"].device)}
 
