@@ -179,9 +179,7 @@ def build_pretraining_blocks(
     )
 
     def build(tmp_dir: str) -> None:
-        documents: list[str] = []
-        for path in files:
-            documents.extend(read_documents(path))
+        documents = [document for path in files for document in read_documents(path)]
         flat_ids = tokenize_all(tokenizer, documents, num_proc)
         blocks = group_into_blocks(flat_ids, block_size, fingerprint=key)
         if len(blocks) == 0:
@@ -352,37 +350,19 @@ def build_sft_dataset(
     file except those in unsplit_files (--sft_only_data_path) contributes only its data_phase part.
     num_proc processes tokenize (--preprocessing_num_workers); the result does not depend on it."""
     memo = FingerprintMemo(cache_dir)
-    key = cache_key(
-        {
-            "version": SFT_CACHE_VERSION,
-            "files": [(os.path.abspath(p), memo(p), p in unsplit_files) for p in files],
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "template": template,
-            "template_kwargs": template_kwargs or {},
-            "max_length": max_length,
-            "last_turn_only": train_on_last_turn_only,
-            "split": [data_split, data_phase, seed],
-        }
-    )
+    key = cache_key({"version": SFT_CACHE_VERSION,
+                     "files": [(os.path.abspath(p), memo(p), p in unsplit_files) for p in files],
+                     "tokenizer": tokenizer_fingerprint(tokenizer), "template": template,
+                     "template_kwargs": template_kwargs or {}, "max_length": max_length,
+                     "last_turn_only": train_on_last_turn_only, "split": [data_split, data_phase, seed]})
     conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, train_on_last_turn_only,
                                                    template_kwargs=template_kwargs)
 
     def build(tmp_dir: str) -> None:
-        sources = []
-        for path in files:
-            split = None if path in unsplit_files else data_split
-            sources += phase_part(read_conversations(path), split, data_phase, seed)
-        byte_limit = conversation_tokenizer.record_byte_limit  # here, once, not in each forked worker
-        with tqdm(total=len(sources), desc="Tokenizing conversations", unit="sample") as progress:
-            tokenized = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
-                                          shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc, progress))
-        rows, dropped = tokenized.rows, tokenized.dropped
-        report_control_text(tokenized.control_text, len(sources), "samples")
-        report_cut_answers(tokenized.cut_answers, len(sources), max_length)
-        if dropped:
-            logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d (%d of them hold "
-                           "over %d bytes of text, more than that many tokens can: not tokenized)", dropped,
-                           len(sources), max_length, tokenized.too_large, byte_limit)
+        sources = [record for path in files
+                   for record in phase_part(read_conversations(path), None if path in unsplit_files else data_split,
+                                            data_phase, seed)]
+        rows = tokenized_sft_rows(conversation_tokenizer, sources, num_proc)
         if not rows.get("input_ids"):
             raise InputError(f"no trainable sample left in {', '.join(files)} "
                              f"(all dropped by --max_seq_length {max_length})")
@@ -391,6 +371,24 @@ def build_sft_dataset(
     dataset, hit = build_or_load_cached(cache_dir, f"sft-{key}", build, check, memo)
     logger.info("supervised samples: cache %s (%s, %d samples)", "hit" if hit else "miss, built", key, len(dataset))
     return dataset
+
+
+def tokenized_sft_rows(conversation_tokenizer: ConversationTokenizer, sources: list[LocatedRecord],
+                       num_proc: int) -> dict[str, list[Any]]:
+    """The SFT samples' columns, tokenized by num_proc processes; what was dropped, cut or held control text is
+    said in the log."""
+    max_length = conversation_tokenizer.max_length
+    byte_limit = conversation_tokenizer.record_byte_limit  # here, once, not in each forked worker
+    with tqdm(total=len(sources), desc="Tokenizing conversations", unit="sample") as progress:
+        tokenized = joined(map_shards(tokenize_conversation_shard, conversation_tokenizer,
+                                      shards_of(sources, num_proc, ROWS_PER_SHARD), num_proc, progress))
+    report_control_text(tokenized.control_text, len(sources), "samples")
+    report_cut_answers(tokenized.cut_answers, len(sources), max_length)
+    if tokenized.dropped:
+        logger.warning("dropped %d of %d samples: no answer token fits in --max_seq_length %d (%d of them hold "
+                       "over %d bytes of text, more than that many tokens can: not tokenized)", tokenized.dropped,
+                       len(sources), max_length, tokenized.too_large, byte_limit)
+    return tokenized.rows
 
 
 def pack_samples(dataset: Dataset, max_length: int) -> Dataset:
@@ -573,33 +571,16 @@ def build_preference_dataset(
     end of its answer's turn: the score is read there), cached. A pair whose prompt alone fills
     max_length is refused: it cannot be scored on its answers. num_proc processes tokenize."""
     memo = FingerprintMemo(cache_dir)
-    key = cache_key(
-        {
-            "version": PREFERENCE_CACHE_VERSION,
-            "files": [(os.path.abspath(p), memo(p)) for p in files],
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "template": template,
-            "template_kwargs": template_kwargs or {},
-            "max_length": max_length,
-            "split": [data_split, data_phase, seed],
-        }
-    )
+    key = cache_key({"version": PREFERENCE_CACHE_VERSION, "files": [(os.path.abspath(p), memo(p)) for p in files],
+                     "tokenizer": tokenizer_fingerprint(tokenizer), "template": template,
+                     "template_kwargs": template_kwargs or {}, "max_length": max_length,
+                     "split": [data_split, data_phase, seed]})
     conversation_tokenizer = ConversationTokenizer(tokenizer, template, max_length, keep_after_turn_end=True,
                                                    template_kwargs=template_kwargs)
 
     def build(tmp_dir: str) -> None:
         records = [item for path in files for item in phase_part(records_of(path), data_split, data_phase, seed)]
-        with tqdm(total=len(records), desc="Tokenizing pairs", unit="pair") as progress:
-            tokenized = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
-                                          shards_of(records, num_proc, ROWS_PER_SHARD), num_proc, progress))
-        rows = tokenized.rows
-        report_control_text(tokenized.control_text, len(records), "pairs")
-        if tokenized.dropped:
-            logger.warning("dropped %d pairs whose chosen and rejected answers are identical", tokenized.dropped)
-        if tokenized.identical_when_cut:
-            logger.warning("dropped %d of %d pairs whose chosen and rejected token ids are identical once cut to "
-                           "--max_seq_length %d (the answers differ only past it): nothing to score them on",
-                           tokenized.identical_when_cut, len(records), max_length)
+        rows = tokenized_pair_rows(conversation_tokenizer, records, num_proc)
         if not rows.get("margin"):
             raise InputError(f"no preference pair left in {', '.join(files)}")
         Dataset.from_dict(rows).save_to_disk(tmp_dir)
@@ -607,6 +588,23 @@ def build_preference_dataset(
     dataset, hit = build_or_load_cached(cache_dir, f"pairs-{key}", build, check, memo)
     logger.info("preference pairs: cache %s (%s, %d pairs)", "hit" if hit else "miss, built", key, len(dataset))
     return dataset
+
+
+def tokenized_pair_rows(conversation_tokenizer: ConversationTokenizer, records: list[LocatedRecord],
+                        num_proc: int) -> dict[str, list[Any]]:
+    """The pairs' columns, tokenized by num_proc processes; the pairs dropped (identical answers, or identical once
+    cut to --max_seq_length) and those holding control text are said in the log."""
+    with tqdm(total=len(records), desc="Tokenizing pairs", unit="pair") as progress:
+        tokenized = joined(map_shards(tokenize_pair_shard, conversation_tokenizer,
+                                      shards_of(records, num_proc, ROWS_PER_SHARD), num_proc, progress))
+    report_control_text(tokenized.control_text, len(records), "pairs")
+    if tokenized.dropped:
+        logger.warning("dropped %d pairs whose chosen and rejected answers are identical", tokenized.dropped)
+    if tokenized.identical_when_cut:
+        logger.warning("dropped %d of %d pairs whose chosen and rejected token ids are identical once cut to "
+                       "--max_seq_length %d (the answers differ only past it): nothing to score them on",
+                       tokenized.identical_when_cut, len(records), conversation_tokenizer.max_length)
+    return tokenized.rows
 
 
 def tokenize_pair_shard(conversation_tokenizer: ConversationTokenizer,

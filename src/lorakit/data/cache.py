@@ -96,19 +96,7 @@ def build_or_load_cached(cache_root: str, name: str, build: Callable[[str], obje
     os.makedirs(cache_root, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=cache_root)
     try:
-        build(tmp_dir)
-        if check is not None:
-            check(load_from_disk(tmp_dir))
-        if memo is not None:
-            memo.save_into(tmp_dir)
-        sync_tree(tmp_dir)  # a power loss after the rename leaves a whole entry, never torn files under its name
-        try:
-            os.rename(tmp_dir, final_dir)
-        except OSError:
-            if not os.path.isdir(final_dir):
-                raise
-            logger.info("another process finished the same cache first; using its copy")
-        sync_path(cache_root)
+        build_into_place(build, tmp_dir, final_dir, check, memo)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         remove_if_empty(made)
@@ -117,6 +105,25 @@ def build_or_load_cached(cache_root: str, name: str, build: Callable[[str], obje
         if os.path.isdir(tmp_dir):
             shutil.rmtree(tmp_dir, ignore_errors=True)
     return used_entry(final_dir, load_from_disk(final_dir), False, memo)
+
+
+def build_into_place(build: Callable[[str], object], tmp_dir: str, final_dir: str, check: DatasetCheck | None,
+                     memo: FingerprintMemo | None) -> None:
+    """Build the entry in tmp_dir, check it, then rename it to final_dir: whole or not at all; a process that loses
+    the race to the same entry keeps the winner's."""
+    build(tmp_dir)
+    if check is not None:
+        check(load_from_disk(tmp_dir))
+    if memo is not None:
+        memo.save_into(tmp_dir)
+    sync_tree(tmp_dir)  # a power loss after the rename leaves a whole entry, never torn files under its name
+    try:
+        os.rename(tmp_dir, final_dir)
+    except OSError:
+        if not os.path.isdir(final_dir):
+            raise
+        logger.info("another process finished the same cache first; using its copy")
+    sync_path(os.path.dirname(final_dir))
 
 
 def used_entry(path: str, dataset: Dataset, hit: bool, memo: FingerprintMemo | None) -> CachedDataset:

@@ -570,6 +570,22 @@ def sentencepiece_agreement(model_path: str, lines: list[str], encoded: list[lis
     return same / max(len(lines), 1)
 
 
+def eval_figures(eval_lines: list[str], before_ids: list[list[int]], after_ids: list[list[int]],
+                 first_new: int) -> dict[str, Any]:
+    """The held-out lines' figures: characters, tokens before and after, and how much the new tokens (ids from
+    first_new on) are used."""
+    chars = sum(len(line) for line in eval_lines)
+    tokens_before = sum(len(ids) for ids in before_ids)
+    tokens_after = sum(len(ids) for ids in after_ids)
+    new_ids = [i for ids in after_ids for i in ids if i >= first_new]
+    return {"lines": len(eval_lines), "characters": chars, "cjk_character_share": cjk_share(eval_lines),
+            "tokens_before": tokens_before, "tokens_after": tokens_after,
+            "tokens_per_char_before": tokens_before / max(chars, 1),
+            "tokens_per_char_after": tokens_after / max(chars, 1),
+            "token_reduction": 1 - tokens_after / max(tokens_before, 1),
+            "new_tokens_used": len(set(new_ids)), "new_token_share_of_output": len(new_ids) / max(tokens_after, 1)}
+
+
 def build_report(args: argparse.Namespace, base: BaseTokenizer, base_tokenizer: "PreTrainedTokenizerBase",
                  merged: "PreTrainedTokenizerBase", stats: dict[str, int], eval_lines: list[str],
                  new_tokens_unreachable: list[str], merged_model: str | None = None) -> dict[str, Any]:
@@ -583,12 +599,6 @@ def build_report(args: argparse.Namespace, base: BaseTokenizer, base_tokenizer: 
         raise GuaranteeError(f"{len(new_tokens_unreachable)} new token(s) are not produced from their own text, "
                              f"e.g. {new_tokens_unreachable[0]!r}")
     n = len(eval_lines)
-    chars = sum(len(line) for line in eval_lines)
-    tokens_before = sum(len(ids) for ids in before_ids[:n])
-    tokens_after = sum(len(ids) for ids in after_ids[:n])
-    first_new = len(base_tokenizer)
-    used = {i for ids in after_ids[:n] for i in ids if i >= first_new}
-    new_share = sum(1 for ids in after_ids[:n] for i in ids if i >= first_new) / max(tokens_after, 1)
     samples = []
     for index in list(range(min(args.num_samples, n))) + list(range(n, n + len(probe_lines))):
         samples.append({"text": (eval_lines + probe_lines)[index],
@@ -602,13 +612,8 @@ def build_report(args: argparse.Namespace, base: BaseTokenizer, base_tokenizer: 
         "vocab_size": {"before": len(base_tokenizer), "after": len(merged), **stats},
         "eval": {
             "source": args.eval_corpus or f"every {args.heldout_every}th line of --train_corpus, held out of training",
-            "lines": n, "characters": chars, "cjk_character_share": cjk_share(eval_lines),
-            "tokens_before": tokens_before, "tokens_after": tokens_after,
-            "tokens_per_char_before": tokens_before / max(chars, 1),
-            "tokens_per_char_after": tokens_after / max(chars, 1),
-            "token_reduction": 1 - tokens_after / max(tokens_before, 1),
+            **eval_figures(eval_lines, before_ids[:n], after_ids[:n], len(base_tokenizer)),
             "round_trip_before": sum(before_ok[:n]), "round_trip_after": sum(after_ok[:n]),
-            "new_tokens_used": len(used), "new_token_share_of_output": new_share,
         },
         "probes_round_trip": all(after_ok[n:]),
         "sentencepiece_agreement": (sentencepiece_agreement(merged_model, eval_lines, after_ids[:n])
