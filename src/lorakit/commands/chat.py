@@ -54,7 +54,7 @@ def main() -> None:
     logger.info("sampling: %s", asdict(settings))
     if chat_args.seed is not None:
         set_seed(chat_args.seed)  # once: each turn then continues the same random stream
-    if batch_mode:
+    if records is not None:  # batch mode
         prompts = encode_prompts(records, generator, prompt_budget(generator, settings.max_new_tokens))
         predict_file(generator, prompts, settings, chat_args.batch_size, chat_args.predictions_file)
     else:

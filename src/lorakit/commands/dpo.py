@@ -26,6 +26,7 @@ in the batches, after which no reference forward runs.
 from lorakit.core.cli import run_cli
 from lorakit.data.cache import data_cache_dir, report_prepared_data
 from lorakit.models.dpo_losses import REFERENCE_FREE
+from lorakit.models.heads import use_chunked_loss
 from lorakit.models.loader import load_model
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import padding_multiple, start_run, train_and_finish
@@ -35,8 +36,9 @@ from lorakit.trainers.preference_pairs import prepared_pairs, shares_pair_prefix
 
 
 def main() -> None:
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(
-        ARGUMENT_CLASSES, task="answer_logps", fold_adapter=True)
+    run = start_run(ARGUMENT_CLASSES, task="answer_logps", fold_adapter=True)
+    model_args, data_args, training_args = run.model_args, run.data_args, run.training_args
+    resume_checkpoint, tokenizer, config = run.resume_checkpoint, run.tokenizer, run.config
     check_reference(model_args, training_args)
     train_dataset, eval_dataset = prepared_pairs(data_args, training_args, tokenizer, config)
     if data_args.prepare_data_only:  # the reference log-probs (--precompute_ref_log_probs) need the model
@@ -45,8 +47,7 @@ def main() -> None:
     # The reference is base + --peft_path: that adapter is folded into the base, a new LoRA trains on top.
     model = load_model(model_args, training_args, tokenizer, task="answer_logps", config=config,
                        fold_adapter=True)
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    causal_lm.chunked_loss = training_args.chunked_loss  # read by models.heads.answer_logps_forward
+    use_chunked_loss(model, training_args.chunked_loss)  # read by models.heads.answer_logps_forward
     share_prefix = shares_pair_prefix(model, training_args)
     collator = DataCollatorForAnswerLogps(tokenizer.pad_token_id, padding_multiple(training_args),
                                           share_prefix=share_prefix)

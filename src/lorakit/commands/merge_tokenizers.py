@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     check_output_dir(args.output_dir, {"--base_tokenizer": args.base_tokenizer})
     base = inspect_base(args.base_tokenizer)
     if args.train_corpus and args.model_type:
-        spec = base.proto.trainer_spec if base.kind == "sentencepiece" else None
+        spec = base.proto.trainer_spec if base.kind == "sentencepiece" and base.proto is not None else None
         needed = ("unigram" if spec.model_type == spec.UNIGRAM else "bpe") if spec is not None else "bpe"
         if args.model_type != needed:
             raise InputError(f"--model_type {args.model_type}: this base needs a {needed} extra model "
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_lines = split_corpus(args, train_path)
         if not eval_lines:
             raise InputError("no eval lines for the report: give a longer --train_corpus or an --eval_corpus")
-        if args.extra_sp_model:
+        if train_path is None:  # no --train_corpus: --extra_sp_model instead (exactly one given, checked above)
             extra, extra_name = load_proto(args.extra_sp_model), args.extra_sp_model
         else:
             extra, extra_name = train_extra_model(args, base, train_path, work), "the trained model"

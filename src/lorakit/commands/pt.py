@@ -10,7 +10,7 @@ Writes checkpoint-N/ (resumable, with checkpoint-N/pt_lora_model) and OUT/pt_lor
 
 import logging
 
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 
 from lorakit.core.cli import run_cli
 from lorakit.data.build_dataset import (
@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 def main() -> None:
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
+    run = start_run(ARGUMENT_CLASSES)
+    model_args, data_args, training_args = run.model_args, run.data_args, run.training_args
+    resume_checkpoint, tokenizer, config = run.resume_checkpoint, run.tokenizer, run.config
     block_size = resolve_sequence_length("--block_size", data_args.block_size, config)
     set_seed(training_args.seed)
 
@@ -43,11 +45,12 @@ def main() -> None:
         return report_prepared_data()
     train_dataset, eval_dataset = split_validation(blocks, data_args.validation_split_percentage, training_args.seed)
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)
+    assert train_dataset is not None  # first_samples keeps a dataset it is given (typed Dataset | None for any)
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train blocks: %d, eval blocks: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
 
     model = load_model(model_args, training_args, tokenizer, config=config)
-    callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("pt_lora_model")]
+    callbacks: list[TrainerCallback] = [] if model_args.full_finetuning else [SavePeftModelCallback("pt_lora_model")]
     trainer = build_trainer(model, training_args, tokenizer, train_dataset, eval_dataset, DataCollatorForPretraining(),
                             callbacks)
     train_and_finish(trainer, resume_checkpoint, model_args.full_finetuning, eval_dataset, len(train_dataset))

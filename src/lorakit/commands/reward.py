@@ -30,7 +30,7 @@ from lorakit.data.cache import report_prepared_data
 from lorakit.models.arguments import ModelArguments
 from lorakit.models.loader import load_model
 from lorakit.trainers.arguments import PreferenceDataArguments
-from lorakit.trainers.checkpoints import SavePeftModelCallback, rank_zero_decides
+from lorakit.trainers.checkpoints import SavePeftModelCallback, output_dir_of, rank_zero_decides
 from lorakit.trainers.common import padding_multiple, start_run, train_and_finish
 from lorakit.trainers.preference_pairs import PairRendering, pair_rendering, prepared_pairs, shares_pair_prefix
 from lorakit.trainers.reward_config import ARGUMENT_CLASSES, RewardArguments
@@ -76,8 +76,8 @@ def save_merged(model_args: ModelArguments, training_args: RewardArguments) -> N
     and pad token; built in a temporary sibling and renamed into place when complete), replacing the one an
     earlier run left. A failed merge stops the run (exit status 1) with the merge's reason and the command that
     redoes it."""
-    adapter = os.path.join(training_args.output_dir, "rm_lora_model")
-    target = os.path.join(training_args.output_dir, "rm_merged_model")
+    adapter = os.path.join(output_dir_of(training_args), "rm_lora_model")
+    target = os.path.join(output_dir_of(training_args), "rm_merged_model")
     if os.path.isdir(target):
         logger.info("removing %s: merged from an earlier run's adapter", target)
         shutil.rmtree(target)
@@ -107,8 +107,9 @@ def checked_eval_sets(data_args: PreferenceDataArguments, training_args: RewardA
 
 
 def main() -> None:
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES,
-                                                                                           task="reward")
+    run = start_run(ARGUMENT_CLASSES, task="reward")
+    model_args, data_args, training_args = run.model_args, run.data_args, run.training_args
+    resume_checkpoint, tokenizer, config = run.resume_checkpoint, run.tokenizer, run.config
     check_mergeable(model_args, training_args)
     rendering = pair_rendering(data_args, tokenizer, config)
     eval_sets = checked_eval_sets(data_args, training_args, tokenizer, rendering)

@@ -10,8 +10,9 @@ whose tokenizer carries the chat template used in training.
 """
 
 import logging
+from typing import Any
 
-from transformers import PreTrainedTokenizerBase, set_seed
+from transformers import PreTrainedTokenizerBase, TrainerCallback, set_seed
 
 from lorakit.core.cli import InputError, run_cli
 from lorakit.data.build_dataset import (
@@ -40,9 +41,10 @@ def build_datasets(data_args: SFTDataArguments, tokenizer: PreTrainedTokenizerBa
     unsplit = find_record_files(None, data_args.sft_only_data_path)
     if not train_files and not unsplit:
         raise InputError("no training data: give --dataset_dir, --data_path or --sft_only_data_path")
-    common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
-              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir),
-              "num_proc": data_args.preprocessing_num_workers}
+    common: dict[str, Any] = {"tokenizer": tokenizer, "template": chat_template.text,
+                              "template_kwargs": chat_template.kwargs, "max_length": max_length,
+                              "cache_dir": data_cache_dir(data_args.data_cache_dir),
+                              "num_proc": data_args.preprocessing_num_workers}
     train = build_sft_dataset(
         train_files + unsplit, train_on_last_turn_only=data_args.train_on_last_turn_only,
         data_split=data_args.data_split, data_phase=data_args.data_phase, seed=seed, unsplit_files=tuple(unsplit),
@@ -58,7 +60,9 @@ def build_datasets(data_args: SFTDataArguments, tokenizer: PreTrainedTokenizerBa
 
 
 def main() -> None:
-    model_args, data_args, training_args, resume_checkpoint, tokenizer, config = start_run(ARGUMENT_CLASSES)
+    run = start_run(ARGUMENT_CLASSES)
+    model_args, data_args, training_args = run.model_args, run.data_args, run.training_args
+    resume_checkpoint, tokenizer, config = run.resume_checkpoint, run.tokenizer, run.config
     if training_args.packing:
         check_packing_attention(model_args.attn_implementation)
     max_length = resolve_sequence_length("--max_seq_length", data_args.max_seq_length, config)
@@ -83,7 +87,7 @@ def main() -> None:
     model = load_model(model_args, training_args, tokenizer, config=config)
     # A KV cache in a training forward would also stop position_ids from separating packed samples.
     model.config.use_cache = False
-    callbacks = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
+    callbacks: list[TrainerCallback] = [] if model_args.full_finetuning else [SavePeftModelCallback("sft_lora_model")]
     # The model's attention: under a flash one, packed batches carry their samples' bounds.
     collator = DataCollatorForSupervisedDataset(pad_id, padding_multiple(training_args),
                                                 model.config._attn_implementation)

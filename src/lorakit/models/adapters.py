@@ -4,7 +4,7 @@ in one line."""
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
@@ -32,8 +32,9 @@ def frozen(model: "PreTrainedModel", model_args: ModelArguments, quantized: bool
     per pass), or on a quantized base left as LoRA layers inside the model (folding would round
     it into the quantized weights); no parameter trains, eval mode."""
     if model_args.peft_path:
-        model = load_peft_adapter(model, model_args.peft_path, is_trainable=False, flag=adapter_flag)
-        model = model.get_base_model() if quantized else model.merge_and_unload()
+        adapted = load_peft_adapter(model, model_args.peft_path, is_trainable=False, flag=adapter_flag)
+        # peft types both as nn.Module: each returns the transformers model it wraps.
+        model = cast("PreTrainedModel", adapted.get_base_model() if quantized else adapted.merge_and_unload())
     model.requires_grad_(False)
     return model.eval()
 
@@ -83,7 +84,7 @@ def attach_lora(model: "PreTrainedModel", model_args: ModelArguments, task: str 
         target_modules=targets,
         target_parameters=experts or None,
         r=model_args.lora_rank,
-        lora_alpha=model_args.lora_alpha,
+        lora_alpha=model_args.lora_alpha,  # type: ignore[arg-type]  # peft annotates int; it only computes alpha / r
         lora_dropout=dropout,
         modules_to_save=modules_to_save or None,
         ensure_weight_tying=ensure_tying,

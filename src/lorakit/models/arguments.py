@@ -3,11 +3,14 @@ DeepSpeed-Chat's scripts pass map onto them."""
 
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from lorakit.core.cli import InputError
+
+if TYPE_CHECKING:  # typeshed's protocol of a dataclass instance
+    from _typeshed import DataclassInstance
 
 DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -95,7 +98,7 @@ class ModelArguments:
 
     def __post_init__(self) -> None:
         # Logging is not configured yet; the scripts report these notes with the Trainer's own.
-        self.mapped_flags = []
+        self.mapped_flags: list[str] = []
         map_flags(self, DEEPSPEED_CHAT_MODEL_FLAGS, self.mapped_flags)
 
 
@@ -138,7 +141,7 @@ DEEPSPEED_CHAT_MODEL_FLAGS: FlagTable = {
 }
 
 
-def field_default(args: object, name: str) -> Any:
+def field_default(args: "DataclassInstance", name: str) -> Any:
     """The default of a dataclass field of args (None when it has none)."""
     for item in fields(args):
         if item.name == name:
@@ -153,14 +156,14 @@ def flag_text(name: str, value: Any) -> str:
     return f"--{name}" if value is True else f"--{name} {value if value != '' else repr(value)}"
 
 
-def map_flags(args: object, table: FlagTable, notes: list[str]) -> None:
+def map_flags(args: "DataclassInstance", table: FlagTable, notes: list[str]) -> None:
     """The one way every script accepts another project's flag name (Chinese-LLaMA-Alpaca-2's,
     DeepSpeed-Chat's, transformers 4's): each flag of table that was given (its value is not its
     default) sets the flag and value table[flag](value) returns, with an optional reason, noted as
     "--old value -> --new value" for the 'flag mapped' log line. The old flag is reset to its
     default, so mapping again (a copy of the arguments) changes nothing. A different value given to
     the new flag as well, or set by another old flag, is refused."""
-    set_by = {}
+    set_by: dict[str, str] = {}
     for old, translate in table.items():
         given = getattr(args, old)
         if given == field_default(args, old):
@@ -178,7 +181,7 @@ def map_flags(args: object, table: FlagTable, notes: list[str]) -> None:
         notes.append(f"{flag_text(old, given)} -> {flag_text(new, value)}" + why)
 
 
-def note_accepted_flags(args: object, table: dict[str, str], notes: list[str]) -> None:
+def note_accepted_flags(args: "DataclassInstance", table: dict[str, str], notes: list[str]) -> None:
     """Flags other projects' scripts pass that need nothing here: each one given (not its default)
     is noted with table's reason why nothing changes."""
     for name, reason in table.items():

@@ -14,14 +14,17 @@ Torch only: the trainers pass the head module and its hidden states."""
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-if TYPE_CHECKING:  # torch only at run time: a forward's output is read by its fields
-    from transformers.utils import ModelOutput
+from lorakit.models.router import causal_model
+
+if TYPE_CHECKING:  # torch only at run time
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 # Logits computed at once: chunks hold LOGITS_PER_CHUNK // vocabulary positions (110 at a 152k vocabulary,
 # 512 at 32k: each chunk's matmul still fills a GPU; its float32 logits and their softmax take 128 MB).
@@ -29,6 +32,17 @@ LOGITS_PER_CHUNK = 1 << 24
 IGNORE_INDEX = -100
 # torch checkpoint's context_fn: the (forward, recompute) context managers of a checkpointed chunk.
 RecomputeContext = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
+
+
+class ForwardOutput(Protocol):
+    """What is read of a causal LM's forward output, by its fields: transformers' CausalLMOutputWithPast and its
+    variants (a mixture of experts' MoeCausalLMOutputWithPast, ...), which share no base class with these fields."""
+
+    @property
+    def logits(self) -> torch.Tensor: ...
+
+    @property
+    def hidden_states(self) -> tuple[torch.Tensor, ...] | None: ...
 
 
 def head_width(head: torch.nn.Module) -> int:
@@ -113,8 +127,8 @@ def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Te
             flat_hidden.new_zeros(1, flat_hidden.shape[-1]) + flat_hidden.sum(), flat_labels.new_zeros(1))
     # No check of the recomputed tensors' shapes: under ZeRO-3 the head's weight is saved as the partitioned
     # parameter, released (empty) after each forward and gathered again by DeepSpeed before its backward.
-    options = {"use_reentrant": False, "determinism_check": "none",
-               **({"context_fn": recompute_context} if recompute_context else {})}
+    options: dict[str, Any] = {"use_reentrant": False, "determinism_check": "none",
+                               **({"context_fn": recompute_context} if recompute_context else {})}
 
     def run(chunk_hidden: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
         # Checkpointed, a chunk keeps only its inputs for the backward pass, not its [chunk, V] logits.
@@ -137,6 +151,8 @@ def causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Te
     ignored; the sum over predicted tokens divided by num_items_in_batch (the Trainer's count over the
     whole accumulated batch) when given, else their mean. Only positions with a label reach the head."""
     if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_loss needs labels or shift_labels")
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     targets = shift_labels.reshape(-1).to(hidden.device)
     labelled = targets != IGNORE_INDEX
@@ -151,7 +167,7 @@ def causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Te
     return -logprobs.sum() * weight / denominator
 
 
-def head_gives_logits(head: torch.nn.Module, outputs: "ModelOutput") -> bool:
+def head_gives_logits(head: torch.nn.Module, outputs: ForwardOutput) -> bool:
     """Whether the head applied to a forward's last hidden states gives the logits that forward returned, at the
     last position (a forward run with output_hidden_states, with or without logits_to_keep=1): False where the
     model soft-caps or scales its logits after the head (Gemma-2's final_logit_softcapping, say)."""
@@ -163,12 +179,12 @@ def head_gives_logits(head: torch.nn.Module, outputs: "ModelOutput") -> bool:
 
 
 @torch.no_grad()
-def head_reproduces_logits(model: torch.nn.Module, model_inputs: dict[str, torch.Tensor]) -> bool:
+def head_reproduces_logits(model: "PreTrainedModel | PeftModel", model_inputs: dict[str, torch.Tensor]) -> bool:
     """Whether the chunked loss equals the model's own: its forward takes logits_to_keep (so that it can
     skip the full logits), and its output embeddings applied to hidden_states[-1] give the logits its
     forward returns (head_gives_logits). model: the unwrapped (peft) causal LM; checked on model_inputs
     (no labels) in eval mode, where dropout cannot make the two differ."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_model(model)
     head = model.get_output_embeddings()
     if head is None or "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return False

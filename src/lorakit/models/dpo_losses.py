@@ -123,6 +123,8 @@ def preference_loss(loss_type: str, policy_chosen_logps: Tensor, policy_rejected
     if loss_type == "orpo":
         return orpo_odds_ratio_loss(policy_chosen_logps, policy_rejected_logps, chosen_tokens, rejected_tokens,
                                     beta)
+    if ref_chosen_logps is None or ref_rejected_logps is None:
+        raise ValueError(f"--loss_type {loss_type} needs the reference log-probs")
     chosen_logratios = policy_chosen_logps - ref_chosen_logps
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
     if loss_type == "sigmoid":

@@ -4,8 +4,9 @@ tokens' log-probabilities, its LM head run on answer positions only."""
 
 import inspect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from transformers import (
@@ -20,7 +21,8 @@ from lorakit.core.pair_segments import PAIR_CHOSEN, PAIR_PADDING, PAIR_REJECTED
 from lorakit.models.chunked_loss import agreed_across_ranks, head_gives_logits, label_logprobs, token_logprobs
 from lorakit.models.dpo_losses import PairScores
 from lorakit.models.positions import last_position, positions_from_mask
-from lorakit.models.router import aux_loss_from_router_logits
+from lorakit.models.router import aux_loss_from_router_logits, causal_model
+from lorakit.models.zero3 import weight_of
 
 if TYPE_CHECKING:  # the classes are built from the checkpoint's own; modeling_utils loads with them
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -59,21 +61,30 @@ def mask_pooled_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None 
     given), one row scores a pair: the chosen scores of all rows, then the rejected ones."""
     if pair_segments is not None:
         mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
-                                   self.get_input_embeddings().weight.dtype)
+                                   weight_of(self.get_input_embeddings()).dtype)
         hidden = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         pooled = torch.cat([hidden[rows, last_position(pair_segments == PAIR_CHOSEN)],
                             hidden[rows, last_position(pair_segments == PAIR_REJECTED)]])
-        return SequenceClassifierOutputWithPast(logits=self.score(pooled))
+        return SequenceClassifierOutputWithPast(logits=self.get_submodule("score")(pooled))
     if attention_mask is None:
+        if input_ids is None:
+            raise ValueError("the reward model pools at the last attended token: give input_ids or an attention_mask")
         attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
     if position_ids is None:
         position_ids = positions_from_mask(attention_mask)
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
     pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_position(attention_mask)]
-    return SequenceClassifierOutputWithPast(logits=self.score(pooled))
+    # get_submodule, not self.score: nn.Module's __getattr__ types an attribute as a Tensor or a Module.
+    return SequenceClassifierOutputWithPast(logits=self.get_submodule("score")(pooled))
+
+
+def mapped_model_class(mapping: Mapping[Any, Any], config: "PreTrainedConfig") -> "type[PreTrainedModel]":
+    """The model class an auto class's mapping holds for config's class: transformers types the mapping's values
+    as a (slow, fast) pair of classes, which is true of the tokenizers' mapping only."""
+    return cast("type[PreTrainedModel]", mapping[type(config)])
 
 
 def reward_model_class(config: "PreTrainedConfig") -> "type[PreTrainedModel]":
@@ -84,7 +95,7 @@ def reward_model_class(config: "PreTrainedConfig") -> "type[PreTrainedModel]":
         # .model/.score layout mask_pooled_forward reads.
         raise InputError(f"{getattr(config, '_name_or_path', '')}: the reward model needs an architecture "
                          f"transformers has a sequence classifier for; {type(config).__name__} has none here")
-    base = mapping[type(config)]
+    base = mapped_model_class(mapping, config)
     # Named as its base: save_pretrained writes the class name into config.json's architectures,
     # and a saved (merged) reward model must name a class transformers has.
     return type(base.__name__, (base,), {"forward": mask_pooled_forward, "__doc__": mask_pooled_forward.__doc__})
@@ -106,8 +117,8 @@ class AnswerLogps(ModelOutput):
     """answer_logps_forward's output: the log-probability of each answer token, float32 [len(answer_index)], and,
     asked with output_router_logits, the routers' load-balancing loss (a scalar, not yet weighted)."""
 
-    token_logps: torch.FloatTensor | None = None
-    aux_loss: torch.FloatTensor | None = None
+    token_logps: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 def head_alone_gives_logits(model: "PreTrainedModel", input_ids: torch.Tensor) -> bool:
@@ -126,6 +137,17 @@ def head_alone_gives_logits(model: "PreTrainedModel", input_ids: torch.Tensor) -
             return head_gives_logits(model.get_output_embeddings(), outputs)
     finally:
         model.train(was_training)
+
+
+def answer_head_exact(model: "PreTrainedModel", input_ids: torch.Tensor) -> bool:
+    """Whether the head alone gives the model's logits (head_alone_gives_logits), agreed by every rank: decided on
+    the first call with answers."""
+    exact = agreed_across_ranks(head_alone_gives_logits(model, input_ids), model.get_output_embeddings(),
+                                input_ids.device)
+    if not exact:
+        logger.info("answer log-probs from the model's full logits: its forward changes the logits after "
+                    "the output embeddings")
+    return exact
 
 
 def answer_logps_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None = None,
@@ -147,17 +169,15 @@ def answer_logps_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None
     if answer_index is None:
         return own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **routed,
                            **kwargs)
+    if input_ids is None or answer_targets is None:
+        raise ValueError("answer_index needs input_ids and answer_targets (DataCollatorForAnswerLogps gives them)")
     if self.answer_head_exact is None:
-        self.answer_head_exact = agreed_across_ranks(head_alone_gives_logits(self, input_ids),
-                                                     self.get_output_embeddings(), input_ids.device)
-        if not self.answer_head_exact:
-            logger.info("answer log-probs from the model's full logits: its forward changes the logits after "
-                        "the output embeddings")
+        self.answer_head_exact = answer_head_exact(self, input_ids)
     tokens = attention_mask  # the real tokens, which the router's aux loss is over
     if pair_segments is not None:
         tokens = pair_segments != PAIR_PADDING
         attention_mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
-                                             self.get_input_embeddings().weight.dtype)
+                                             weight_of(self.get_input_embeddings()).dtype)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               "use_cache": False, **routed}
     if not self.answer_head_exact:
@@ -182,6 +202,19 @@ def answer_logps_model_class(config: "PreTrainedConfig") -> "type[PreTrainedMode
     if type(config) not in mapping:
         raise InputError(f"{getattr(config, '_name_or_path', '')}: DPO needs an architecture transformers has a "
                          f"causal LM for; {type(config).__name__} has none here")
-    base = mapping[type(config)]
+    base = mapped_model_class(mapping, config)
     return type(base.__name__, (base,), {"forward": answer_logps_forward, "__doc__": answer_logps_forward.__doc__,
                                          "chunked_loss": True, "answer_head_exact": None})
+
+
+class AnswerLogpsSettings(Protocol):
+    """The attributes answer_logps_model_class gives its class (nn.Module's typing takes any attribute set on a
+    module to be a Tensor or a Module)."""
+
+    chunked_loss: bool
+    answer_head_exact: bool | None
+
+
+def use_chunked_loss(model: torch.nn.Module, chunked: bool) -> None:
+    """--chunked_loss for answer_logps_forward, set on the answer_logps_model_class model (under peft's wrapper)."""
+    cast(AnswerLogpsSettings, causal_model(model)).chunked_loss = chunked

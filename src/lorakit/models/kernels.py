@@ -8,6 +8,7 @@ import logging
 from torch import nn
 
 from lorakit.core.cli import InputError
+from lorakit.models.router import causal_model
 
 logger = logging.getLogger(__name__)
 
@@ -16,10 +17,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's repeated blocks: its decoder's `layers` where transformers names them so, else its largest
     ModuleList whose members are all of one class (a model of its own code; its experts' list could be longer than
     its layers, so the decoder's own name comes first)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    if isinstance(getattr(decoder, "layers", None), nn.ModuleList) and len(decoder.layers) > 0:
-        return decoder.layers
+    # getattr: transformers' get_decoder is no attribute nn.Module's typing knows of.
+    get_decoder = getattr(causal_model(model), "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if get_decoder is not None else None
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        return layers
     candidates = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module) > 0
                   and len({type(member) for member in module}) == 1]
     if not candidates:

@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from transformers import (
@@ -39,10 +39,11 @@ from lorakit.models.adapters import (
 )
 from lorakit.models.arguments import DTYPES, ModelArguments, comma_list
 from lorakit.models.heads import answer_logps_model_class, reward_model_class
-from lorakit.models.zero3 import gathered
+from lorakit.models.zero3 import gathered, weight_of
 from lorakit.records.chat_templates import special_token_texts
 
 if TYPE_CHECKING:  # peft, transformers' model classes and the Trainer's arguments load where they are used
+    from bitsandbytes.nn import Linear4bit
     from peft import PeftModel
     from transformers import PreTrainedModel, TrainingArguments
 
@@ -168,7 +169,7 @@ def init_deepspeed_distributed(training_args: "TrainingArguments | None") -> Non
 
 def embedding_rows(model: "PreTrainedModel") -> int:
     """Rows of the input embedding; a ZeRO-3 partitioned weight reports shape 0, ds_shape is real."""
-    weight = model.get_input_embeddings().weight
+    weight = weight_of(model.get_input_embeddings())
     return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
 
 
@@ -184,8 +185,8 @@ def resize_embeddings_with_mean(model: "PreTrainedModel", new_size: int,
     if output is not None and output.weight is not embeddings[0].weight:
         embeddings.append(output)
     for module in embeddings:
-        with gathered([module.weight], modifier_rank=0), torch.no_grad():
-            weight = module.weight
+        with gathered([weight_of(module)], modifier_rank=0), torch.no_grad():
+            weight = weight_of(module)
             weight[old_size:] = weight[:old_size].mean(dim=0, keepdim=True).to(weight.dtype)
             for new_id, old_ids in (sources or {}).items():
                 weight[new_id] = weight[old_ids].mean(dim=0).to(weight.dtype)
@@ -243,7 +244,7 @@ def compute_dtype(model_args: ModelArguments, training_args: "TrainingArguments 
     names one; else the precision the run computes in: the Trainer's --bf16 / --fp16 when
     training, bfloat16 on a GPU when generating (training_args None); float32 otherwise."""
     dtype = DTYPES[model_args.torch_dtype]
-    if dtype != "auto":
+    if isinstance(dtype, torch.dtype):  # the one other value is "auto"
         return dtype
     if training_args is None:
         return torch.bfloat16 if uses_gpu(None) else torch.float32
@@ -283,19 +284,29 @@ def load_model(model_args: ModelArguments, training_args: "TrainingArguments | N
     if fold_adapter and model_args.peft_path:
         model = fold_in_adapter(model, model_args.peft_path, adapter_flag)
         model_args = dataclasses.replace(model_args, peft_path=None)
+    trained = made_trainable(model, quantized, model_args, training_args, task, adapter_flag)
+    log_trainable(trained)
+    return trained
+
+
+def made_trainable(model: "PreTrainedModel", quantized: bool, model_args: ModelArguments,
+                   training_args: "TrainingArguments | None", task: str,
+                   adapter_flag: str) -> "PreTrainedModel | PeftModel":
+    """load_model's trainable model: a quantized base prepared for k-bit training, then a LoRA adapter on it (the
+    base itself under --full_finetuning)."""
     if quantized:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing(training_args))
         keep_4bit_layers_differentiable(model)
-    if not model_args.full_finetuning:
-        model = attach_lora(model, model_args, task, adapter_flag)
-        keep_trainable_float32(model, training_args)
-        if checkpointing(training_args):
-            # Frozen embeddings give checkpointed blocks inputs without grad; this keeps LoRA's grads flowing.
-            model.enable_input_require_grads()
-    log_trainable(model)
-    return model
+    if model_args.full_finetuning:
+        return model
+    peft_model = attach_lora(model, model_args, task, adapter_flag)
+    keep_trainable_float32(peft_model, training_args)
+    if checkpointing(training_args):
+        # Frozen embeddings give checkpointed blocks inputs without grad; this keeps LoRA's grads flowing.
+        peft_model.enable_input_require_grads()
+    return peft_model
 
 
 def keep_4bit_layers_differentiable(model: torch.nn.Module) -> None:
@@ -305,7 +316,9 @@ def keep_4bit_layers_differentiable(model: torch.nn.Module) -> None:
     trains keeps the layout that has one."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            # Only bitsandbytes' Linear4bit has it; typed as one, its attribute is a bool (nn.Module's own typing
+            # takes an attribute set on a module to be a Tensor or a Module).
+            cast("Linear4bit", module).support_avx512bf16_for_cpu = False
 
 
 def check_load_plan(model_args: ModelArguments, training_args: "TrainingArguments | None", config: PreTrainedConfig,
@@ -393,12 +406,12 @@ def checkpoint_dtype(model_dir: str) -> torch.dtype:
     """The dtype a model directory's weights are stored in (what a model merged from it is saved
     in): the float dtype holding most of its safetensors weights, else config.json's dtype
     (torch_dtype before transformers 5), else float32."""
-    elements = {}
+    elements: dict[str, int] = {}
     for dtype, shape in checkpoint_shapes(model_dir).values():
         if dtype in SAFETENSORS_FLOAT_DTYPES:
             elements[dtype] = elements.get(dtype, 0) + math.prod(shape)
     if elements:
-        return SAFETENSORS_FLOAT_DTYPES[max(elements, key=elements.get)]
+        return SAFETENSORS_FLOAT_DTYPES[max(elements, key=elements.__getitem__)]
     config_path = os.path.join(model_dir, "config.json")
     config = read_json(config_path, "config.json") if os.path.isfile(config_path) else {}
     named = DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
@@ -479,8 +492,8 @@ def load_base(model_args: ModelArguments, training_args: "TrainingArguments | No
     quant = quantization_config(model_args, compute_dtype(model_args, training_args))
     # A copy: a run hands one config to several roles, and each load sets its own task on it.
     config = copy.deepcopy(config)
-    load_kwargs = {"config": config, "dtype": DTYPES[model_args.torch_dtype],
-                   "trust_remote_code": model_args.trust_remote_code}
+    load_kwargs: dict[str, Any] = {"config": config, "dtype": DTYPES[model_args.torch_dtype],
+                                   "trust_remote_code": model_args.trust_remote_code}
     if model_args.attn_implementation:
         load_kwargs["attn_implementation"] = model_args.attn_implementation
     if quant is not None:

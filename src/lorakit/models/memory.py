@@ -26,7 +26,7 @@ Activations come on top of these model states; see activation_bytes for the rule
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -35,6 +35,7 @@ from lorakit.core.package_data import DS_CONFIGS
 from lorakit.models.chunked_loss import positions_per_chunk
 
 if TYPE_CHECKING:  # transformers, peft and bitsandbytes load only inside the functions that build the model
+    from bitsandbytes.nn import Params4bit
     from peft import PeftModel
     from transformers import PreTrainedConfig
 
@@ -51,7 +52,7 @@ GPUS_PER_NODE = 8
 
 # config.json values of the published checkpoints (meta-llama/Llama-2-{7b,13b,70b}-hf,
 # codellama/CodeLlama-34b-hf) that decide their size and shape.
-PUBLIC_SHAPES = {
+PUBLIC_SHAPES: dict[str, dict[str, Any]] = {
     "llama2-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096},
     "llama2-13b": {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
@@ -62,8 +63,9 @@ PUBLIC_SHAPES = {
     "llama2-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                    "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 4096},
 }
-LLAMA_COMMON = {"model_type": "llama", "vocab_size": 32000, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-                "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+LLAMA_COMMON: dict[str, Any] = {"model_type": "llama", "vocab_size": 32000, "rms_norm_eps": 1e-5,
+                                "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1,
+                                "eos_token_id": 2}
 
 # The shipped configs train in 16-bit mixed precision ("bf16"/"fp16": "auto"), which DeepSpeed's estimators assume.
 TRAINING_DTYPES = ("bfloat16", "float16")
@@ -205,10 +207,10 @@ def read_model_config(path: str | None, shape: str | None) -> "PreTrainedConfig"
     """The transformers config of --model_name_or_path (a directory or its config.json) or --model_shape."""
     from transformers import AutoConfig, LlamaConfig
 
-    if (path is None) == (shape is None):
-        raise InputError("give exactly one of --model_name_or_path and --model_shape")
-    if shape is not None:
+    if shape is not None and path is None:
         return LlamaConfig(**LLAMA_COMMON, **PUBLIC_SHAPES[shape])
+    if path is None or shape is not None:
+        raise InputError("give exactly one of --model_name_or_path and --model_shape")
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     values = read_json(config_file, "config.json")  # one line for a missing or broken file
     if "model_type" not in values:
@@ -228,7 +230,10 @@ def build_meta_model(config: "PreTrainedConfig", args: EstimateArguments) -> "Pe
     from lorakit.models.adapters import attach_lora
     from lorakit.models.arguments import ModelArguments, comma_list
 
-    model_args = ModelArguments(model_name_or_path=args.model_name_or_path or args.model_shape,
+    name = args.model_name_or_path or args.model_shape
+    if name is None:
+        raise InputError("give exactly one of --model_name_or_path and --model_shape")
+    model_args = ModelArguments(model_name_or_path=name,
                                 lora_rank=args.lora_rank, trainable=args.trainable, lora_experts=args.lora_experts,
                                 modules_to_save=args.modules_to_save, load_in_kbits=args.load_in_kbits,
                                 double_quant=args.double_quant)
@@ -277,7 +282,8 @@ def quantized_weight_bytes(module: torch.nn.Module, weight: torch.nn.Parameter) 
         return None
     blocks = -(-count // BNB_4BIT_BLOCK)
     packed = -(-count // 2) + BNB_4BIT_CODE_BYTES
-    if not weight.compress_statistics:
+    # A Linear4bit's weight is bitsandbytes' Params4bit, which holds its quantization options.
+    if not cast("Params4bit", weight).compress_statistics:
         return packed + FP32_BYTES * blocks
     return packed + blocks + FP32_BYTES * -(-blocks // BNB_NESTED_BLOCK) + BNB_NESTED_FIXED_BYTES
 
@@ -311,9 +317,11 @@ def count_parameters(model: torch.nn.Module) -> ParameterCounts:
 def lora_targeted_bytes(module: torch.nn.Module) -> int:
     """Bytes of a LoRA layer's base weights where they are not quantized (a quantized base decodes unmerged); 0
     for any other module."""
-    if not hasattr(module, "lora_A") or not hasattr(module, "get_base_layer"):
+    # getattr: nn.Module's __getattr__ would type peft's method as a Tensor or a Module.
+    get_base_layer = getattr(module, "get_base_layer", None)
+    if not hasattr(module, "lora_A") or get_base_layer is None:
         return 0
-    base = module.get_base_layer()
+    base = get_base_layer()
     if any(quantized_weight_bytes(base, weight) is not None for weight in base.parameters(recurse=False)):
         return 0
     return sum(weight.numel() * weight.element_size() for weight in base.parameters(recurse=False))
@@ -327,6 +335,8 @@ def model_state_bytes(counts: ParameterCounts, zero: ZeroConfig, gpus_per_node: 
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     world = gpus_per_node * num_nodes
+    frozen_gpu: float
+    frozen_cpu: float
     if zero.stage == 3:
         if quantized:
             return None

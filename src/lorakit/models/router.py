@@ -18,6 +18,7 @@ Torch only: the trainers pass the models."""
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -35,11 +36,13 @@ MIN_TOKENS_TO_WARN = 64
 
 def causal_model(model: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (the model itself without one)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    # Read with getattr: nn.Module's __getattr__ would type peft's method as a Tensor or a Module.
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if get_base_model is not None else model
 
 
 def text_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -76,6 +79,9 @@ def aux_loss_from_router_logits(model: nn.Module, router_logits: tuple[torch.Ten
     model = causal_model(model)
     config = text_config(model)
     function = load_balancing_function(model)
+    if function is None:
+        raise ValueError(f"{type(model).__name__}: no load_balancing_loss_func in its family's module (a model "
+                         "without a router aux loss: router_aux_coef is 0 for it)")
     return function(tuple(router_logits), num_experts_of(config), config.num_experts_per_tok, token_mask)
 
 
@@ -272,7 +278,9 @@ class RouterCounter:
 # ----------------------------------------------------------------------------- figures from counts
 
 
-class LayerShares(NamedTuple):
+# A frozen dataclass, not a NamedTuple: a field named index would shadow tuple.index.
+@dataclass(frozen=True)
+class LayerShares:
     """A router's shares: its index, the tokens it saw and the share of them each expert took (float64 [experts];
     they sum to top_k)."""
 
@@ -310,8 +318,9 @@ def router_figures(counts: torch.Tensor, experts: list[int]) -> RouterFigures | 
                          unused / sum(layer.shares.numel() for layer in layers))
 
 
-class Overload(NamedTuple):
-    """A router whose busiest expert took more than overload_threshold of its tokens."""
+@dataclass(frozen=True)
+class Overload:
+    """A router whose busiest expert took more than overload_threshold of its tokens (a dataclass, as LayerShares)."""
 
     index: int
     expert: int

@@ -17,7 +17,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from transformers import AttentionInterface
@@ -36,7 +36,8 @@ def torch_kernel() -> Callable[..., torch.Tensor] | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    # Typed as returning (output, aux) too: that is with return_aux, which varlen_attention_forward never passes.
+    return cast(Callable[..., torch.Tensor], varlen_attn)
 
 
 TORCH_KERNEL = torch_kernel()
@@ -107,11 +108,13 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             note_sdpa_layer(sdpa_only)
         return AttentionOutput(*sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                                        scaling=scaling, is_causal=is_causal, **kwargs))
+    kernel = KERNEL
+    assert kernel is not None  # use_torch_varlen registers this function only where there is a kernel
     batch, heads, width, head_dim = query.shape
     if key.shape[2] != width:
         raise ValueError(f"{TORCH_VARLEN}: sample bounds with {key.shape[2]} keys for {width} queries (a cache); "
                          "bounds are for training rows, which have none")
-    options = kernel_options(KERNEL)
+    options = kernel_options(kernel)
     keywords = kernel_keywords(options, is_causal if is_causal is not None else getattr(module, "is_causal", True),
                                grouped=key.shape[1] != heads, scaling=scaling)
     if not options.enable_gqa:
@@ -119,7 +122,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if not options.scale and scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0):
         query = query * (scaling * math.sqrt(head_dim))
-    output = KERNEL(flattened(query), flattened(key), flattened(value), kwargs["cu_seq_lens_q"],
+    output = kernel(flattened(query), flattened(key), flattened(value), kwargs["cu_seq_lens_q"],
                     kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"], **keywords)
     return AttentionOutput(output.view(batch, width, heads, output.shape[-1]), None)
 

@@ -5,13 +5,19 @@ ZeRO-3 (no parameter carries a DeepSpeed id) this is a no-op, so callers never b
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # deepspeed is imported only where ZeRO-3 is in use
     from deepspeed import DeepSpeedEngine
+
+
+def weight_of(module: torch.nn.Module) -> torch.nn.Parameter:
+    """module.weight as the Parameter it is (a partitioned one under ZeRO-3; peft's wrappers of a layer hand on their
+    base layer's): nn.Module's __getattr__ types any attribute as a Tensor or a Module."""
+    return cast(torch.nn.Parameter, module.weight)
 
 
 def is_zero3_partitioned(params: Iterable[torch.nn.Parameter]) -> bool:

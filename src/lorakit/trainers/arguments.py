@@ -113,7 +113,7 @@ class ToolkitTrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         # Logging is not configured yet; setup_logging() reports these notes on rank 0. All of them
         # act before TrainingArguments fills the DeepSpeed config's "auto" precision from --fp16/--bf16.
-        self.mapped_flags = []
+        self.mapped_flags: list[str] = []
         map_flags(self, RENAMED_TRAINER_FLAGS, self.mapped_flags)
         map_dtype_flag(self)
         map_zero_stage(self)
@@ -180,7 +180,9 @@ def map_zero_stage(args: ToolkitTrainingArguments) -> None:
             raise InputError(f"{given}: ds_configs/ ships no DeepSpeed config for it (ZeRO-2 without offload, ZeRO-3 "
                              "with or without); write one and pass it with --deepspeed")
         config = os.path.join(DS_CONFIGS, name)
-        if args.deepspeed and os.path.realpath(args.deepspeed) != os.path.realpath(config):
+        # A dict (a config given in code, not a file) is not the shipped file either.
+        if args.deepspeed and (not isinstance(args.deepspeed, str)
+                               or os.path.realpath(args.deepspeed) != os.path.realpath(config)):
             raise InputError(f"{given} and --deepspeed {args.deepspeed} both given: {given} means --deepspeed "
                              f"{config}; give only one")
         args.deepspeed = config
@@ -234,7 +236,7 @@ class DeepSpeedChatDataArguments(ConversationDataArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.mapped_flags = []
+        self.mapped_flags: list[str] = []
         map_flags(self, {"max_seq_len": lambda length: MappedFlag("max_seq_length", length)}, self.mapped_flags)
 
 

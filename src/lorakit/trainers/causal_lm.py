@@ -28,7 +28,7 @@ from lorakit.core.model_files import complete_checkpoints
 from lorakit.models.chunked_loss import agreed_across_ranks, causal_lm_loss, head_reproduces_logits
 from lorakit.models.kernels import compile_decoder_layers
 from lorakit.models.router import router_aux_coef, router_aux_term
-from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint
+from lorakit.trainers.checkpoints import CheckpointCompletion, clear_for_checkpoint, output_dir_of
 from lorakit.trainers.common import padding_multiple
 from lorakit.trainers.deepspeed_resume import load_deepspeed_checkpoint
 from lorakit.trainers.router_monitor import add_router_monitor
@@ -37,8 +37,9 @@ from lorakit.trainers.token_batches import TokenBudgetBatchSampler
 if TYPE_CHECKING:
     import datasets
     import optuna
+    from transformers import PreTrainedModel
 
-    from lorakit.trainers.arguments import CausalLMTrainingArguments
+    from lorakit.trainers.arguments import CausalLMTrainingArguments, ToolkitTrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class StopOnNonFinite(TrainerCallback):
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> TrainerControl:
-        values = {name: logs[name] for name in ("loss", "grad_norm") if name in (logs or {})}
+        logged = logs or {}
+        values = {name: logged[name] for name in ("loss", "grad_norm") if name in logged}
         if not values:
             return control  # an eval or end-of-training log
         bad = {name: value for name, value in values.items() if not math.isfinite(value)}
@@ -117,7 +119,7 @@ class StopOnNonFinite(TrainerCallback):
         control.should_save = False
         # The last step too: ending the run would save its weights as the final adapter.
         if len(self.nonfinite_steps) >= self.max_nonfinite_steps or state.global_step >= state.max_steps:
-            raise TrainingDiverged(self.stop_message(args.output_dir, bad))
+            raise TrainingDiverged(self.stop_message(output_dir_of(args), bad))
         return control
 
     def stop_message(self, output_dir: str, bad: dict[str, float]) -> str:
@@ -144,6 +146,13 @@ class ResumableTrainer(Trainer):
     their completion marker is written, after everything else (trainers.checkpoints.CheckpointCompletion). Every
     stage's Trainer builds on it, so a mixture-of-experts model's router statistics (trainers.router_monitor) are
     installed here, once for all, and their figures join each training log."""
+
+    # Narrower than the Trainer's own types: Trainer.__init__ sets a model (given, or from model_init) or raises, and
+    # every stage's arguments are the toolkit's.
+    model: "PreTrainedModel | nn.Module"
+    args: "ToolkitTrainingArguments"
+    # The sampler ordering the epochs, set where it is built (_get_train_sampler).
+    epoch_sampler: "TokenBudgetBatchSampler | EpochSeededLengthGroupedSampler"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -211,6 +220,8 @@ class ResumableTrainer(Trainer):
         max_tokens = getattr(self.args, "max_tokens_per_batch", None)
         if max_tokens:
             dataset = train_dataset if train_dataset is not None else self.train_dataset
+            if dataset is None:
+                raise ValueError("--max_tokens_per_batch: no training dataset to batch")
             # A list: each row access of a datasets Column costs a lookup, and the cut reads every length thrice.
             self.epoch_sampler = TokenBudgetBatchSampler(list(dataset["length"]), max_tokens,
                                                          padding_multiple(self.args), seed, self.args.world_size,
@@ -297,7 +308,8 @@ class CausalLMTrainer(ResumableTrainer):
             loss = loss + self.router_aux_share(outputs.aux_loss, num_items_in_batch)
         return loss
 
-    def router_aux_share(self, aux_loss: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+    def router_aux_share(self, aux_loss: torch.Tensor | None,
+                         num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor | float:
         """This micro-batch's router term: coef * aux_loss, the step's mean over its micro-batches. Not multiplied by
         the processes (the data-parallel mean of the gradients averages it, as it should); divided by the
         accumulation steps where the Trainer leaves the loss undivided because the token loss is already normalised

@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -119,8 +119,10 @@ def deepspeed_identity(config: str | dict[str, Any] | None) -> dict[str, Any] | 
         return None
     if isinstance(config, str):
         with open(config, encoding="utf-8") as handle:
-            config = json.load(handle)
-    zero = config.get("zero_optimization") or {}
+            values: dict[str, Any] = json.load(handle)
+    else:
+        values = config
+    zero = values.get("zero_optimization") or {}
 
     def offload(section: str) -> Any:
         value = zero.get(section)
@@ -128,8 +130,8 @@ def deepspeed_identity(config: str | dict[str, Any] | None) -> dict[str, Any] | 
         return None if device in (None, "none") else device
 
     return {"zero_stage": zero.get("stage", 0), "offload_optimizer": offload("offload_optimizer"),
-            "offload_param": offload("offload_param"), "bf16": (config.get("bf16") or {}).get("enabled", False),
-            "fp16": (config.get("fp16") or {}).get("enabled", False)}
+            "offload_param": offload("offload_param"), "bf16": (values.get("bf16") or {}).get("enabled", False),
+            "fp16": (values.get("fp16") or {}).get("enabled", False)}
 
 
 def model_identity(sources: tuple[Any, ...], memo: FingerprintMemo | None) -> dict[str, Any]:
@@ -260,17 +262,18 @@ def rank_zero_decides(decide: Callable[[], Decision]) -> Decision:
     a disk must not differ between nodes."""
     if process_count() == 1:
         return decide()
-    outcome = [None]
+    outcome: list[tuple[Decision, None] | tuple[None, str] | None] = [None]
     if dist.get_rank() == 0:
         try:
             outcome[0] = (decide(), None)
         except InputError as err:
             outcome[0] = (None, str(err))
     dist.broadcast_object_list(outcome, src=0)
-    value, refusal = outcome[0]
-    if refusal is not None:
-        raise InputError(refusal)
-    return value
+    decided = outcome[0]
+    assert decided is not None  # rank 0's, on every rank now (rank 0 raised any other error itself)
+    if decided[1] is not None:
+        raise InputError(decided[1])
+    return decided[0]
 
 
 def refuse_unless_every_rank_agrees(checkpoint: str, unreadable: str | None, refusal: str | None) -> None:
@@ -278,7 +281,7 @@ def refuse_unless_every_rank_agrees(checkpoint: str, unreadable: str | None, ref
     checkpoint (why, on the first such rank), else rank 0's refusal of it (its identity differs)."""
     found = [(unreadable, refusal)]
     if process_count() > 1:
-        found = [None] * process_count()
+        found = [(None, None)] * process_count()  # placeholders, each replaced by a rank's pair
         dist.all_gather_object(found, (unreadable, refusal))
     failing = [rank for rank, (problem, _) in enumerate(found) if problem is not None]
     if failing and failing[0] == 0:
@@ -337,10 +340,18 @@ def write_completion_marker(checkpoint: str, record: dict[str, Any]) -> None:
     sync_path(os.path.dirname(checkpoint))
 
 
+def output_dir_of(args: TrainingArguments) -> str:
+    """args.output_dir: transformers types it str | None, and TrainingArguments.__post_init__ sets it
+    ("trainer_output") where it was not given."""
+    if args.output_dir is None:
+        raise ValueError("TrainingArguments.output_dir is None: its __post_init__ has not run on these arguments")
+    return args.output_dir
+
+
 def clear_for_checkpoint(args: TrainingArguments, step: int) -> None:
     """Before the Trainer writes checkpoint-N: a checkpoint-N left by an earlier attempt (a save cut short, or a
     run resumed from an earlier step) is removed, so that no file or marker of it outlives the new save."""
-    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    path = os.path.join(output_dir_of(args), f"checkpoint-{step}")
     if args.should_save and os.path.isdir(path):
         logger.info("%s is left from an earlier attempt (%s): removed before it is saved again", path,
                     checkpoint_problem(path) or "complete")
@@ -386,7 +397,7 @@ def check_weights_finite(checkpoint: str, model: nn.Module | None) -> None:
     update can go non-finite after a finite loss (StopOnNonFinite sees only the loss and gradient norm)."""
     found = [nonfinite_weights(model)]
     if process_count() > 1:
-        found = [None] * process_count()
+        found = [[]] * process_count()  # placeholders, each replaced by a rank's list
         dist.all_gather_object(found, nonfinite_weights(model))
     names = sorted({name for names in found for name in names})
     if names:
@@ -403,7 +414,7 @@ def mark_checkpoint_complete(args: TrainingArguments, state: TrainerState, model
     process writes the marker (the identity, and each file's size and content hash) and rotates the checkpoints (the
     Trainer's own rotation is held back until now: it would remove the last complete checkpoint before the new one
     is complete)."""
-    checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    checkpoint = os.path.join(output_dir_of(args), f"checkpoint-{state.global_step}")
     # The first wait: a rank that walks the checkpoint while the saving rank still writes its adapter (temporary
     # names renamed away, files replaced by links) would find a listed file gone.
     barrier()
@@ -418,7 +429,7 @@ def mark_checkpoint_complete(args: TrainingArguments, state: TrainerState, model
                                          "identity": run.identity, "data": sorted(run.data),
                                          "files": file_sizes(checkpoint), "hashes": file_hashes(checkpoint)})
     best = state.best_model_checkpoint
-    rotate_checkpoints(args.output_dir, args.save_total_limit, checkpoint, {best} if best else set())
+    rotate_checkpoints(output_dir_of(args), args.save_total_limit, checkpoint, {best} if best else set())
 
 
 class CheckpointCompletion(TrainerCallback):
@@ -463,7 +474,7 @@ def start_writing(args: "ToolkitTrainingArguments", resume_checkpoint: str | Non
     save_pending_memo()
     if args.overwrite_output_dir and args.should_save:
         resumed = os.path.realpath(resume_checkpoint) if resume_checkpoint else None
-        earlier = [path for _, path, _ in checkpoint_states(args.output_dir) if os.path.realpath(path) != resumed]
+        earlier = [path for _, path, _ in checkpoint_states(output_dir_of(args)) if os.path.realpath(path) != resumed]
         if earlier:
             logger.info("--overwrite_output_dir: removing %d checkpoint(s) of an earlier run in %s: %s", len(earlier),
                         args.output_dir, ", ".join(os.path.basename(path) for path in earlier))
@@ -483,12 +494,19 @@ def write_base_record(adapter_dir: str) -> None:
                           {"base_model_name_or_path": identity[flag], "weights": identity[f"{flag} weights"]})
 
 
+class AdapterSaver(Protocol):
+    """A model whose save_pretrained writes its trained adapter: a PeftModel, or an RL policy (its actor's)."""
+
+    def save_pretrained(self, save_directory: str) -> None: ...
+
+
 def save_adapter(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, path: str, is_main_process: bool) -> None:
     """Adapter + tokenizer in `path`. Under ZeRO-3 the adapter weights are gathered first
     (every rank must call this), the frozen base is not."""
     with gathered(p for p in model.parameters() if p.requires_grad):
         if is_main_process:
-            model.save_pretrained(path)
+            # nn.Module's __getattr__ would type the method as a Tensor or a Module.
+            cast(AdapterSaver, model).save_pretrained(path)
             write_base_record(path)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
@@ -507,7 +525,8 @@ class SavePeftModelCallback(CheckpointCompletion):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 model: nn.Module | None = None, processing_class: PreTrainedTokenizerBase | None = None,
                 **kwargs: Any) -> None:
-        checkpoint_dir = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        assert model is not None  # the Trainer hands its model to every callback event
+        checkpoint_dir = os.path.join(output_dir_of(args), f"checkpoint-{state.global_step}")
         adapter_dir = os.path.join(checkpoint_dir, self.adapter_dir_name)
         if args.should_save and os.path.isdir(adapter_dir):
             # Rewritten in place, a file hard-linked to the Trainer's copy would change that copy too.
@@ -520,4 +539,6 @@ class SavePeftModelCallback(CheckpointCompletion):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: nn.Module | None = None, processing_class: PreTrainedTokenizerBase | None = None,
                      **kwargs: Any) -> None:
-        save_adapter(model, processing_class, os.path.join(args.output_dir, self.adapter_dir_name), args.should_save)
+        assert model is not None  # the Trainer hands its model to every callback event
+        save_adapter(model, processing_class, os.path.join(output_dir_of(args), self.adapter_dir_name),
+                     args.should_save)

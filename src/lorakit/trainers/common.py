@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 from collections.abc import Sized
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import transformers
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase, TrainingArguments
@@ -20,6 +21,7 @@ from lorakit.models.loader import check_load_plan, check_model_inputs, load_mode
 from lorakit.trainers.arguments import ToolkitTrainingArguments, map_half_weights_on_cpu
 from lorakit.trainers.checkpoints import (
     identify_run,
+    output_dir_of,
     rank_zero_decides,
     resumable_checkpoint_data,
     start_writing,
@@ -64,10 +66,11 @@ def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> str | N
     otherwise the last complete checkpoint in output_dir (incomplete ones are skipped, each named in the log);
     a non-empty output_dir without one is refused unless --overwrite_output_dir. --resume_from_checkpoint false
     never resumes: an output_dir that is not empty is refused unless --overwrite_output_dir."""
-    output_dir = training_args.output_dir
+    output_dir = output_dir_of(training_args)
     requested = training_args.resume_from_checkpoint
     if requested and requested.lower() == "false":
-        return start_without_resuming(training_args)
+        start_without_resuming(training_args)
+        return None
     if requested and requested.lower() not in ("true", "false"):
         if not os.path.isfile(os.path.join(requested, "trainer_state.json")):
             raise InputError(f"{requested}: --resume_from_checkpoint is not a complete checkpoint "
@@ -100,12 +103,12 @@ def choose_resume_checkpoint(training_args: ToolkitTrainingArguments) -> str | N
 
 def start_without_resuming(training_args: ToolkitTrainingArguments) -> None:
     """--resume_from_checkpoint false: a fresh start, into an empty output_dir or with --overwrite_output_dir."""
-    output_dir = training_args.output_dir
+    output_dir = output_dir_of(training_args)
     if not os.path.isdir(output_dir) or not os.listdir(output_dir) or training_args.overwrite_output_dir:
         if training_args.overwrite_output_dir and checkpoint_states(output_dir):
             logger.info("--resume_from_checkpoint false --overwrite_output_dir: training from scratch (the checkpoints "
                         "in %s are removed when training starts)", output_dir)
-        return None
+        return
     held = [os.path.basename(path) for _, path, _ in checkpoint_states(output_dir)]
     raise InputError(f"{output_dir}: --resume_from_checkpoint false, but --output_dir is not empty"
                      + (f" (it holds {', '.join(held)})" if held else "")
@@ -125,20 +128,27 @@ def resolve_resume_checkpoint(training_args: ToolkitTrainingArguments, model_arg
     return checkpoint
 
 
-class RunStart(NamedTuple):
+# The stage's own training arguments class, the last of the classes start_run parses.
+TrainingArgs = TypeVar("TrainingArgs", bound=ToolkitTrainingArguments)
+
+
+# A dataclass, not a NamedTuple: one cannot be generic before Python 3.11.
+@dataclass(frozen=True)
+class RunStart(Generic[TrainingArgs]):
     """What start_run parsed and checked before anything is written. data_args is the stage's own data class
-    (pt's DataArguments or a ConversationDataArguments); the config goes on to load_model, so a run reads it
-    once."""
+    (pt's DataArguments or a ConversationDataArguments), training_args its own training arguments class; the config
+    goes on to load_model, so a run reads it once."""
 
     model_args: ModelArguments
     data_args: Any
-    training_args: ToolkitTrainingArguments
+    training_args: TrainingArgs
     resume_checkpoint: str | None
     tokenizer: PreTrainedTokenizerBase
     config: PreTrainedConfig
 
 
-def start_run(argument_classes: tuple[type, ...], task: str = "causal_lm", fold_adapter: bool = False) -> RunStart:
+def start_run(argument_classes: tuple[type[ModelArguments], type, type[TrainingArgs]], task: str = "causal_lm",
+              fold_adapter: bool = False) -> RunStart[TrainingArgs]:
     """The common start of every run_* script but PPO's: parse the arguments, set up logging, and
     check everything that can be refused (evaluation data, resume point, tokenizer, model config,
     adapter, vocabulary, and what loading the model would refuse: models.loader.check_load_plan with
@@ -191,6 +201,8 @@ def train_and_finish(trainer: "Trainer", resume_checkpoint: str | None, full_fin
                      eval_dataset: Sized | None, num_train_samples: int) -> None:
     """Train (resuming if asked), save a fully fine-tuned model (adapters are saved by their
     callback), and write run_clm's result files."""
+    if not isinstance(trainer.args, ToolkitTrainingArguments):  # every stage's are (trainers.arguments)
+        raise TypeError(f"{type(trainer.args).__name__}: a stage trains with the toolkit's training arguments")
     start_writing(trainer.args, resume_checkpoint)
     train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
     if full_finetuning:

@@ -69,10 +69,13 @@ class DataCollatorForAnswerLogps(DataCollatorForPreferencePairs):
                 chosen_row, rejected_row = i, pairs + i
                 rejected_position = [j - 1 for j in range(len(rejected))]
             for j in range(feature["chosen_answer_start"], len(chosen)):
-                index.append(chosen_row * width + j - 1), targets.append(chosen[j]), owner.append(i)
+                index.append(chosen_row * width + j - 1)
+                targets.append(chosen[j])
+                owner.append(i)
             for j in range(feature["rejected_answer_start"], len(rejected)):
                 index.append(rejected_row * width + rejected_position[j])
-                targets.append(rejected[j]), owner.append(pairs + i)
+                targets.append(rejected[j])
+                owner.append(pairs + i)
         batch.update(answer_index=torch.tensor(index), answer_targets=torch.tensor(targets),
                      answer_owner=torch.tensor(owner))
         for name in REFERENCE_COLUMNS:
@@ -113,11 +116,20 @@ def reference_logps(model: nn.Module, unwrapped_model: nn.Module, batch: dict[st
         return answer_logps(model, batch).sums
 
 
+class PairLoss(NamedTuple):
+    """A batch's DPO loss, and its pairs' rewards ({"chosen": ..., "rejected": ...}: compute_loss's outputs)."""
+
+    loss: torch.Tensor
+    rewards: dict[str, torch.Tensor]
+
+
 class DPOTrainer(ResumableTrainer):
     """compute_loss: policy and reference log-probs of each pair's answers -> the --loss_type loss
     (+ the NLL term of ORPO and --rpo_alpha, + a mixture of experts' router load-balancing term on the policy's
     pass, models.router); the pair metrics are summed per mode and logged,
     averaged over every pair since the last log, with TRL's names."""
+
+    args: DPOArguments  # the stage's own (Trainer types them as TrainingArguments)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -126,6 +138,11 @@ class DPOTrainer(ResumableTrainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        result = self.pair_loss(model, inputs)
+        return (result.loss, result.rewards) if return_outputs else result.loss
+
+    def pair_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any]) -> PairLoss:
+        """compute_loss's loss and rewards, the loss alone typed as such; the batch's metrics recorded."""
         args = self.args
         ref_chosen = ref_rejected = None
         if args.loss_type not in REFERENCE_FREE:
@@ -147,7 +164,7 @@ class DPOTrainer(ResumableTrainer):
         loss = loss + router_aux_term(self.router_aux_coef, router_aux)
         self.record_metrics("train" if model.training else "eval", chosen_rewards, rejected_rewards,
                             chosen.detach(), rejected.detach())
-        return (loss, {"chosen": chosen_rewards, "rejected": rejected_rewards}) if return_outputs else loss
+        return PairLoss(loss, {"chosen": chosen_rewards, "rejected": rejected_rewards})
 
     def record_metrics(self, mode: str, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
                        chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> None:
@@ -168,7 +185,7 @@ class DPOTrainer(ResumableTrainer):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
+            loss = self.pair_loss(model, inputs).loss
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -178,6 +195,7 @@ class DPOTrainer(ResumableTrainer):
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> EvalLoopOutput:
         output = super().evaluation_loop(*args, **kwargs)
+        assert output.metrics is not None  # the Trainer's evaluation loop always returns its metrics
         output.metrics.update(self.pop_metrics("eval", f"{kwargs.get('metric_key_prefix', 'eval')}_"))
         return output
 

@@ -3,9 +3,8 @@ tokenized with the chat template (DeepSpeed-Chat's data split, the held-out shar
 tokenized with, and whether a model runs each pair's shared prompt once."""
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from torch import nn
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
 from lorakit.core.cli import InputError
@@ -20,6 +19,9 @@ from lorakit.trainers.arguments import PreferenceDataArguments
 from lorakit.trainers.common import resolve_sequence_length
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
     from lorakit.trainers.dpo_config import DPOArguments
     from lorakit.trainers.reward_config import RewardArguments
 
@@ -38,9 +40,10 @@ def build_pair_datasets(data_args: PreferenceDataArguments, tokenizer: PreTraine
     files = find_record_files(data_args.dataset_dir, data_args.data_path)
     if not files:
         raise InputError("no training data: give --dataset_dir or --data_path")
-    common = {"tokenizer": tokenizer, "template": chat_template.text, "template_kwargs": chat_template.kwargs,
-              "max_length": max_length, "cache_dir": data_cache_dir(data_args.data_cache_dir),
-              "num_proc": data_args.preprocessing_num_workers}
+    common: dict[str, Any] = {"tokenizer": tokenizer, "template": chat_template.text,
+                              "template_kwargs": chat_template.kwargs, "max_length": max_length,
+                              "cache_dir": data_cache_dir(data_args.data_cache_dir),
+                              "num_proc": data_args.preprocessing_num_workers}
     check = None if data_args.validation_file else held_out_check(data_args.validation_split_percentage, seed, "pairs")
     train = build_preference_dataset(files, data_split=data_args.data_split, data_phase=data_args.data_phase,
                                      seed=seed, check=check, **common)
@@ -71,12 +74,13 @@ def prepared_pairs(data_args: PreferenceDataArguments, training_args: TrainingAr
         train_dataset, eval_dataset = build_pair_datasets(data_args, tokenizer, chat_template, max_length,
                                                      training_args.seed)
     train_dataset = first_samples(train_dataset, data_args.max_train_samples)
+    assert train_dataset is not None  # first_samples keeps a dataset it is given (typed Dataset | None for any)
     eval_dataset = first_samples(eval_dataset, data_args.max_eval_samples)
     logger.info("train pairs: %d, eval pairs: %d", len(train_dataset), len(eval_dataset) if eval_dataset else 0)
     return ValidationSplit(train_dataset, eval_dataset)
 
 
-def shares_pair_prefix(model: nn.Module, training_args: "RewardArguments | DPOArguments") -> bool:
+def shares_pair_prefix(model: "PreTrainedModel | PeftModel", training_args: "RewardArguments | DPOArguments") -> bool:
     """One row per pair (the prompt once) where the attention implementation takes the pair mask."""
     attention = model.config._attn_implementation
     share_prefix = training_args.share_pair_prefix and attention in MASKABLE_ATTENTION

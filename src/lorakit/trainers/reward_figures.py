@@ -115,9 +115,10 @@ def calibration(differences: np.ndarray, bins: int = CALIBRATION_BINS) -> dict[s
     for b in range(bins):
         members = index == b
         count = int(members.sum())
-        mean_predicted = float(predicted[members].mean()) if count else None
-        observed = float(outcome[members].mean()) if count else None
+        mean_predicted: float | None = None
+        observed: float | None = None
         if count:
+            mean_predicted, observed = float(predicted[members].mean()), float(outcome[members].mean())
             ece += count / len(predicted) * abs(mean_predicted - observed)
         table.append({"low": b / bins, "high": (b + 1) / bins, "count": count, "mean_predicted": mean_predicted,
                       "observed": observed})
@@ -128,7 +129,8 @@ def margin_distribution(differences: np.ndarray) -> dict[str, float | None]:
     """Mean, standard deviation (of the population), extremes and quantiles (linear interpolation) of d."""
     if not len(differences):
         return {name: None for name in ("mean", "std", "min", *MARGIN_QUANTILES, "max")}
-    figures = {"mean": float(differences.mean()), "std": float(differences.std()), "min": float(differences.min())}
+    figures: dict[str, float | None] = {"mean": float(differences.mean()), "std": float(differences.std()),
+                                        "min": float(differences.min())}
     figures |= {name: float(np.quantile(differences, q)) for name, q in MARGIN_QUANTILES.items()}
     return figures | {"max": float(differences.max())}
 

@@ -35,6 +35,7 @@ from lorakit.records.readers import (
     preference_of,
     records_of,
 )
+from lorakit.trainers.checkpoints import output_dir_of
 from lorakit.trainers.preference_pairs import PairRendering
 from lorakit.trainers.reward_figures import TIE_TOLERANCE, SetScores, VariantScores, set_figures
 
@@ -150,7 +151,7 @@ def eval_set_files(paths: list[str], has_held_out: bool) -> dict[str, str]:
             raise InputError(f"{path}: --eval_sets files must be .json (a list) or .jsonl (one record a line)")
         else:
             files.append(path)
-    named = {}
+    named: dict[str, str] = {}
     for path in files:
         name = os.path.splitext(os.path.basename(path))[0]
         if name in named or (has_held_out and name == HELD_OUT):
@@ -240,8 +241,8 @@ def held_out_set(data_args: "PreferenceDataArguments", seed: int, eval_dataset: 
     if records is None:
         logger.warning("the held-out pairs could not be matched to their records: no change is scored on them")
     source = data_args.validation_file or f"--validation_split_percentage {data_args.validation_split_percentage}"
-    return ReportSet(HELD_OUT, source, [ReportPair(pair, record) for pair, record
-                                        in zip(ids, records or [None] * len(ids), strict=True)])
+    matched: list[LocatedRecord | None] = [*records] if records else [None] * len(ids)
+    return ReportSet(HELD_OUT, source, [ReportPair(pair, record) for pair, record in zip(ids, matched, strict=True)])
 
 
 # ----------------------------------------------------------------------------- changes that must not matter
@@ -271,7 +272,9 @@ def template_switches(template: str) -> list[str]:
     condition reads as booleans. A variable the template assigns is its own (a loop's state), not an argument."""
     source = re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)  # transformers' own tag, not jinja's
     tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
-    tested = set().union(*(boolean_names(node.test) for node in tree.find_all((nodes.If, nodes.CondExpr))))
+    # One find_all per node class: given both, jinja2 types what it finds as a bare Node, which has no test.
+    conditions = [node.test for node in tree.find_all(nodes.If)] + [node.test for node in tree.find_all(nodes.CondExpr)]
+    tested = set().union(*(boolean_names(condition) for condition in conditions))
     assigned = {name.name for name in tree.find_all(nodes.Name) if name.ctx in ("store", "param")}
     defaulted = {test.node.name for test in tree.find_all(nodes.Test)
                  if test.name in ("defined", "undefined") and isinstance(test.node, nodes.Name)}
@@ -352,10 +355,10 @@ def changed_record(record: LocatedRecord, change: str) -> LocatedRecord:
 
 def render_change(report_set: ReportSet, change: str, conversation_tokenizer: ConversationTokenizer,
                   num_proc: int) -> RenderedSet:
-    if any(pair.record is None for pair in report_set.pairs):
+    records = [pair.record for pair in report_set.pairs if pair.record is not None]
+    if len(records) < len(report_set.pairs):
         return RenderedSet(None, "its pairs could not be matched to their records")
-    rendered = render_pairs(conversation_tokenizer, [changed_record(pair.record, change) for pair in report_set.pairs],
-                            num_proc)
+    rendered = render_pairs(conversation_tokenizer, [changed_record(record, change) for record in records], num_proc)
     return RenderedSet([pair.ids for pair in rendered], next((p.problem for p in rendered if p.problem), None))
 
 
@@ -423,9 +426,10 @@ class ScoredSet(NamedTuple):
     variants: dict[str, VariantScores]
 
 
-def altered_pairs(report_set: ReportSet, rendered: RenderedSet) -> list[int]:
-    return [index for index, (pair, ids) in enumerate(zip(report_set.pairs, rendered.ids or [], strict=False))
-            if ids is not None and (ids.chosen, ids.rejected) != (pair.ids.chosen, pair.ids.rejected)]
+def altered_pairs(report_set: ReportSet, rendered: RenderedSet) -> dict[int, PairIds]:
+    """{index in the set: its ids with the change} of the pairs the change alters, in the set's order."""
+    return {index: ids for index, (pair, ids) in enumerate(zip(report_set.pairs, rendered.ids or [], strict=False))
+            if ids is not None and (ids.chosen, ids.rejected) != (pair.ids.chosen, pair.ids.rejected)}
 
 
 def variant_scores(base: np.ndarray, rendered: RenderedSet, rescored: Rescored,
@@ -447,8 +451,9 @@ def score_report(inputs: ReportInputs, scorer: Scorer) -> list[ScoredSet]:
     rescored = {}
     for change, rendered_sets in inputs.changes.items():
         for index, (report_set, rendered) in enumerate(zip(inputs.sets, rendered_sets, strict=True)):
-            rescored[change, index] = Rescored(altered_pairs(report_set, rendered), len(rows))
-            rows += [rendered.ids[i] for i in rescored[change, index].pairs]
+            altered = altered_pairs(report_set, rendered)
+            rescored[change, index] = Rescored(list(altered), len(rows))
+            rows.extend(altered.values())
     scores = scorer(rows)
     differences = scores.chosen - scores.rejected
     scored, offset = [], 0
@@ -603,8 +608,9 @@ def write_reward_report(trainer: "Trainer", inputs: ReportInputs | None) -> None
     if not trainer.args.should_save:
         return
     figures = report_figures(inputs, scored, trainer.state.global_step)
-    write_report(trainer.args.output_dir, figures, trainer.state.log_history)
+    output_dir = output_dir_of(trainer.args)
+    write_report(output_dir, figures, trainer.state.log_history)
     summary = ", ".join(f"{name} {accuracy_cell(of_set['accuracy'], interval=True)}"
                         for name, of_set in figures["sets"].items())
     logger.info("reward report (accuracy [95%% CI]): %s; written to %s", summary,
-                ", ".join(os.path.join(trainer.args.output_dir, name) for name in REPORT_FILES))
+                ", ".join(os.path.join(output_dir, name) for name in REPORT_FILES))

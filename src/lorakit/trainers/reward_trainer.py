@@ -11,11 +11,14 @@ from transformers import EvalPrediction
 
 from lorakit.models.heads import score_pairs
 from lorakit.trainers.causal_lm import ResumableTrainer
+from lorakit.trainers.reward_config import RewardArguments
 
 
 class RewardTrainer(ResumableTrainer):
     """Pairwise loss -logsigmoid(r_chosen - r_rejected - margin) over batches holding each
     pair's chosen and rejected sequences together (one forward for both)."""
+
+    args: RewardArguments  # the stage's own (Trainer types them as TrainingArguments)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:

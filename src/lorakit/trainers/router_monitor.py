@@ -64,13 +64,16 @@ class RouterMonitor(TrainerCallback):
 def add_router_monitor(trainer: "Trainer") -> RouterMonitor | None:
     """Router statistics for the trainer's model where it has routers (None for a dense model): the counting hooks
     and the RouterMonitor callback. Not under --torch_compile: the hooks would run inside compiled decoder layers."""
-    sites = find_routers(trainer.model)
+    model = trainer.model
+    if model is None:  # Trainer.__init__ sets one (given, or from model_init) before its subclasses run
+        raise ValueError("router statistics need the Trainer's model")
+    sites = find_routers(model)
     if not sites:
         return None
     if trainer.args.torch_compile:
         logger.info("router statistics off under --torch_compile (their hooks would sit in compiled layers)")
         return None
-    monitor = RouterMonitor(RouterCounter(trainer.model, sites),
+    monitor = RouterMonitor(RouterCounter(model, sites),
                             lambda counts: trainer.accelerator.reduce(counts, "sum"), trainer.args.device)
     trainer.add_callback(monitor)
     logger.info("router statistics: %d routers (%s, ...), logged as router/max_expert_share and "
