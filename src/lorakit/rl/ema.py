@@ -10,13 +10,24 @@ from safetensors.torch import load_file, save_file
 
 from lorakit.core.cli import InputError
 from lorakit.models.zero3 import gathered
+from lorakit.rl.ppo_policy import SeparatePolicy
 from lorakit.rl.rl_math import ema_update
 from lorakit.rl.role_policy import RolePolicy, SharedBasePolicy
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedTokenizerBase
 
 EMA_DIR_NAME = "actor_ema"
+
+
+def actor_peft_model(model: RolePolicy) -> "PeftModel":
+    """The peft model holding the actor's adapter ("default"): the shared base's, or the separate actor."""
+    if isinstance(model, SharedBasePolicy):
+        return model.policy
+    if isinstance(model, SeparatePolicy):
+        return model.actor
+    raise TypeError(f"{type(model).__name__}: no actor adapter known to save an EMA of")
 
 
 class ActorEMA:
@@ -53,7 +64,7 @@ class ActorEMA:
             return
         from peft import get_peft_model_state_dict
 
-        actor = self.model.policy if isinstance(self.model, SharedBasePolicy) else self.model.actor
+        actor = actor_peft_model(self.model)
         weights = get_peft_model_state_dict(actor, state_dict=dict(self.weights), adapter_name="default")
         path = os.path.join(directory, EMA_DIR_NAME)
         os.makedirs(path, exist_ok=True)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -45,8 +45,11 @@ TRAINING_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_logprobs
                    "advantages", "returns")
 
 # One micro-batch for the Trainer: TRAINING_FIELDS' tensors, the int prompt_length, the bool old_from_update, and
-# ptx_input_ids.
-MicroBatch = dict[str, torch.Tensor | int | bool]
+# ptx_input_ids (GRPO's: its own fields and the float step_tokens). Typed as the Trainer types compute_loss's inputs:
+# each field's type is the stage's to know.
+MicroBatch = dict[str, Any]
+# The run's arguments an ExperienceMaker reads: any stage's for the rollout, PPO's for make() (its reward shaping).
+RolloutArgs = TypeVar("RolloutArgs", bound="RolloutArguments", covariant=True)
 
 
 @dataclass
@@ -170,6 +173,22 @@ def derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
+def generation_batch_size(args: "RolloutArguments") -> int:
+    """Prompts (PPO) or answers (GRPO) per generate() call per process: PPO's flag, or what GRPOArguments'
+    __post_init__ sets (its flag, default --per_device_train_batch_size); None only before that."""
+    if args.per_device_generation_batch_size is None:
+        raise ValueError("per_device_generation_batch_size is not set: the stage's arguments set it in __post_init__")
+    return args.per_device_generation_batch_size
+
+
+def training_batch_size(args: "RolloutArguments") -> int:
+    """Rows per micro-batch of the old policy's pass and the update: PPO's --per_device_training_batch_size (default
+    8) or GRPO's --per_device_train_batch_size, as their __post_init__ set it; None only before that."""
+    if args.per_device_training_batch_size is None:
+        raise ValueError("per_device_training_batch_size is not set: the stage's arguments set it in __post_init__")
+    return args.per_device_training_batch_size
+
+
 def iteration_prompt_indices(num_prompts: int, iteration: int, count: int, args: "RolloutArguments") -> list[int]:
     """The indices of this process's count prompts of one iteration: each process its own stretch of the seeded
     prompt stream, so that one process taking world_size x count prompts takes the same ones."""
@@ -180,7 +199,7 @@ def iteration_prompt_indices(num_prompts: int, iteration: int, count: int, args:
 def iteration_prompt_rows(prompts: list[list[int]], iteration: int, args: "RolloutArguments") -> list[list[int]]:
     """This process's prompts of one PPO iteration: generation_batches x per_device_generation_batch_size
     of them (iteration_prompt_indices)."""
-    size = args.generation_batches * args.per_device_generation_batch_size
+    size = args.generation_batches * generation_batch_size(args)
     return [prompts[i] for i in iteration_prompt_indices(len(prompts), iteration, size, args)]
 
 
@@ -195,7 +214,7 @@ def evaluation_prompt_rows(prompts: list[list[int]], args: "RolloutArguments") -
     """This process's share of the held-out prompts, (rows, weights [rows] float): every process
     gets the same number of generation batches (under ZeRO-3 each forward is a collective), filled
     with repeats of the first prompt that weigh 0 in the statistics."""
-    batch, world = args.per_device_generation_batch_size, args.world_size
+    batch, world = generation_batch_size(args), args.world_size
     per_rank = math.ceil(len(prompts) / world / batch) * batch
     mine = list(range(args.process_index, len(prompts), world))
     weights = torch.tensor([1.0] * len(mine) + [0.0] * (per_rank - len(mine)))
@@ -279,13 +298,14 @@ class PhaseTimes:
         return drained
 
 
-class ExperienceMaker:
+class ExperienceMaker(Generic[RolloutArgs]):
     """Experience from prompts with the four roles of a RolePolicy: sampling by the actor, then no-grad
     passes of the reference, critic and reward model, then reward shaping and advantages
-    (shape_experience). args is the run's PPOArguments. deepspeed_engine: returns the Trainer's
-    DeepSpeed engine (None before it exists); under ZeRO-3 generation goes through its hooks."""
+    (shape_experience). args is the run's arguments: any stage's samples (generate, old_logprobs), PPOArguments
+    make the experience (make). deepspeed_engine: returns the Trainer's DeepSpeed engine (None before it exists);
+    under ZeRO-3 generation goes through its hooks."""
 
-    def __init__(self, model: "RolePolicy", args: "PPOArguments", pad_id: int, answer_end_id: int,
+    def __init__(self, model: "RolePolicy", args: RolloutArgs, pad_id: int, answer_end_id: int,
                  after_turn_end_ids: Sequence[int], max_answer_len: int, max_prompt_len: int | None = None,
                  deepspeed_engine: Callable[[], Any] | None = None) -> None:
         self.model, self.args = model, args
@@ -294,7 +314,8 @@ class ExperienceMaker:
         self.engine = rollout_engine(model, args, pad_id, answer_end_id, max_answer_len,
                                      deepspeed_engine or (lambda: None), max_prompt_len)
 
-    def make(self, prompt_rows: list[list[int]], seed: int, kl_coef: float, times: PhaseTimes | None = None,
+    def make(self: "ExperienceMaker[PPOArguments]", prompt_rows: list[list[int]], seed: int, kl_coef: float,
+             times: PhaseTimes | None = None,
              row_chunks: list[torch.Tensor] | None = None, old_from_update: bool = False) -> Experience:
         """Sample answers to prompt_rows (token ids) with the given seed, take the old policy's log-probs
         from the training forward (old_logprobs, over row_chunks), score and shape them; the phases'
@@ -317,7 +338,7 @@ class ExperienceMaker:
         micro-batches of rows the first update sees (row_chunks; default: rows in order, in
         per_device_training_batch_size), so that update's ratio is 1 whatever the sampler's numerics."""
         size, device = rollout.input_ids.shape[0], rollout.input_ids.device
-        chunks = row_chunks or list(torch.arange(size).split(self.args.per_device_training_batch_size))
+        chunks = row_chunks or list(torch.arange(size).split(training_batch_size(self.args)))
         logprobs = torch.zeros_like(rollout.logprobs)
         for rows in chunks:
             rows = rows.to(device)
@@ -337,7 +358,7 @@ class ExperienceMaker:
         generation batch): each batch sampled from its own seed at its own prompts' width, so that it
         samples the same answers whichever process and rollout it falls in (else one seed for all, the
         rollout's width)."""
-        device, batch = self.args.device, self.args.per_device_generation_batch_size
+        device, batch = self.args.device, generation_batch_size(self.args)
         width = max(len(row) for row in prompt_rows)
         prompt_ids, prompt_mask = left_pad(prompt_rows, width, self.pad_id)
         parts = []
@@ -379,7 +400,7 @@ class ExperienceMaker:
                     "values": model.answer_values(ids, mask, prompt_length), "scores": model.scores(*closed)}
 
         parts: dict[str, list[torch.Tensor]] = {"ref_logprobs": [], "values": [], "scores": []}
-        batch = self.args.per_device_generation_batch_size
+        batch = generation_batch_size(self.args)
         for start in range(0, rollout.input_ids.shape[0], batch):
             rows = slice(start, start + batch)
             for name, value in model.over_length_groups(rollout.input_ids[rows], rollout.attention_mask[rows], width,
@@ -478,7 +499,7 @@ def epoch_chunks(size: int, iteration: int, epoch: int, args: "RolloutArguments"
     per (iteration, rank, epoch), in per_device_training_batch_size rows."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(
         derived_seed(args.seed, iteration, args.process_index, 2, epoch)))
-    return list(order.split(args.per_device_training_batch_size))
+    return list(order.split(training_batch_size(args)))
 
 
 def micro_batches(experience: Experience, iteration: int, args: "PPOArguments",
@@ -486,11 +507,12 @@ def micro_batches(experience: Experience, iteration: int, args: "PPOArguments",
     """The Trainer's inputs of one iteration: --ppo_epochs passes over the experience, each in its
     own seeded order, in micro-batches of per_device_training_batch_size rows (Experience.training_rows),
     each with ptx_input_ids [rows, block] from the ptx blocks' own seeded stream when there are any."""
-    batches, size = [], experience.input_ids.shape[0]
+    batches: list[MicroBatch] = []
+    size = experience.input_ids.shape[0]
     for epoch in range(args.ppo_epochs):
         batches.extend(experience.training_rows(chunk) for chunk in epoch_chunks(size, iteration, epoch, args))
     if ptx_blocks is not None:
-        rows = args.per_device_training_batch_size
+        rows = training_batch_size(args)
         start = (iteration * args.world_size + args.process_index) * len(batches) * rows
         picked = stream_indices(len(ptx_blocks), args.seed + 1, start, len(batches) * rows)
         for number, batch in enumerate(batches):

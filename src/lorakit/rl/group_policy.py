@@ -10,7 +10,15 @@ from lorakit.core.cli import InputError
 from lorakit.core.model_files import expert_parameter_targets
 from lorakit.models.adapters import log_trainable
 from lorakit.models.loader import keep_trainable_float32, load_model
-from lorakit.rl.role_policy import SharedBasePolicy, new_score_head, reward_adapter_parts
+from lorakit.rl.role_policy import (
+    SharedBasePolicy,
+    add_reward_adapter,
+    base_model,
+    frozen_dtype,
+    new_score_head,
+    peft_model_of,
+    reward_adapter_parts,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
@@ -33,9 +41,9 @@ def load_group_policy(model_args: "GRPOModelArguments", training_args: "GRPOArgu
                       tokenizer: "PreTrainedTokenizerBase", config: "PreTrainedConfig") -> SharedBasePolicy:
     """The actor via the shared loader (on a quantized base with --load_in_kbits), then the reference and reward
     adapters it needs on the same base; only the actor's adapter is trainable."""
-    from peft import LoraConfig, TaskType, set_peft_model_state_dict
+    from peft import LoraConfig, TaskType
 
-    policy = load_model(model_args, training_args, tokenizer, config=config, adapter_flag="--peft_path")
+    policy = peft_model_of(load_model(model_args, training_args, tokenizer, config=config, adapter_flag="--peft_path"))
     reference = None
     if model_args.peft_path and training_args.beta > 0:
         policy.load_adapter(model_args.peft_path, adapter_name="reference", is_trainable=False)
@@ -45,20 +53,18 @@ def load_group_policy(model_args: "GRPOModelArguments", training_args: "GRPOArgu
         lora_weights, score_weights = reward_adapter_parts(model_args.reward_lora_model)
         reward_config = LoraConfig.from_pretrained(model_args.reward_lora_model)
         reward_config.task_type, reward_config.modules_to_save = TaskType.CAUSAL_LM, None
-        check_same_experts(expert_parameter_targets(policy.peft_config["default"].target_parameters),
+        actor_config = policy.peft_config["default"]
+        assert isinstance(actor_config, LoraConfig)  # load_model's adapter: a new LoRA or --peft_path's, a LoRA
+        check_same_experts(expert_parameter_targets(actor_config.target_parameters),
                            expert_parameter_targets(reward_config.target_parameters), model_args.reward_lora_model)
-        policy.add_adapter("reward", reward_config)
-        result = set_peft_model_state_dict(policy, lora_weights, adapter_name="reward")
-        if getattr(result, "unexpected_keys", None):
-            raise InputError(f"{model_args.reward_lora_model}: adapter does not fit the actor's base "
-                             f"(unexpected {result.unexpected_keys[:3]})")
-        output_embedding = policy.get_base_model().get_output_embeddings()
-        dtype = getattr(output_embedding, "original_module", output_embedding).weight.dtype
-        score_head = new_score_head(policy.get_base_model().config.hidden_size, score_weights, dtype, trainable=False)
+        add_reward_adapter(policy, "reward", reward_config, lora_weights, model_args.reward_lora_model)
+        causal_lm = base_model(policy)
+        score_head = new_score_head(causal_lm.config.hidden_size, score_weights, frozen_dtype(causal_lm),
+                                    trainable=False)
     # peft's add/load_adapter re-freeze whatever is not the active adapter: the actor's flags set once, here.
     for name, param in policy.named_parameters():
         param.requires_grad = ".default." in name
-    policy.get_base_model().config.use_cache = False
+    base_model(policy).config.use_cache = False
     model = SharedBasePolicy(policy, score_head=score_head, value_head=None, reference_adapter=reference,
                              reward_adapter_dir=model_args.reward_lora_model)
     logger.info("roles: the actor%s%s on one base", "" if training_args.beta == 0 else

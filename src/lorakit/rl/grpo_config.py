@@ -23,7 +23,9 @@ class GRPOModelArguments(ModelArguments):
     """The shared model arguments (dtype, --load_in_kbits for QLoRA, LoRA shape, ...) with the actor's base in
     --model_name_or_path and its SFT adapter in --peft_path, plus an optional reward adapter on the same base."""
 
-    model_name_or_path: str | None = field(
+    # Required: typed str, as ModelArguments types it and every constructed instance holds it (__post_init__ refuses
+    # None). The None default only marks "not given", so that --actor_model_name_or_path can map to it.
+    model_name_or_path: str = field(  # type: ignore[assignment]
         default=None, metadata={"help": "The actor's base model (or a merged SFT model). Required."})
     lora_dropout: float = field(
         default=0.0,
@@ -61,7 +63,7 @@ class GRPODataArguments(ConversationDataArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.mapped_flags = []
+        self.mapped_flags: list[str] = []
         map_flags(self, {"max_prompt_length": lambda length: MappedFlag("max_prompt_seq_len", length)},
                   self.mapped_flags)
 
@@ -127,7 +129,7 @@ class GRPOArguments(RolloutArguments):
     max_answer_seq_len: int | None = field(default=None, metadata={"help": "PPO's name of --max_completion_length."})
 
     def __post_init__(self) -> None:
-        notes = []
+        notes: list[str] = []
         map_flags(self, GRPO_TRAINER_FLAGS, notes)
         for flag in ("max_completion_length", "num_iterations"):
             if getattr(self, flag) < 1:

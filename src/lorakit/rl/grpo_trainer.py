@@ -19,6 +19,7 @@ from lorakit.rl.experience import (
     append_turn_end,
     derived_seed,
     epoch_chunks,
+    generation_batch_size,
     iteration_prompt_indices,
     with_figure,
 )
@@ -45,6 +46,8 @@ from lorakit.rl.rl_trainer import RLTrainer
 if TYPE_CHECKING:
     from lorakit.data.prompts import Prompt
     from lorakit.rl.grpo_checks import GroupSchedule
+    from lorakit.rl.grpo_config import GRPOArguments
+    from lorakit.rl.role_policy import SharedBasePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ class GRPOTrainer(RLTrainer):
     --reward_funcs; schedule: rl.grpo.GroupSchedule."""
 
     stage_name = "GRPO"
+    args: "GRPOArguments"
+    model: "SharedBasePolicy"  # rl.group_policy's: the actor, the reference and the reward model on one base
 
     def __init__(self, *args: Any, records: list["Prompt"], eval_records: list["Prompt"] | None,
                  rewards: list[RewardFunction], schedule: "GroupSchedule", **kwargs: Any) -> None:
@@ -106,13 +111,19 @@ class GRPOTrainer(RLTrainer):
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(values, self.args.device)
 
+    @property
+    def kl_estimator(self) -> str:
+        """--kl_estimator, which GRPOArguments' __post_init__ sets where not given (k1 in the reward, else k3)."""
+        assert self.args.kl_estimator is not None  # set by __post_init__
+        return self.args.kl_estimator
+
     # -- experience -----------------------------------------------------------
 
     def make_iteration(self, iteration: int) -> list[MicroBatch]:
         """One rollout as the Trainer's micro-batches; its statistics are logged with the rollout's steps."""
         args = self.args
         indices = iteration_prompt_indices(len(self.prompts), iteration, self.schedule.prompts, args)
-        answers, batch = self.schedule.answers, args.per_device_generation_batch_size
+        answers, batch = self.schedule.answers, generation_batch_size(args)
         # A seed per generation batch, by its first answer's place in the global rollout: the same batches sample
         # the same answers on one process or several.
         seeds = [derived_seed(args.seed, iteration, args.process_index * answers + start, 1)
@@ -174,7 +185,7 @@ class GRPOTrainer(RLTrainer):
             return result
 
         parts: dict[str, list[torch.Tensor]] = {}
-        batch = self.args.per_device_generation_batch_size
+        batch = generation_batch_size(self.args)
         for start in range(0, rollout.input_ids.shape[0], batch):
             rows = slice(start, start + batch)
             for name, value in model.over_length_groups(rollout.input_ids[rows], rollout.attention_mask[rows],
@@ -211,7 +222,7 @@ class GRPOTrainer(RLTrainer):
                                     reduce=self.all_reduce_sum).to(mask.device)
         if not self.kl_in_reward:
             return sequence
-        kl = kl_estimate(old, ref, args.kl_estimator) if args.beta > 0 else torch.zeros_like(old)
+        kl = kl_estimate(old, ref, self.kl_estimator) if args.beta > 0 else torch.zeros_like(old)
         returns = reinforce_pp_returns(sequence, kl, mask, args.beta)
         return global_whiten(returns, mask, reduce=self.all_reduce_sum)
 
@@ -227,11 +238,12 @@ class GRPOTrainer(RLTrainer):
                    "sampler_logprobs": rollout.logprobs, "ref_logprobs": experience.ref_logprobs,
                    "advantages": experience.advantages}
         step_tokens = self.all_reduce_sum(experience.training_mask.sum().float().reshape(1)).item()
-        size, batches = rollout.input_ids.shape[0], []
+        size = rollout.input_ids.shape[0]
+        batches: list[MicroBatch] = []
         for epoch in range(args.num_iterations):
             for chunk in epoch_chunks(size, iteration, epoch, args):
                 rows = chunk.to(rollout.input_ids.device)
-                batch = {name: columns[name][rows] for name in GROUP_FIELDS}
+                batch: MicroBatch = {name: columns[name][rows] for name in GROUP_FIELDS}
                 batch.update(prompt_length=rollout.prompt_length, old_from_update=self.steps_per_iteration == 1,
                              step_tokens=max(step_tokens, 1.0))
                 batches.append(batch)
@@ -246,7 +258,7 @@ class GRPOTrainer(RLTrainer):
         old_logprobs = self.old_logprobs(outputs["logprobs"], inputs)
         result = group_policy_loss(
             outputs["logprobs"], old_logprobs, inputs["advantages"], inputs["response_mask"], args.epsilon,
-            args.epsilon_high, inputs["ref_logprobs"], 0.0 if self.kl_in_reward else args.beta, args.kl_estimator,
+            args.epsilon_high, inputs["ref_logprobs"], 0.0 if self.kl_in_reward else args.beta, self.kl_estimator,
             args.loss_type, args.max_completion_length, inputs["step_tokens"], args.importance_sampling_level,
             self.sampler_weights(old_logprobs, inputs))
         loss = result.loss
@@ -337,7 +349,7 @@ class GRPOTrainer(RLTrainer):
         stats.add("entropy", (rollout.entropy.float().cpu() * token_weights).sum().item(), token_weights.sum().item())
         stats.add("zero_spread_share", experience.zero_spread.float().sum().item(), experience.zero_spread.numel())
         if self.kl_in_reward and self.args.beta > 0:  # REINFORCE++: the KL to the reference it pays in the reward
-            kl = kl_estimate(experience.old_logprobs, experience.ref_logprobs, self.args.kl_estimator).float().cpu()
+            kl = kl_estimate(experience.old_logprobs, experience.ref_logprobs, self.kl_estimator).float().cpu()
             stats.add("reward_kl", (kl * token_weights).sum().item(), token_weights.sum().item())
         stats.add("trained_token_share", (experience.training_mask.float().cpu() * weights[:, None]).sum().item(),
                   token_weights.sum().item())
@@ -357,8 +369,10 @@ class GRPOTrainer(RLTrainer):
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """One answer to each held-out prompt, sampled with a fixed seed (two evaluations differ by the policy only),
         scored as training's are: eval_reward_mean, eval_reward/<function>_mean, ..."""
+        # Evaluated only with an eval_dataset: the command's are these prompts, read from eval_records.
+        assert self.eval_prompts is not None and self.eval_records is not None
         args, count = self.args, len(self.eval_prompts)
-        batch = args.per_device_generation_batch_size
+        batch = generation_batch_size(args)
         per_rank = -(-count // args.world_size // batch) * batch
         mine = list(range(args.process_index, count, args.world_size))
         indices = mine + [0] * (per_rank - len(mine))  # every process runs as many batches (ZeRO-3's collectives)
@@ -377,6 +391,6 @@ class GRPOTrainer(RLTrainer):
         rollout, width = experience.rollout, experience.rollout.prompt_length
         lines = [f"iteration {iteration} sample, {record.where}: {record.messages[-1]['content']}"]
         for row in range(self.args.num_generations):
-            answer = self.tokenizer.decode(rollout.input_ids[row, width:], skip_special_tokens=True).strip()
+            answer = self.decoded(rollout.input_ids[row, width:]).strip()
             lines.append(f"  [{experience.rewards.scores[row].item():+.3f}] {answer}")
         logger.info("\n".join(lines))

@@ -223,7 +223,7 @@ class HealthMonitor:
             raise ValueError(f"no health rule for {unknown}")
         self.answer_limit = answer_limit
         # The signals whose values make a baseline: those judged against their own, and those another's rule uses.
-        borrowed = [rule_of(signal).baseline_of for signal in self.signals if rule_of(signal).baseline_of]
+        borrowed = [source for source in (rule_of(signal).baseline_of for signal in self.signals) if source]
         self.baseline_sources = list(dict.fromkeys(
             [signal for signal in self.signals if rule_of(signal).baseline_of is None] + borrowed))
         self.baseline_values: dict[str, list[float]] = {}
@@ -264,23 +264,24 @@ class HealthMonitor:
                 taken.add(name)
         return taken
 
-    def observe(self, step: int, iteration: int, figures: Mapping[str, float]) -> list[Alarm]:
+    def observe(self, step: int, iteration: int, figures: Mapping[str, float | None]) -> list[Alarm]:
         """Judge one iteration's figures (a figure the stage does not monitor, or not finite, is ignored): a
         signal's first BASELINE_ITERATIONS values make its baseline; each later value alarms past its bounds; a
         signal with another's baseline is judged from its first value on, once that baseline is known."""
         finite = {name: float(value) for name, value in figures.items()
                   if value is not None and math.isfinite(value)}
-        figures = self.with_acceleration(finite)
-        self.latest = {name: value for name, value in figures.items() if name in self.signals}
-        in_baseline = self.add_to_baselines(figures)
+        judged_figures = self.with_acceleration(finite)
+        self.latest = {name: value for name, value in judged_figures.items() if name in self.signals}
+        in_baseline = self.add_to_baselines(judged_figures)
         alarms = []
         for signal in self.signals:
-            if signal not in figures or signal in in_baseline:
+            if signal not in judged_figures or signal in in_baseline:
                 continue
             baseline = self.baseline(rule_of(signal).baseline_of or signal)
-            alarm = None if baseline is None else judged(signal, figures[signal], baseline, step, iteration)
-            if self.persisted(signal, alarm) is not None:
-                alarms.append(alarm)
+            alarm = None if baseline is None else judged(signal, judged_figures[signal], baseline, step, iteration)
+            persisting = self.persisted(signal, alarm)
+            if persisting is not None:
+                alarms.append(persisting)
         self.record(alarms)
         return alarms
 
@@ -420,7 +421,7 @@ def read_sft_answers(path: str | None) -> frozenset[str] | None:
     if not path:
         return None
     files = find_record_files(path, None) if os.path.isdir(path) else find_record_files(None, [path])
-    answers = set()
+    answers: set[str] = set()
     for file in files:
         for line, record in read_records(file):
             messages = conversation_of(f"{file}:{line}", record)

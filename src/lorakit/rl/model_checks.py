@@ -56,4 +56,4 @@ def check_reward_source(model_dir: str, adapter_dir: str | None, flag: str) -> N
 
 
 def same_directory(first: str | None, second: str | None) -> bool:
-    return bool(first) and bool(second) and os.path.realpath(first) == os.path.realpath(second)
+    return bool(first and second and os.path.realpath(first) == os.path.realpath(second))

@@ -120,6 +120,7 @@ def shared_placement(model_args: PPOModelArguments, actor_config: "PreTrainedCon
 def expert_mismatch(model_args: PPOModelArguments, actor_config: "PreTrainedConfig") -> str | None:
     """Why the actor's and the reward model's adapters cannot share one mixture-of-experts base (peft holds
     several adapters on fused experts only when they train the same ones), or None."""
+    assert model_args.reward_lora_model is not None  # asked of a shareable placement only: the reward an adapter
     reward = saved_expert_targets(model_args.reward_lora_model)
     actor = (saved_expert_targets(model_args.actor_lora_model) if model_args.actor_lora_model
              else planned_expert_targets(actor_config, model_args, reward))
@@ -134,6 +135,7 @@ def check_schedule(training_args: PPOArguments, num_prompts: int) -> int:
     checkpoints that would fall inside an iteration (its experience could not be restored)."""
     experience = training_args.generation_batches * training_args.per_device_generation_batch_size
     micro = training_args.per_device_training_batch_size
+    assert micro is not None  # PPOArguments.__post_init__ sets it (default 8)
     for flag in ("generation_batches", "per_device_generation_batch_size", "per_device_training_batch_size",
                  "ppo_epochs"):
         if getattr(training_args, flag) < 1:

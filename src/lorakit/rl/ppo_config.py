@@ -18,7 +18,10 @@ class PPOModelArguments(ModelArguments):
     actor's: given, they are mapped to --actor_model_name_or_path / --actor_lora_model (logged), as
     are DeepSpeed-Chat's --actor_lora_dim / --critic_lora_dim to --lora_rank (PPO_MODEL_FLAGS)."""
 
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Same as --actor_model_name_or_path."})
+    # An alias of --actor_model_name_or_path, None once __post_init__ has mapped it, where ModelArguments has a
+    # model directory: each role's own ModelArguments come from rl.role_policy.role_model_args.
+    model_name_or_path: str | None = field(  # type: ignore[assignment]
+        default=None, metadata={"help": "Same as --actor_model_name_or_path."})
     peft_path: str | None = field(default=None, metadata={"help": "Same as --actor_lora_model."})
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer directory (default: the SFT adapter's, else the actor base's)."}
@@ -28,10 +31,12 @@ class PPOModelArguments(ModelArguments):
         metadata={"help": "Dropout on the LoRA input. 0 (DeepSpeed-Chat's choice): experience is scored without "
                           "dropout, so any dropout in the update adds noise to PPO's probability ratio."},
     )
-    actor_model_name_or_path: str | None = field(
+    # Required: typed as every constructed instance holds them (__post_init__ refuses None). The None default only
+    # marks "not given", so that --model_name_or_path can map to the actor's and a missing one gets its own message.
+    actor_model_name_or_path: str = field(  # type: ignore[assignment]
         default=None, metadata={"help": "Actor base model (or a merged SFT model). Required."}
     )
-    reward_model_name_or_path: str | None = field(
+    reward_model_name_or_path: str = field(  # type: ignore[assignment]
         default=None, metadata={"help": "Reward base model (with --reward_lora_model), or a merged reward model "
                                         "(rm_merged_model). Required."}
     )
@@ -107,9 +112,11 @@ class PPOArguments(RolloutArguments):
     and --actor_learning_rate set the Trainer's own batch size and learning rate; the Trainer's
     names for them are accepted too (mapped, logged), giving both with different values is refused."""
 
-    per_device_train_batch_size: int | None = field(
+    # The Trainer's own, typed as TrainingArguments types them: __post_init__ sets both before the Trainer reads them.
+    # The None default only marks "not given" (map_flags maps a given one to PPO's name).
+    per_device_train_batch_size: int = field(  # type: ignore[assignment]
         default=None, metadata={"help": "The Trainer's name of --per_device_training_batch_size."})
-    learning_rate: float | None = field(
+    learning_rate: float = field(  # type: ignore[assignment]
         default=None, metadata={"help": "The Trainer's name of --actor_learning_rate."})
     per_device_generation_batch_size: int = field(
         default=8, metadata={"help": "Prompts per generation batch per process."})
@@ -140,7 +147,7 @@ class PPOArguments(RolloutArguments):
         # The Trainer's names for what PPO calls --per_device_training_batch_size and --actor_learning_rate, and
         # DeepSpeed-Chat's per-role ZeRO stages, are mapped before TrainingArguments fills DeepSpeed's "auto"
         # batch size and learning rate from them and --zero_stage picks the config.
-        notes = []
+        notes: list[str] = []
         map_flags(self, PPO_TRAINER_FLAGS, notes)
         for trainer_flag, ppo_flag, default in (("per_device_train_batch_size", "per_device_training_batch_size", 8),
                                                 ("learning_rate", "actor_learning_rate", 1e-4)):

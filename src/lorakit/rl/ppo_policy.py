@@ -4,7 +4,7 @@ frozen roles fit beside the trained ones."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -20,7 +20,17 @@ from lorakit.models.loader import (
     outside_zero3_init,
 )
 from lorakit.models.zero3 import free_memory_bytes, on_every_rank
-from lorakit.rl.role_policy import RolePolicy, SharedBasePolicy, new_score_head, reward_adapter_parts, role_model_args
+from lorakit.rl.role_policy import (
+    RolePolicy,
+    SharedBasePolicy,
+    add_reward_adapter,
+    base_model,
+    frozen_dtype,
+    new_score_head,
+    peft_model_of,
+    reward_adapter_parts,
+    role_model_args,
+)
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -39,6 +49,8 @@ class SeparatePolicy(RolePolicy):
     reward models are frozen and kept outside the module, so DeepSpeed neither partitions nor
     checkpoints them."""
 
+    frozen: dict[str, "PreTrainedModel"]  # the reference and reward models, by role
+
     def __init__(self, actor: "PeftModel", critic: "PeftModel", reference: "PreTrainedModel",
                  reward: "PreTrainedModel", offload: bool) -> None:
         super().__init__()
@@ -50,15 +62,16 @@ class SeparatePolicy(RolePolicy):
 
     def role_model(self, role: str) -> "PreTrainedModel":
         if role == "actor":
-            return self.actor.get_base_model()
+            return base_model(self.actor)
         if role == "critic":
-            return self.critic.get_base_model()
+            return base_model(self.critic)
         return self.frozen[role]
 
     @contextmanager
     def placed(self, role: str, device: torch.device) -> Iterator[None]:
         """With --offload_reference_model a frozen model visits the device for its pass only."""
-        model = self.frozen.get(role)
+        # As an nn.Module: transformers wraps PreTrainedModel.to in functools.wraps, whose typing does not bind self.
+        model: torch.nn.Module | None = self.frozen.get(role)
         if model is None or not self.offload:
             yield
             return
@@ -77,7 +90,8 @@ class SeparatePolicy(RolePolicy):
         model = self.role_model(role)
         if role in ("actor", "reference"):
             return model.get_output_embeddings()
-        return model.score
+        # nn.Module types any attribute it holds as Tensor | Module; a sequence classifier's score is its Linear head.
+        return cast(torch.nn.Module, model.score)
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with self.placed("reward", input_ids.device):
@@ -89,13 +103,13 @@ class SeparatePolicy(RolePolicy):
             return super().answer_logprobs(role, input_ids, attention_mask, prompt_length)
 
     def generator(self) -> "PreTrainedModel":
-        return self.actor.get_base_model()
+        return base_model(self.actor)
 
     def actor_config(self) -> "PreTrainedConfig":
-        return self.actor.get_base_model().config
+        return base_model(self.actor).config
 
     def trained_models(self) -> list["PreTrainedModel"]:
-        return [self.actor.get_base_model(), self.critic.get_base_model()]
+        return [base_model(self.actor), base_model(self.critic)]
 
     def actor_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name[len("actor."):], p) for name, p in self.named_parameters()
@@ -129,38 +143,33 @@ def load_shared_policy(model_args: "PPOModelArguments", training_args: "PPOArgum
     """The actor via the shared loader (SFT adapter continued, or a new LoRA; on a quantized base
     with --load_in_kbits), then the other roles as adapters on the same base. configs: {role:
     model config} as rl.ppo.check_models read them."""
-    from peft import LoraConfig, TaskType, set_peft_model_state_dict
+    from peft import LoraConfig, TaskType
 
-    policy = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
-                        adapter_flag="--actor_lora_model")
+    reward_dir = model_args.reward_lora_model
+    assert reward_dir is not None  # shared placement needs the reward model as an adapter (ppo_checks.shared_placement)
+    policy = peft_model_of(load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
+                                      adapter_flag="--actor_lora_model"))
     reference = None
     if model_args.actor_lora_model:
         policy.load_adapter(model_args.actor_lora_model, adapter_name="reference", is_trainable=False)
         reference = "reference"
-    lora_weights, score_weights = reward_adapter_parts(model_args.reward_lora_model)
-    reward_config = LoraConfig.from_pretrained(model_args.reward_lora_model)
+    lora_weights, score_weights = reward_adapter_parts(reward_dir)
+    reward_config = LoraConfig.from_pretrained(reward_dir)
     # The score head is ours (below); the adapter keeps only its LoRA layers on the causal LM.
     reward_config.task_type, reward_config.modules_to_save = TaskType.CAUSAL_LM, None
     for name in ("reward", "critic"):
-        policy.add_adapter(name, reward_config)
-        result = set_peft_model_state_dict(policy, lora_weights, adapter_name=name)
-        if getattr(result, "unexpected_keys", None):
-            raise InputError(f"{model_args.reward_lora_model}: adapter does not fit the actor's base "
-                             f"(unexpected {result.unexpected_keys[:3]})")
+        add_reward_adapter(policy, name, reward_config, lora_weights, reward_dir)
     # peft's add/load_adapter re-freeze whatever is not the active adapter: set the roles' flags once, here.
     for name, param in policy.named_parameters():
         param.requires_grad = ".default." in name or ".critic." in name
-    config = policy.get_base_model().config
-    output_embedding = policy.get_base_model().get_output_embeddings()
-    # The frozen weights' dtype: a --modules_to_save lm_head's trained copy is kept in float32.
-    dtype = getattr(output_embedding, "original_module", output_embedding).weight.dtype
-    policy.get_base_model().config.use_cache = False
+    config, dtype = base_model(policy).config, frozen_dtype(base_model(policy))
+    base_model(policy).config.use_cache = False
     model = SharedBasePolicy(
         policy,
         score_head=new_score_head(config.hidden_size, score_weights, dtype, trainable=False),
         value_head=new_score_head(config.hidden_size, score_weights, dtype, trainable=True),
         reference_adapter=reference,
-        reward_adapter_dir=model_args.reward_lora_model,
+        reward_adapter_dir=reward_dir,
     )
     keep_trainable_float32(model, training_args)  # the value head, made in the base's dtype
     log_trainable(model)
@@ -172,9 +181,13 @@ def load_frozen(model_dir: str, adapter_dir: str | None, task: str, model_args: 
                 config: "PreTrainedConfig | None" = None) -> "PreTrainedModel":
     """A frozen role (the reference, the reward model): the shared loader's frozen model, its
     adapter folded in (one plain forward per pass)."""
+    import peft
+
     flag = "--actor_lora_model" if task == "causal_lm" else "--reward_lora_model"
-    return load_model(role_model_args(model_args, model_dir, adapter_dir), training_args, tokenizer, task,
-                      config=config, trainable=False, adapter_flag=flag)
+    model = load_model(role_model_args(model_args, model_dir, adapter_dir), training_args, tokenizer, task,
+                       config=config, trainable=False, adapter_flag=flag)
+    assert not isinstance(model, peft.PeftModel)  # trainable=False: the adapter folded in (models.adapters.frozen)
+    return model
 
 
 def frozen_role_bytes(model_args: ModelArguments, training_args: "PPOArguments", model_dir: str,
@@ -182,9 +195,8 @@ def frozen_role_bytes(model_args: ModelArguments, training_args: "PPOArguments",
     """Bytes of a frozen role loaded whole: its parameters (counted on the empty skeleton, embeddings grown to the
     tokenizer; a folded adapter adds none) in the dtype load_frozen loads it in."""
     role_args = frozen_precision(role_model_args(model_args, model_dir, None), training_args)
-    dtype = DTYPES[role_args.torch_dtype]
-    if dtype == "auto":
-        dtype = checkpoint_dtype(model_dir)
+    named = DTYPES[role_args.torch_dtype]  # a torch.dtype, or "auto": the checkpoint's
+    dtype = named if isinstance(named, torch.dtype) else checkpoint_dtype(model_dir)
     skeleton = empty_model(role_args, config, task, tokenizer)
     return sum(p.numel() for p in skeleton.parameters()) * dtype.itemsize
 
@@ -219,19 +231,22 @@ def load_separate_policy(model_args: "PPOModelArguments", training_args: "PPOArg
                          configs: dict[str, "PreTrainedConfig"]) -> SeparatePolicy:
     """Each role its own model through the shared loader. configs: {role: model config} as
     rl.ppo.check_models read them."""
-    actor = load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
-                       adapter_flag="--actor_lora_model")
-    actor.get_base_model().config.use_cache = False
+    actor = peft_model_of(load_model(actor_model_args(model_args), training_args, tokenizer, config=configs["actor"],
+                                     adapter_flag="--actor_lora_model"))
+    base_model(actor).config.use_cache = False
     reference = load_frozen(model_args.actor_model_name_or_path, model_args.actor_lora_model, "causal_lm", model_args,
                             training_args, tokenizer, configs["actor"])
     reward = load_frozen(model_args.reward_model_name_or_path, model_args.reward_lora_model, "reward", model_args,
                          training_args, tokenizer, configs["reward"])
     with outside_zero3_init():
-        critic = load_model(critic_model_args(model_args), training_args, tokenizer, task="reward",
-                            config=configs.get("critic", configs["reward"]), adapter_flag="--reward_lora_model")
+        critic = peft_model_of(load_model(critic_model_args(model_args), training_args, tokenizer, task="reward",
+                                          config=configs.get("critic", configs["reward"]),
+                                          adapter_flag="--reward_lora_model"))
     device = training_args.device
-    for model in (reference, reward):
-        model.to("cpu" if model_args.offload_reference_model else device)
+    # As nn.Modules: transformers wraps PreTrainedModel.to in functools.wraps, whose typing does not bind self.
+    frozen_models: tuple[torch.nn.Module, ...] = (reference, reward)
+    for frozen_model in frozen_models:
+        frozen_model.to("cpu" if model_args.offload_reference_model else device)
     model = SeparatePolicy(actor, critic, reference, reward, offload=model_args.offload_reference_model)
     log_trainable(model)
     return model

@@ -6,7 +6,7 @@ clipping, logging and the checkpoint schedule stay the Trainer's."""
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -28,8 +28,11 @@ from lorakit.rl.rl_trainer import RLTrainer
 
 if TYPE_CHECKING:
     from datasets import Dataset
+    from transformers import PreTrainedModel
 
-    from lorakit.rl.ppo_config import PPODataArguments
+    from lorakit.rl.experience import ExperienceMaker
+    from lorakit.rl.ppo_config import PPOArguments, PPODataArguments
+    from lorakit.rl.role_policy import RolePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,8 @@ class PPOTrainer(RLTrainer):
     (+ ptx) loss out, actor and critic at their own learning rates."""
 
     stage_name = "PPO"
+    args: "PPOArguments"
+    maker: "ExperienceMaker[PPOArguments]"  # RLTrainer's, made with these arguments
 
     def __init__(self, *args: Any, ptx_blocks: "Dataset | None", data_args: "PPODataArguments",
                  **kwargs: Any) -> None:
@@ -64,8 +69,7 @@ class PPOTrainer(RLTrainer):
         if args.print_answers and iteration % args.print_answers_interval == 0 and args.should_log:
             width, row = experience.prompt_length, experience.input_ids[0]
             logger.info("iteration %d sample\n  prompt: %s\n  answer: %s\n  score: %.4f", iteration,
-                        self.tokenizer.decode(row[:width], skip_special_tokens=True).strip(),
-                        self.tokenizer.decode(row[width:], skip_special_tokens=True).strip(),
+                        self.decoded(row[:width]).strip(), self.decoded(row[width:]).strip(),
                         experience.scores[0].item())
         return micro_batches(experience, iteration, args, self.ptx_blocks)
 
@@ -120,7 +124,7 @@ class PPOTrainer(RLTrainer):
         loss = self.add_router_aux(loss, outputs)
         return (loss, outputs) if return_outputs else loss
 
-    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+    def create_optimizer(self, model: "RolePolicy | None" = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer with actor and critic in their own parameter groups: two learning
         rates (the scheduler scales both alike)."""
         if self.optimizer is None:
@@ -134,7 +138,10 @@ class PPOTrainer(RLTrainer):
                     if params:
                         groups.append({"params": params, "lr": lr,
                                        "weight_decay": self.args.weight_decay if decays else 0.0})
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            # transformers annotates a PreTrainedModel; its own create_optimizer passes any nn.Module (only GaLore,
+            # APOLLO and LOMO read it, as a module).
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args,
+                                                                                cast("PreTrainedModel", opt_model))
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
@@ -142,6 +149,7 @@ class PPOTrainer(RLTrainer):
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Answers to the held-out prompts, sampled with a fixed seed (so two evaluations differ by
         the policy only), made and measured exactly as training's experience is."""
+        assert self.eval_prompts is not None  # evaluated only with an eval_dataset: the command's are these prompts
         rows, weights = evaluation_prompt_rows(self.eval_prompts, self.args)
         experience = self.maker.make(rows, derived_seed(self.args.seed, 3), self.kl_ctl.value)
         metrics = evaluation_metrics(experience, weights, self.args.device, metric_key_prefix)

@@ -37,7 +37,8 @@ from lorakit.core.cli import InputError, hand_to_launcher
 
 logger = logging.getLogger(__name__)
 
-RewardCallable = Callable[..., list[float | None]]
+# TRL's reward function: one float (or None where it does not apply) per completion.
+RewardCallable = Callable[..., Sequence[float | None]]
 
 # What a user's reward code may raise that is its failure, reported in one line: any Exception, and SystemExit
 # (sys.exit() in a function or at its module's import is no request to end the run successfully: left alone it ended
@@ -182,7 +183,8 @@ BUILT_IN_FIELDS = {"exact_match": ("answer",), "think_format": (), "overlong": (
 def built_in(name: str, max_completion_length: int, overlong_buffer: int) -> RewardCallable | None:
     if name == "overlong":
         return overlong_penalty(max_completion_length, overlong_buffer)
-    return {"exact_match": exact_match, "think_format": think_format}.get(name)
+    functions: dict[str, RewardCallable] = {"exact_match": exact_match, "think_format": think_format}
+    return functions.get(name)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -199,6 +201,8 @@ def import_function(spec: str) -> RewardCallable:
             if not os.path.isfile(module_name):
                 raise FileNotFoundError(f"no file {module_name}")
             loader_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            if loader_spec is None or loader_spec.loader is None:  # a .py file always has a loader
+                raise ImportError(f"no loader for {module_name}")
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
@@ -324,7 +328,7 @@ class CallWatchdog:
 
 
 def call_on(function: RewardFunction, batch: RewardBatch, rows: Sequence[int], trainer_state: Any,
-            timeout: float = 0) -> list[Any]:
+            timeout: float = 0) -> Sequence[Any]:
     """The function's values on the given rows of the batch (TRL's calling convention), within timeout seconds."""
     fields = {name: [values[row] for row in rows] for name, values in batch.fields.items()}
     where = (batch.origins[rows[0]] if len(rows) == 1

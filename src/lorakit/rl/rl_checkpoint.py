@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from lorakit.core.cli import InputError
 from lorakit.models.zero3 import gathered
 from lorakit.rl.rl_math import KLController
+from lorakit.trainers.causal_lm import PreparedForTraining, ResumableTrainer
 from lorakit.trainers.deepspeed_resume import load_deepspeed_checkpoint
 
 # The file names keep PPO's prefix, which GRPO's checkpoints carry too: checkpoints written before these modules were
@@ -66,13 +67,17 @@ def read_rl_state(checkpoint: str, steps_per_iteration: int) -> dict[str, Any]:
     return state
 
 
-class RLTrainerPrivateOverrides:
+class RLTrainerPrivateOverrides(ResumableTrainer):
     """The transformers Trainer's private methods PPO overrides, all of them here, written against
     transformers 5.23.0 (Trainer._save_optimizer_and_scheduler, _load_from_checkpoint,
     _prepare_for_training, and the _load_optimizer_and_scheduler / _load_scaler they call): check
-    them first when upgrading transformers. Mixed in before the Trainer; the class using it defines
-    after_prepare(max_steps, resume_from_checkpoint), PPO's own resume, run once the model is
-    prepared and the Trainer's state loaded."""
+    them first when upgrading transformers. A ResumableTrainer, so that they are checked against the
+    Trainer's (RLTrainer's MRO is as it was: these overrides, ResumableTrainer, Trainer); the class
+    using it defines after_prepare(max_steps, resume_from_checkpoint), PPO's own resume, run once the
+    model is prepared and the Trainer's state loaded."""
+
+    def after_prepare(self, max_steps: int, resume_from_checkpoint: str | None) -> None:
+        raise NotImplementedError
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.is_deepspeed_enabled:
@@ -81,16 +86,19 @@ class RLTrainerPrivateOverrides:
         from transformers.trainer import SCHEDULER_NAME
 
         # The Trainer leaves frozen weights out of DeepSpeed's checkpoint only for a PeftModel;
-        # our module holds a frozen base too.
-        self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=True)
+        # our module holds a frozen base too. model_wrapped is DeepSpeed's (untyped) engine here; the Trainer types
+        # it as the module the engine wraps.
+        engine: Any = self.model_wrapped
+        engine.save_checkpoint(output_dir, exclude_frozen_parameters=True)
         if self.args.should_save and not isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
+            assert self.lr_scheduler is not None  # the Trainer makes it before the first step, and so the first save
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         load_trainable_weights(self.model if model is None else model, resume_from_checkpoint)
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Iterable[Any],
-                              resume_from_checkpoint: str | None) -> tuple[torch.nn.Module, Iterable[Any]]:
+                              resume_from_checkpoint: str | None) -> PreparedForTraining:
         if self.is_deepspeed_enabled and resume_from_checkpoint is not None:
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
             # Not strict: the checkpoint holds the trained weights only (see _save_optimizer_and_scheduler). Its
@@ -101,4 +109,4 @@ class RLTrainerPrivateOverrides:
         else:
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         self.after_prepare(max_steps, resume_from_checkpoint)
-        return model, train_dataloader
+        return PreparedForTraining(model, train_dataloader)

@@ -213,7 +213,8 @@ class SamplerGap(NamedTuple):
 
     logprob_abs: float
     kl: float
-    count: float
+    # Named as the trainers read it (gap.count), so it shadows tuple.count, which nothing calls on a SamplerGap.
+    count: float  # type: ignore[assignment]
 
 
 def sampler_gap(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> SamplerGap:
@@ -332,19 +333,23 @@ def length_chunks(prompt_lengths: list[int], answer_lengths: list[int], min_rows
     order = sorted(range(count), key=lambda row: (prompt_lengths[row], answer_lengths[row], row))
     min_rows = max(1, min(min_rows, count))
     # best[end] = (padded tokens, groups, start of the last group) for the first `end` sorted rows.
-    best = [(0, 0, 0)] + [None] * count
+    best: list[tuple[int, int, int] | None] = [(0, 0, 0)] + [None] * count
     for end in range(min_rows, count + 1):
         for start in range(0, end - min_rows + 1):
-            if best[start] is None:
+            before = best[start]
+            if before is None:
                 continue
             rows = order[start:end]
             tokens = len(rows) * (max(prompt_lengths[r] for r in rows) + max(answer_lengths[r] for r in rows))
-            candidate = (best[start][0] + tokens, best[start][1] + 1, start)
-            if best[end] is None or candidate[:2] < best[end][:2]:
+            candidate = (before[0] + tokens, before[1] + 1, start)
+            current = best[end]
+            if current is None or candidate[:2] < current[:2]:
                 best[end] = candidate
     groups, end = [], count
     while end > 0:
-        start = best[end][2]
+        last = best[end]
+        assert last is not None  # every end the walk meets was reached: best[count] from start 0, each start itself
+        start = last[2]
         rows = order[start:end]
         groups.append(LengthChunk(rows, max(prompt_lengths[r] for r in rows), max(answer_lengths[r] for r in rows)))
         end = start

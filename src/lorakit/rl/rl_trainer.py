@@ -11,7 +11,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,13 +42,16 @@ from lorakit.rl.rl_checkpoint import (
     save_trainable_weights,
     write_rl_state,
 )
-from lorakit.rl.rl_math import FixedKLController, masked_mean, sampler_correction_weights, sampler_gap
+from lorakit.rl.rl_math import FixedKLController, KLController, masked_mean, sampler_correction_weights, sampler_gap
 from lorakit.trainers.causal_lm import ResumableTrainer
-from lorakit.trainers.checkpoints import SavePeftModelCallback, barrier, rank_zero_decides
+from lorakit.trainers.checkpoints import SavePeftModelCallback, barrier, output_dir_of, rank_zero_decides
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_utils import TrainOutput
+
+    from lorakit.rl.role_policy import RolePolicy
+    from lorakit.rl.rollout_arguments import RolloutArguments
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class RLStepCallback(TrainerCallback):
 
     def __init__(self, times: PhaseTimes, ema: ActorEMA, save_roles: Callable[[str], None]) -> None:
         self.times, self.ema, self.save_roles = times, ema, save_roles
-        self.started = None
+        self.started: float | None = None
 
     def on_step_begin(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
                       **kwargs: Any) -> None:
@@ -68,12 +71,13 @@ class RLStepCallback(TrainerCallback):
 
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
                     **kwargs: Any) -> None:
+        assert self.started is not None  # the Trainer begins each step before it ends it
         self.times.add("time_training", time.perf_counter() - self.started)
         self.ema.update()
 
     def on_train_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
                      **kwargs: Any) -> None:
-        self.save_roles(args.output_dir)
+        self.save_roles(output_dir_of(args))
 
 
 class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
@@ -83,6 +87,11 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
     it is not EOS), after_turn_end_ids: the turn's ids after it."""
 
     stage_name = "RL"
+    # Narrower than ResumableTrainer's: every RL stage's arguments are RolloutArguments, its model a RolePolicy.
+    args: "RolloutArguments"
+    model: "RolePolicy"
+    # The experience's statistics of the iteration being trained (make_iteration), logged with its steps.
+    experience_stats: dict[str, float]
 
     def __init__(self, *args: Any, prompts: list[list[int]], eval_prompts: list[list[int]] | None,
                  tokenizer: "PreTrainedTokenizerBase", steps_per_iteration: int, max_answer_len: int,
@@ -98,7 +107,7 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
         logger.info("old policy: %s", "each rollout trains one optimizer step, whose own log-probs serve (no pass "
                     "before it)" if steps_per_iteration == 1 else f"each rollout trains {steps_per_iteration} "
                     "optimizer steps: one no-grad pass of the training forward before them")
-        self.kl_ctl = FixedKLController(0.0)  # a stage with a KL controller (PPO) replaces it
+        self.kl_ctl: KLController = FixedKLController(0.0)  # a stage with a KL controller (PPO) replaces it
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.maker = ExperienceMaker(self.model, self.args, pad_id,
                                      tokenizer.eos_token_id if answer_end_id is None else answer_end_id,
@@ -117,11 +126,13 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
         # The health monitors (rl.health, rl.alarms) start with training (start_health): which signals a stage has
         # depends on what its own __init__ sets up after this one.
         self.sft_answers, self.health_stats = sft_answers, SumStats()
-        self.health, self.health_plan, self.health_callback = HealthMonitor([]), HealthPlan([], {}), None
+        self.health, self.health_plan = HealthMonitor([]), HealthPlan([], {})
+        self.health_callback: HealthCallback | None = None
 
     # -- experience -----------------------------------------------------------
 
-    def get_train_dataloader(self) -> ExperienceStream:
+    # The Trainer iterates whatever this returns (with no __len__ it runs by --max_steps); it annotates a DataLoader.
+    def get_train_dataloader(self) -> ExperienceStream:  # type: ignore[override]
         return self.stream
 
     def make_iteration(self, iteration: int) -> list[MicroBatch]:
@@ -172,6 +183,11 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
             self.train_stats = SumStats()
         super().log(logs, *args, **kwargs)
 
+    def decoded(self, ids: torch.Tensor) -> str:
+        """The text of one row of token ids, special tokens skipped (the logged samples)."""
+        # One row decodes to one string; transformers types decode for a batch of rows too (str | list[str]).
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
+
     # -- health monitors ----------------------------------------------------------
 
     def plan_health(self) -> HealthPlan:
@@ -193,7 +209,7 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
         ids = [answers[row][mask[row]].tolist() for row in range(answers.shape[0])]
         gathered_ids = ids
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            parts = [None] * dist.get_world_size()
+            parts: list[list[list[int]]] = [[] for _ in range(dist.get_world_size())]  # all_gather_object fills it
             dist.all_gather_object(parts, ids)
             gathered_ids = [answer for part in parts for answer in part]
         figures = {name: value for name, value in answer_diversity(gathered_ids, group_size)._asdict().items()
@@ -229,7 +245,7 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
         if self.args.process_index != 0:
             self.health.record(alarms)
         else:
-            report_iteration(self.args.output_dir, self.stage_name, self.health_plan, self.health, alarms,
+            report_iteration(output_dir_of(self.args), self.stage_name, self.health_plan, self.health, alarms,
                              not_judged_before)
         return alarms
 
@@ -244,18 +260,20 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
         file gets the ending; a run --stop_on_alarm ended raises StoppedByAlarm (exit status 4) once its state is
         saved."""
         adapter, checkpoint, published = self.adapter_dir_name(), None, None
+        output_dir = output_dir_of(self.args)
         through = bool(self.health.active) and self.args.publish_on_alarm
-        if self.health_callback.holds_saving():
-            checkpoint = last_alarm_free_checkpoint(self.args.output_dir, self.state.global_step)
+        callback = self.started_health_callback()
+        if callback.holds_saving():
+            checkpoint = last_alarm_free_checkpoint(output_dir, self.state.global_step)
             if self.args.should_save:
                 names = [adapter] + ([EMA_DIR_NAME] if self.args.enable_ema else [])
-                publish_from_checkpoint(self.args.output_dir, checkpoint, names)
+                publish_from_checkpoint(output_dir, checkpoint, names)
             published = checkpoint and os.path.join(os.path.basename(checkpoint), adapter)
-        stopped = self.health_callback.stopped
+        stopped = callback.stopped
         if self.args.process_index == 0:
             ending = {"step": self.state.global_step, "stopped": stopped, "alarm_active": bool(self.health.active),
                       "published_from": published, "published_through_alarm": through}
-            write_alarm_file(self.args.output_dir, self.stage_name, self.health_plan, self.health, ending)
+            write_alarm_file(output_dir, self.stage_name, self.health_plan, self.health, ending)
             if self.health.active and not stopped:
                 logger.warning("training ended with a health alarm active: %s",
                                ended_under_alarm_note(adapter, checkpoint, through))
@@ -263,7 +281,12 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
             self.save_state()
         barrier()  # the files are in place before any process leaves (a launcher stops the rest when one exits)
         if stopped:
-            raise StoppedByAlarm(stop_message(self.health.active, adapter, checkpoint, self.args.output_dir))
+            raise StoppedByAlarm(stop_message(self.health.active, adapter, checkpoint, output_dir))
+
+    def started_health_callback(self) -> HealthCallback:
+        """The callback start_health installed: train() starts the health monitors before the first step."""
+        assert self.health_callback is not None, "start_health() runs first (RLTrainer.train)"
+        return self.health_callback
 
     def train(self, *args: Any, **kwargs: Any) -> "TrainOutput":
         self.start_health()
@@ -275,7 +298,7 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
 
     def save_final_roles(self, directory: str) -> None:
         """The roles at the end of training, unless an alarm holds saving (end_health publishes the checkpoint's)."""
-        if self.health_callback.holds_saving():
+        if self.started_health_callback().holds_saving():
             logger.info("the roles trained while a health alarm is active are not saved to %s", directory)
             return
         self.save_roles(directory)
@@ -288,7 +311,7 @@ class RLTrainer(RLTrainerPrivateOverrides, ResumableTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Only what the stage trains (rl.rl_checkpoint); in a checkpoint also the iteration state and the EMA."""
-        output_dir = output_dir or self.args.output_dir
+        output_dir = output_dir or output_dir_of(self.args)
         save_trainable_weights(self.model, output_dir, self.args.should_save)
         if not self.args.should_save:
             return

@@ -7,12 +7,13 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from lorakit.core.cli import InputError
 from lorakit.models.arguments import ModelArguments
 from lorakit.models.chunked_loss import token_logprobs
 from lorakit.models.positions import last_position, positions_from_mask
@@ -20,7 +21,7 @@ from lorakit.models.router import aux_loss_from_router_logits
 from lorakit.rl.rl_math import length_chunks, logprobs_from_logits
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
     from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 
 
@@ -80,14 +81,14 @@ class RolePolicy(torch.nn.Module):
         """hidden() through model's decoder stack (model: the role's causal LM or classifier). In the actor's passes
         of a training forward (router_aux_parts collecting, grad on) also its routers' load-balancing loss over the
         pass's real tokens (its mask's last columns: a pass over a cache runs the newest ones)."""
-        routed = role == "actor" and self.router_aux_parts is not None and torch.is_grad_enabled()
+        parts = self.router_aux_parts if role == "actor" and torch.is_grad_enabled() else None
         outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                      past_key_values=cache, use_cache=cache is not None,
-                                     **({"output_router_logits": True} if routed else {}))
-        if routed:
+                                     **({"output_router_logits": True} if parts is not None else {}))
+        if parts is not None:
             tokens = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
             aux_loss = aux_loss_from_router_logits(model, outputs.router_logits, tokens)
-            self.router_aux_parts.append(RouterAuxPart(aux_loss, tokens.sum()))
+            parts.append(RouterAuxPart(aux_loss, tokens.sum()))
         return outputs.last_hidden_state
 
     def generator(self) -> "PreTrainedModel":
@@ -98,6 +99,13 @@ class RolePolicy(torch.nn.Module):
     def config(self) -> "PreTrainedConfig":
         """The actor's config: the Trainer and DeepSpeed size their buffers from it."""
         return self.actor_config()
+
+    def actor_config(self) -> "PreTrainedConfig":
+        raise NotImplementedError
+
+    def trained_models(self) -> list["PreTrainedModel"]:
+        """The models whose layers train (--gradient_checkpointing turns on their checkpointing)."""
+        raise NotImplementedError
 
     def answer_logprobs(self, role: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         prompt_length: int) -> torch.Tensor:
@@ -178,7 +186,8 @@ class RolePolicy(torch.nn.Module):
         prompt_lengths = attention_mask[:, :prompt_length].sum(-1).tolist()
         answer_lengths = attention_mask[:, prompt_length:].sum(-1).clamp(min=1).tolist()
         min_rows = max(4, math.ceil(len(prompt_lengths) / 4))
-        parts, order = {}, []
+        parts: dict[str, list[torch.Tensor]] = {}
+        order: list[torch.Tensor] = []
         for rows, prompt_width, group_answer_width in length_chunks(prompt_lengths, answer_lengths, min_rows):
             index = torch.tensor(rows, device=input_ids.device)
             columns = slice(prompt_length - prompt_width, prompt_length + group_answer_width)
@@ -253,8 +262,10 @@ class SharedBasePolicy(RolePolicy):
 
     ADAPTERS = {"actor": "default", "critic": "critic", "reward": "reward"}
 
-    def __init__(self, peft_model: "PeftModel", score_head: torch.nn.Linear, value_head: torch.nn.Linear,
-                 reference_adapter: str | None, reward_adapter_dir: str) -> None:
+    def __init__(self, peft_model: "PeftModel", score_head: torch.nn.Linear | None, value_head: torch.nn.Linear | None,
+                 reference_adapter: str | None, reward_adapter_dir: str | None) -> None:
+        """score_head and reward_adapter_dir: the reward model's (None without one: GRPO's rule-based rewards);
+        value_head: the critic's (None without a critic: GRPO)."""
         super().__init__()
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import AuxiliaryTrainingWrapper
@@ -270,7 +281,7 @@ class SharedBasePolicy(RolePolicy):
     @property
     def causal_lm(self) -> "PreTrainedModel":
         # A property, not an attribute: a second registration would put the base in state_dict twice.
-        return self.policy.get_base_model()
+        return base_model(self.policy)
 
     def use(self, role: str) -> None:
         name = self.reference_adapter if role == "reference" else self.ADAPTERS[role]
@@ -306,7 +317,9 @@ class SharedBasePolicy(RolePolicy):
     def head(self, role: str) -> torch.nn.Module:
         if role in ("actor", "reference"):
             return self.causal_lm.get_output_embeddings()
-        return self.value_head if role == "critic" else self.score_head
+        head = self.value_head if role == "critic" else self.score_head
+        assert head is not None, f"no {role} head: the stage runs without that role"
+        return head
 
     def generator(self) -> "PreTrainedModel":
         self.use("actor")
@@ -333,12 +346,35 @@ class SharedBasePolicy(RolePolicy):
         reward adapter: PeftModel.from_pretrained(reward_model_class(config)(base), path)."""
         from peft import LoraConfig, get_peft_model_state_dict
 
+        assert self.value_head is not None and self.reward_adapter_dir is not None, "a critic only where PPO made one"
         weights = get_peft_model_state_dict(self.policy, adapter_name="critic")
         weights["base_model.model.score.weight"] = self.value_head.weight
         os.makedirs(path, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
                   os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
         LoraConfig.from_pretrained(self.reward_adapter_dir).save_pretrained(path)
+
+
+def base_model(peft_model: "PeftModel") -> "PreTrainedModel":
+    """The transformers model under a role's adapters."""
+    # peft annotates get_base_model() as any nn.Module; every peft model here wraps a transformers model.
+    return cast("PreTrainedModel", peft_model.get_base_model())
+
+
+def frozen_dtype(causal_lm: "PreTrainedModel") -> torch.dtype:
+    """The dtype of the base's frozen weights, read off its output embedding (a --modules_to_save lm_head's trained
+    copy is kept in float32: the frozen original's)."""
+    output_embedding = causal_lm.get_output_embeddings()
+    return getattr(output_embedding, "original_module", output_embedding).weight.dtype
+
+
+def peft_model_of(model: "PreTrainedModel | PeftModel") -> "PeftModel":
+    """models.loader.load_model's trainable model in an RL stage: a peft model (the stages refuse --full_finetuning,
+    the one way load_model returns the base itself)."""
+    import peft
+
+    assert isinstance(model, peft.PeftModel), "an RL stage trains LoRA adapters (--full_finetuning refused)"
+    return model
 
 
 def role_model_args(model_args: ModelArguments, model_dir: str, adapter_dir: str | None) -> ModelArguments:
@@ -361,6 +397,18 @@ def reward_adapter_parts(adapter_dir: str) -> RewardAdapterParts:
     score = {k: v for k, v in weights.items() if ".score." in f".{k}"}
     lora = {k: v for k, v in weights.items() if k not in score}
     return RewardAdapterParts(lora, score)
+
+
+def add_reward_adapter(policy: "PeftModel", name: str, config: "LoraConfig", lora_weights: dict[str, torch.Tensor],
+                       adapter_dir: str) -> None:
+    """The reward adapter's LoRA layers (lora_weights, config: its LoraConfig for the causal LM) added to policy's
+    base as adapter `name`; refused where its weights do not fit that base."""
+    from peft import set_peft_model_state_dict
+
+    policy.add_adapter(name, config)
+    unexpected = getattr(set_peft_model_state_dict(policy, lora_weights, adapter_name=name), "unexpected_keys", None)
+    if unexpected:
+        raise InputError(f"{adapter_dir}: adapter does not fit the actor's base (unexpected {unexpected[:3]})")
 
 
 def new_score_head(hidden_size: int, score_weights: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -41,7 +41,7 @@ from lorakit.rl.rl_math import entropy_from_logits, logprobs_from_logits
 from lorakit.rl.role_policy import backbone_of
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import GenerationMixin, PreTrainedModel
 
     from lorakit.rl.role_policy import RolePolicy
     from lorakit.rl.rollout_arguments import RolloutArguments
@@ -77,8 +77,8 @@ class SampledTokenStatistics(LogitsProcessor):
 
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
-        self.latest = None  # [B, V] float32: the last forward's logits at its last position
-        self.pending = None  # [B, V]: the previous step's scaled logits, until its token is known
+        self.latest: torch.Tensor | None = None  # [B, V] float32: the last forward's logits at its last position
+        self.pending: torch.Tensor | None = None  # [B, V]: the previous step's scaled logits, until its token is known
         self.logprobs: list[torch.Tensor] = []
         self.entropies: list[torch.Tensor] = []
 
@@ -96,6 +96,7 @@ class SampledTokenStatistics(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         self.resolve(input_ids[:, -1])
+        assert self.latest is not None, "no forward recorded: generate() calls the processor after each forward"
         # Its own copy either way: under CUDA graphs (the compiled engine) the hook's tensor is the graph's output
         # memory, overwritten by the next step's replay, while pending is read at the next step.
         logits = self.latest.clone() if self.temperature == 1.0 else self.latest / self.temperature
@@ -178,10 +179,10 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[MergedWeights]:
                                             for _, pairs in saved for _, copy in pairs))
     finally:
         with torch.no_grad():
-            for layer, pairs in saved:
+            for lora_layer, pairs in saved:
                 for parameter, copy in pairs:
                     parameter.data.copy_(copy)
-                layer.merged_adapters = []
+                lora_layer.merged_adapters = []
 
 
 def rollout_engine(model: "RolePolicy", args: "RolloutArguments", pad_id: int, answer_end_id: int, max_answer_len: int,
@@ -211,7 +212,7 @@ class EagerEngine:
         self.model, self.args, self.merge = model, args, merge
         self.pad_id, self.answer_end_id, self.max_answer_len = pad_id, answer_end_id, max_answer_len
         self.deepspeed_engine = deepspeed_engine
-        self.actor_fits_device = None  # --generation_gather auto's choice, made once (all ranks agree)
+        self.actor_fits_device: bool | None = None  # --generation_gather auto's choice, made once (all ranks agree)
         self.logged_gather_modes: set[tuple[str, bool]] = set()
         self.logged_merge = False
 
@@ -255,7 +256,7 @@ class EagerEngine:
         if mode == "auto" and self.actor_fits_device is None:
             free = free_memory_bytes(self.args.device)
             self.actor_fits_device = on_every_rank(size <= GENERATION_GATHER_SHARE * free, self.args.device)
-        once = mode == "per_batch" or (mode == "auto" and self.actor_fits_device)
+        once = mode == "per_batch" or (mode == "auto" and bool(self.actor_fits_device))
         if (mode, once) not in self.logged_gather_modes:
             self.logged_gather_modes.add((mode, once))
             if once:
@@ -298,7 +299,9 @@ class EagerEngine:
         where no row repeats the one before, for a one-token prompt, under ZeRO-3 (every rank must run the same
         forwards) and for a model whose cache is not transformers' DynamicCache."""
         if (prompt_ids.shape[1] < 2 or is_deepspeed_zero3_enabled()
-                or not generator._supports_default_dynamic_cache()):
+                # transformers types this classmethod's cls as its GenerativePreTrainedModel protocol, which
+                # GenerationMixin alone does not meet (a causal LM's class, PreTrainedModel besides, does).
+                or not generating(generator)._supports_default_dynamic_cache()):  # type: ignore[misc]
             return None
         repeats = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
         if not repeats.any():
@@ -316,11 +319,11 @@ class EagerEngine:
         """generate() with options; the answers, with the statistics of the logits that sampled them."""
         if self.args.chunked_loss:
             with SampledTokenStatistics(self.args.temperature).recording(generator) as statistics:
-                output = generator.generate(**options, logits_processor=LogitsProcessorList([statistics]))
+                output = generating(generator).generate(**options, logits_processor=LogitsProcessorList([statistics]))
             tokens = output.sequences[:, prompt_width:]
             logprobs, entropy = statistics.finish(tokens)
         else:
-            output = generator.generate(**options, output_logits=True)
+            output = generating(generator).generate(**options, output_logits=True)
             tokens = output.sequences[:, prompt_width:]
             logits = torch.stack(output.logits, dim=1).float()
             if self.args.temperature != 1.0:
@@ -343,13 +346,19 @@ def prompt_bucket(width: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (width - 1).bit_length())
 
 
+def generating(model: "PreTrainedModel") -> "GenerationMixin":
+    """The actor as the causal LM it is: its class mixes GenerationMixin into PreTrainedModel, which itself declares no
+    generate()."""
+    return cast("GenerationMixin", model)
+
+
 def compile_blocker(model: "PreTrainedModel") -> str | None:
     """Why the actor's decode cannot be compiled, or None where it can."""
     if is_zero3_partitioned(model.parameters()):
         return "ZeRO-3 partitions the weights (compiled code cannot follow partitioned storage)"
     if quantized_base(model):
         return "the base is quantized"
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(model, "get_base_model", lambda: model)()  # a peft model: the transformers model under it
     if not getattr(inner, "_can_compile_fullgraph", False):
         return f"transformers does not compile {inner.config.model_type}'s decoding step"
     return None
@@ -380,13 +389,16 @@ class CompiledEngine(EagerEngine):
         on_cuda = torch.device(self.args.device).type == "cuda"
         self.compile_config = CompileConfig(fullgraph=False, dynamic=False,
                                             mode="reduce-overhead" if on_cuda else "default")
-        self.compile_config._compile_all_devices = True  # compiled on the CPU too, when asked for by name
+        # Compiled on the CPU too, when asked for by name. (transformers declares the flag `= None`, unannotated, which
+        # types it None; its generate() reads it as a bool.)
+        self.compile_config._compile_all_devices = True  # type: ignore[assignment]
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # transformers sizes each generate()'s static cache to the longest any earlier call needed (so that the
         # compiled step keeps its shape): a run compiles once per (rows, cache length), the length growing by bucket.
         self.cache_length, self.fixed_cache_length = 0, False
         self.shapes: set[tuple[int, int]] = set()
-        self.falls_back, self.eager_reason = False, None
+        self.falls_back = False
+        self.eager_reason: str | None = None
 
     def fix_cache_length(self, max_prompt_len: int | None) -> None:
         """Size every static cache for the longest prompt bucket the run can meet: one cache length from the first
