@@ -72,8 +72,10 @@ vendor-models: $(VENDOR_STAMP)
 
 # ruff.toml: one line length (120), one import order, pyflakes and pycodestyle. (`ruff format` reads the same
 # settings for a file you reformat; the hand layout is not enforced.)
+# ruff (ruff.toml), then mypy over the package (pyproject.toml's [tool.mypy]: function bodies checked, zero errors).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # Everything (CI, the README's command). test-fast leaves out the tests marked slow (pytest.ini) and still runs every
 # stage once: the tier to run while working.

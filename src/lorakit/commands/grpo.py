@@ -72,23 +72,12 @@ def main() -> None:
     set_seed(training_args.seed)
     model = load_group_policy(model_args, training_args, tokenizer, config)
     trainer = GRPOTrainer(
-        model=model,
-        args=training_args,
-        processing_class=tokenizer,
-        eval_dataset=prompt_sets.evaluation,
-        callbacks=[SavePeftModelCallback("grpo_lora_model")],
-        prompts=prompt_sets.train,
-        eval_prompts=prompt_sets.evaluation,
-        records=prompt_sets.train_records,
-        eval_records=prompt_sets.evaluation_records,
-        rewards=rewards,
-        schedule=schedule,
-        tokenizer=tokenizer,
-        max_prompt_len=data_args.max_prompt_seq_len,
-        after_turn_end_ids=answers.after_turn_end_ids(),
-        answer_end_id=answers.answer_end_id(),
-        sft_answers=sft_answers,
-    )
+        model=model, args=training_args, processing_class=tokenizer, eval_dataset=prompt_sets.evaluation,
+        callbacks=[SavePeftModelCallback("grpo_lora_model")], prompts=prompt_sets.train,
+        eval_prompts=prompt_sets.evaluation, records=prompt_sets.train_records,
+        eval_records=prompt_sets.evaluation_records, rewards=rewards, schedule=schedule, tokenizer=tokenizer,
+        max_prompt_len=data_args.max_prompt_seq_len, after_turn_end_ids=answers.after_turn_end_ids(),
+        answer_end_id=answers.answer_end_id(), sft_answers=sft_answers)
     train_and_finish(trainer, resume_checkpoint, False, prompt_sets.evaluation, len(prompt_sets.train))
 
 

@@ -25,7 +25,7 @@ import argparse
 import logging
 import resource
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from lorakit.core.atomic import atomic_output_dir
 from lorakit.merge.common import InputError, check_output_dir, run_cli, setup_tool_logging
@@ -54,14 +54,19 @@ from lorakit.merge.verify import verify_or_exit
 logger = logging.getLogger("merge_llama_with_lora")
 
 
+def check_verify_can_load(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """--verify loads the base with transformers: a model with its own code (auto_map) needs --trust_remote_code."""
+    if args.verify and config.get("auto_map") and not args.trust_remote_code:
+        raise InputError(f"{args.base_model}: --verify loads the model with transformers, which needs the model's "
+                         "own Python code (config.json auto_map): add --trust_remote_code if you trust that directory")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start_time = time.perf_counter()
     adapter_paths, max_shard_size = check_arguments(args)
     base = read_base_model(args.base_model)
-    if args.verify and base.config.get("auto_map") and not args.trust_remote_code:
-        raise InputError(f"{args.base_model}: --verify loads the model with transformers, which needs the model's "
-                         "own Python code (config.json auto_map): add --trust_remote_code if you trust that directory")
+    check_verify_can_load(args, base.config)
     if any(read_adapter_config(path).get("target_parameters") for path in adapter_paths):
         # LoRA on fused expert parameters: merged by peft in memory. Imported here, as that path imports
         # transformers and peft, which the streaming path never does.

@@ -31,6 +31,7 @@ rl.role_policy and rl.ppo_policy, the Trainer rl.ppo_trainer and the math rl.rl_
 """
 
 import logging
+from typing import TYPE_CHECKING, NamedTuple
 
 from transformers import set_seed
 
@@ -41,14 +42,24 @@ from lorakit.data.conversation_tokenizer import ConversationTokenizer
 from lorakit.data.prompts import build_prompt_sets
 from lorakit.data.run_record import note_data
 from lorakit.models.loader import choose_pad_token
-from lorakit.records.chat_templates import parse_template_kwargs, use_template
+from lorakit.records.chat_templates import ChatTemplate, parse_template_kwargs, use_template
 from lorakit.rl.health import read_sft_answers
 from lorakit.rl.ppo_checks import check_models, check_role_loading, check_schedule
-from lorakit.rl.ppo_config import ARGUMENT_CLASSES
-from lorakit.rl.ppo_policy import check_frozen_roles_fit, load_separate_policy, load_shared_policy
+from lorakit.rl.ppo_config import ARGUMENT_CLASSES, PPOArguments, PPODataArguments, PPOModelArguments
+from lorakit.rl.ppo_policy import (
+    SeparatePolicy,
+    SharedBasePolicy,
+    check_frozen_roles_fit,
+    load_separate_policy,
+    load_shared_policy,
+)
 from lorakit.rl.ppo_trainer import PPOTrainer
 from lorakit.trainers.checkpoints import SavePeftModelCallback
 from lorakit.trainers.common import check_held_out_data, resolve_resume_checkpoint, setup_logging, train_and_finish
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -72,47 +83,62 @@ def main() -> None:
     prompts, eval_prompts = prompt_sets.train, prompt_sets.evaluation
     # Tokenized in memory, not cached: their fingerprint is the run's record of its prompts (a resume checks it).
     note_data(f"ppo-prompts-{cache_key({'train': prompts, 'eval': eval_prompts})}")
-    # The reward model reads its score at the end of an answer's turn (run_reward.py trains it so).
-    answers = ConversationTokenizer(tokenizer, chat_template.text, data_args.max_answer_seq_len,
-                                    template_kwargs=chat_template.kwargs)
-    after_turn_end_ids, answer_end_id = answers.after_turn_end_ids(), answers.answer_end_id()
-    logger.info("answers end with %r and are scored after the template's turn end %r",
-                tokenizer.convert_ids_to_tokens(answer_end_id), tokenizer.decode(after_turn_end_ids))
+    after_turn_end_ids, answer_end_id = answer_ends(tokenizer, chat_template, data_args)
     steps_per_iteration = check_schedule(training_args, len(prompts))
-    ptx_blocks = None
-    if data_args.unsupervised_dataset_dir:
-        with training_args.main_process_first(desc="tokenize the ptx data"):
-            ptx_blocks = build_pretraining_blocks(
-                data_args.unsupervised_dataset_dir, tokenizer,
-                data_args.max_prompt_seq_len + data_args.max_answer_seq_len, data_cache_dir(data_args.data_cache_dir),
-                data_args.preprocessing_num_workers)
+    ptx_blocks = ptx_blocks_of(data_args, training_args, tokenizer)
     if data_args.prepare_data_only:  # the prompts are tokenized in memory at each launch: only ptx data is cached
         return report_prepared_data()
     set_seed(training_args.seed)
+    model = load_policy(model_args, training_args, tokenizer, configs, shared)
+    trainer = PPOTrainer(
+        model=model, args=training_args, processing_class=tokenizer, eval_dataset=eval_prompts,
+        callbacks=[SavePeftModelCallback("ppo_lora_model")], prompts=prompts, eval_prompts=eval_prompts,
+        ptx_blocks=ptx_blocks, data_args=data_args, tokenizer=tokenizer, steps_per_iteration=steps_per_iteration,
+        after_turn_end_ids=after_turn_end_ids, answer_end_id=answer_end_id, sft_answers=sft_answers)
+    train_and_finish(trainer, resume_checkpoint, False, eval_prompts, len(prompts))
 
+
+class AnswerEnds(NamedTuple):
+    """Where an answer ends (its last token's id) and the ids the template puts after its turn's end: the reward
+    model reads its score there (run_reward.py trains it so)."""
+
+    after_turn_end_ids: list[int]
+    answer_end_id: int
+
+
+def answer_ends(tokenizer: "PreTrainedTokenizerBase", chat_template: ChatTemplate,
+                data_args: PPODataArguments) -> AnswerEnds:
+    """The template's answer ends, said in the log."""
+    answers = ConversationTokenizer(tokenizer, chat_template.text, data_args.max_answer_seq_len,
+                                    template_kwargs=chat_template.kwargs)
+    ends = AnswerEnds(answers.after_turn_end_ids(), answers.answer_end_id())
+    logger.info("answers end with %r and are scored after the template's turn end %r",
+                tokenizer.convert_ids_to_tokens(ends.answer_end_id), tokenizer.decode(ends.after_turn_end_ids))
+    return ends
+
+
+def ptx_blocks_of(data_args: PPODataArguments, training_args: PPOArguments,
+                  tokenizer: "PreTrainedTokenizerBase") -> "Dataset | None":
+    """--unsupervised_dataset_dir's pretraining blocks of a whole rollout's length (prompt and answer), cached."""
+    if not data_args.unsupervised_dataset_dir:
+        return None
+    with training_args.main_process_first(desc="tokenize the ptx data"):
+        return build_pretraining_blocks(
+            data_args.unsupervised_dataset_dir, tokenizer,
+            data_args.max_prompt_seq_len + data_args.max_answer_seq_len, data_cache_dir(data_args.data_cache_dir),
+            data_args.preprocessing_num_workers)
+
+
+def load_policy(model_args: PPOModelArguments, training_args: PPOArguments, tokenizer: "PreTrainedTokenizerBase",
+                configs: dict[str, "PreTrainedConfig"], shared: bool) -> SharedBasePolicy | SeparatePolicy:
+    """The four roles on one shared base (an adapter each) or as separate models, said in the log."""
     logger.info("placement: %s", "shared base (one frozen base, one adapter per role)" if shared else "separate models")
     if shared and model_args.offload_reference_model:
         logger.info("--offload_reference_model has nothing to move with --shared_base: "
                     "the reference is the shared base")
-    load = load_shared_policy if shared else load_separate_policy
-    model = load(model_args, training_args, tokenizer, configs)
-    trainer = PPOTrainer(
-        model=model,
-        args=training_args,
-        processing_class=tokenizer,
-        eval_dataset=eval_prompts,
-        callbacks=[SavePeftModelCallback("ppo_lora_model")],
-        prompts=prompts,
-        eval_prompts=eval_prompts,
-        ptx_blocks=ptx_blocks,
-        data_args=data_args,
-        tokenizer=tokenizer,
-        steps_per_iteration=steps_per_iteration,
-        after_turn_end_ids=after_turn_end_ids,
-        answer_end_id=answer_end_id,
-        sft_answers=sft_answers,
-    )
-    train_and_finish(trainer, resume_checkpoint, False, eval_prompts, len(prompts))
+    if shared:
+        return load_shared_policy(model_args, training_args, tokenizer, configs)
+    return load_separate_policy(model_args, training_args, tokenizer, configs)
 
 
 def entry_point() -> None:

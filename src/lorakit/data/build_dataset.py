@@ -373,7 +373,7 @@ def build_sft_dataset(
     return dataset
 
 
-def tokenized_sft_rows(conversation_tokenizer: ConversationTokenizer, sources: list[LocatedRecord],
+def tokenized_sft_rows(conversation_tokenizer: ConversationTokenizer, sources: list[Conversation],
                        num_proc: int) -> dict[str, list[Any]]:
     """The SFT samples' columns, tokenized by num_proc processes; what was dropped, cut or held control text is
     said in the log."""

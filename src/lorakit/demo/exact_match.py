@@ -10,25 +10,26 @@ every row's answer starts right after its own last prompt token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from lorakit.demo.sft_tasks import is_exact_match
+from lorakit.records.chat_templates import render_text
 from lorakit.records.readers import PROMPT, conversation_of
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, records: list[dict[str, str]]) -> list[str]:
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat_template to render prompts with")
     # The conversation up to the answer, read exactly as SFT reads the record (records.readers.conversation_of).
-    return [tokenizer.apply_chat_template(conversation_of(f"record {index}", record, PROMPT), tokenize=False,
-                                          add_generation_prompt=True)
+    return [render_text(tokenizer, conversation_of(f"record {index}", record, PROMPT), add_generation_prompt=True)
             for index, record in enumerate(records)]
 
 
@@ -48,7 +49,7 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    answers: list[str | None] = [None] * len(prompts)
+    answers = [""] * len(prompts)  # each set below: order holds every index once
     with tqdm(total=len(prompts), desc=desc, unit="prompt") as progress:
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
@@ -59,14 +60,16 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                 ids = encoded[index]
                 input_ids[row, width - len(ids):] = torch.tensor(ids)
                 attention_mask[row, width - len(ids):] = 1
-            output = model.generate(
+            # A causal LM's class mixes GenerationMixin into PreTrainedModel, which itself declares no generate().
+            output = cast("GenerationMixin", model).generate(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                 max_new_tokens=max_new_tokens, do_sample=temperature is not None, temperature=temperature,
                 top_p=None if temperature is None else 1.0, top_k=None if temperature is None else 0,
                 eos_token_id=eos, pad_token_id=pad,
             )
             for row, index in enumerate(rows):
-                answers[index] = tokenizer.decode(output[row, width:], skip_special_tokens=True)
+                # transformers types decode() for a batch of rows too (list[str]); one row's ids decode to a str.
+                answers[index] = cast(str, tokenizer.decode(output[row, width:], skip_special_tokens=True))
             progress.update(len(rows))
     model.train(was_training)
     return answers
@@ -79,8 +82,9 @@ def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, reco
         raise ValueError("no records to score")
     generated = generate_answers(model, tokenizer, render_prompts(tokenizer, records), max_new_tokens,
                                  batch_size, desc)
-    answers = [{"instruction": record["instruction"], "expected": record["output"], "generated": text,
-                "correct": is_exact_match(text, record)} for record, text in zip(records, generated, strict=True)]
+    answers: list[dict[str, Any]] = [
+        {"instruction": record["instruction"], "expected": record["output"], "generated": text,
+         "correct": is_exact_match(text, record)} for record, text in zip(records, generated, strict=True)]
     correct = sum(answer["correct"] for answer in answers)
     return {"correct": correct, "total": len(records), "accuracy": correct / len(records), "answers": answers}
 
@@ -107,7 +111,7 @@ class Interval(NamedTuple):
     high: float
 
 
-def paired_bootstrap_interval(before: list[float], after: list[float], resamples: int = 10_000, seed: int = 0,
+def paired_bootstrap_interval(before: Sequence[float], after: Sequence[float], resamples: int = 10_000, seed: int = 0,
                               level: float = 0.95) -> Interval:
     """The level-interval (percentile bootstrap) of the gain in accuracy from before to after, both scored on the same
     questions (each question 0 or 1, or its share of right answers): the questions are resampled with replacement,

@@ -9,7 +9,7 @@ reported, for comparing e.g. a base model with one whose vocabulary was extended
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,23 @@ def windows(stream: list[int], block_size: int) -> list[list[int]]:
     return [stream[start:start + block_size] for start in range(0, len(stream) - 1, block_size - 1)]
 
 
+class PaddedBlocks(NamedTuple):
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def padded_blocks(batch: list[list[int]], device: torch.device) -> PaddedBlocks:
+    """Token blocks as one batch. Only the last block can be shorter; its padding is masked out of attention and
+    loss."""
+    width = max(map(len, batch))
+    input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, block in enumerate(batch):
+        input_ids[row, :len(block)] = torch.tensor(block)
+        attention_mask[row, :len(block)] = 1
+    return PaddedBlocks(input_ids.to(device), attention_mask.to(device))
+
+
 @torch.inference_mode()
 def heldout_nll(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str], block_size: int,
                 batch_size: int = 4, desc: str = "Held-out NLL") -> dict[str, float]:
@@ -60,15 +77,7 @@ def heldout_nll(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text
     model.eval()
     total_nll, scored = 0.0, 0
     for start in tqdm(range(0, len(blocks), batch_size), desc=desc, unit="batch"):
-        batch = blocks[start:start + batch_size]
-        width = max(map(len, batch))
-        # Only the last block can be shorter; its padding is masked out of attention and loss.
-        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, block in enumerate(batch):
-            input_ids[row, :len(block)] = torch.tensor(block)
-            attention_mask[row, :len(block)] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        input_ids, attention_mask = padded_blocks(blocks[start:start + batch_size], device)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
         # Summed in float32 whatever the model's dtype, so long texts do not lose precision.

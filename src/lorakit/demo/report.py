@@ -40,7 +40,22 @@ def render_report(results: list[dict[str, Any]], quick: bool, failed: str | None
 
 def render_summary(by_stage: dict[str, Figures]) -> list[str]:
     """One row per measured figure: the table docs/demo.md copies."""
-    rows = []
+    rows = chain_rows(by_stage) + beside_rows(by_stage)
+    if not rows:
+        return []
+    lines = ["| stage | figure | before | after | improved |", "|---|---|---:|---:|---|"]
+    lines += [f"| {stage} | {figure} | {old} | {new} | {'yes' if good else '**NO**'} |"
+              for stage, figure, old, new, good in rows]
+    return lines + [""]
+
+
+# One row of the summary: stage, figure, before, after, improved.
+SummaryRow = tuple[str, str, str, str, bool]
+
+
+def chain_rows(by_stage: dict[str, Figures]) -> list[SummaryRow]:
+    """The summary rows of the pipeline's chain: vocabulary, pretraining, SFT, reward model, PPO."""
+    rows: list[SummaryRow] = []
     vocab = by_stage.get("vocabulary extension")
     if vocab:
         rows.append(("vocabulary extension", "tokens per character (held-out text)",
@@ -62,6 +77,13 @@ def render_summary(by_stage: dict[str, Figures]) -> list[str]:
     if before and after:
         rows.append(("PPO", "held-out mean reward", f"{before['reward_mean']:.3f}", f"{after['reward_mean']:.3f}",
                      after["reward_mean"] > before["reward_mean"]))
+    return rows
+
+
+def beside_rows(by_stage: dict[str, Figures]) -> list[SummaryRow]:
+    """The summary rows of the runs beside the chain, each from the SFT policy (DPO, GRPO), and the merge."""
+    rows: list[SummaryRow] = []
+    before = by_stage.get("reward before PPO")
     dpo, dpo_reward = by_stage.get("DPO"), by_stage.get("reward after DPO")
     if dpo:
         rows.append(("DPO (implicit reward)", "held-out pair accuracy", "0.5 (policy = reference)",
@@ -80,12 +102,7 @@ def render_summary(by_stage: dict[str, Figures]) -> list[str]:
     if merge and merge.get("verify_max_logit_difference") is not None:
         rows.append(("merge", "max logit difference, merged vs base + adapter", "-",
                      f"{merge['verify_max_logit_difference']:.2g}", merge["verify_max_logit_difference"] <= 1e-3))
-    if not rows:
-        return []
-    lines = ["| stage | figure | before | after | improved |", "|---|---|---:|---:|---|"]
-    lines += [f"| {stage} | {figure} | {old} | {new} | {'yes' if good else '**NO**'} |"
-              for stage, figure, old, new, good in rows]
-    return lines + [""]
+    return rows
 
 
 def render_targets(by_stage: dict[str, Figures], quick: bool) -> list[str]:
@@ -180,6 +197,22 @@ def render_pretraining(by_stage: dict[str, Figures]) -> list[str]:
     return lines
 
 
+def sft_exact_match_lines(before: Figures, after: Figures | None) -> list[str]:
+    """The held-out exact match before and after SFT: the first prompt as rendered, the counts, sample answers."""
+    lines = ["Exact match on the held-out questions: greedy answers to prompts rendered with the chat "
+             "template; after SFT the template comes from the tokenizer saved with the adapter. The first "
+             f"prompt, as rendered{' after SFT' if after else ''}:", "",
+             "```", (after or before)["prompt_example"].rstrip("\n"), "```", "",
+             "| exact match | before | after |", "|---|---:|---:|",
+             f"| correct | {fraction(before)} | {fraction(after) if after else '-'} |", ""]
+    lines += ["| question | expected | before | after |", "|---|---|---|---|"]
+    for index in sample_indices(before, after):
+        answer, later = before["answers"][index], after["answers"][index] if after else None
+        lines.append(f"| {answer['instruction']} | {answer['expected']} | {cell(answer)} | "
+                     f"{cell(later) if later else '-'} |")
+    return lines + [""]
+
+
 def render_sft(by_stage: dict[str, Figures]) -> list[str]:
     data, sft = by_stage.get("SFT data"), by_stage.get("supervised fine-tuning")
     before, after = by_stage.get("exact match before"), by_stage.get("exact match after")
@@ -204,18 +237,7 @@ def render_sft(by_stage: dict[str, Figures]) -> list[str]:
                   f"validation records: eval loss {sft['eval_loss']:.3f}, next-token accuracy on the answers "
                   f"{sft['eval_accuracy']:.3f}.", ""]
     if before:
-        lines += ["Exact match on the held-out questions: greedy answers to prompts rendered with the chat "
-                  "template; after SFT the template comes from the tokenizer saved with the adapter. The first "
-                  f"prompt, as rendered{' after SFT' if after else ''}:", "",
-                  "```", (after or before)["prompt_example"].rstrip("\n"), "```", "",
-                  "| exact match | before | after |", "|---|---:|---:|",
-                  f"| correct | {fraction(before)} | {fraction(after) if after else '-'} |", ""]
-        lines += ["| question | expected | before | after |", "|---|---|---|---|"]
-        for index in sample_indices(before, after):
-            answer, later = before["answers"][index], after["answers"][index] if after else None
-            lines.append(f"| {answer['instruction']} | {answer['expected']} | {cell(answer)} | "
-                         f"{cell(later) if later else '-'} |")
-        lines.append("")
+        lines += sft_exact_match_lines(before, after)
     if before and after:
         if after["correct"] > before["correct"]:
             lines += [f"Result: supervised fine-tuning raised exact-match accuracy on the held-out questions from "
@@ -403,10 +425,15 @@ def render_grpo(by_stage: dict[str, Figures]) -> list[str]:
              "all alike (no gradient).", ""] + alarm_lines("GRPO", grpo)
     if not (sft and after):
         return lines
+    return lines + grpo_heldout_lines(sft, after)
+
+
+def grpo_heldout_lines(sft: Figures, after: Figures) -> list[str]:
+    """GRPO's held-out exact match against the SFT policy's, sampled and greedy, each gain with its interval."""
     low, high = after["gain_interval"]
     sampled = after["sampled_gain"]
     sampled_low, sampled_high = sampled["interval"]
-    lines += [f"Held-out, on the SFT stage's {after['total']} held-out questions, SFT policy -> GRPO policy, each gain "
+    lines = [f"Held-out, on the SFT stage's {after['total']} held-out questions, SFT policy -> GRPO policy, each gain "
               f"with its 95% interval from {after['bootstrap_resamples']:,} paired bootstrap resamples of the "
               f"questions: exact match of the policy's own sampling ({sampled_label(after)}) "
               f"{sampled['before']:.3f} -> {sampled['after']:.3f}, interval [{100 * sampled_low:+.1f}, "

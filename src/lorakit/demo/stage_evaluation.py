@@ -9,9 +9,9 @@ from __future__ import annotations
 import gc
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from lorakit.demo.exact_match import (
     exact_match,
@@ -35,6 +35,7 @@ from lorakit.demo.plan import (
 )
 from lorakit.demo.report import Figures
 from lorakit.demo.sft_tasks import ANSWER_FORMAT
+from lorakit.records.chat_templates import render_text
 
 if TYPE_CHECKING:  # the models load lazily, inside the stages that score them
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -94,7 +95,7 @@ def exact_match_after_grpo(demo: Demo) -> Figures:
             "gain_interval": greedy["interval"], "sampled_gain": sampled, "bootstrap_resamples": BOOTSTRAP_RESAMPLES}
 
 
-def paired_gain(before: list[float], after: list[float]) -> Figures:
+def paired_gain(before: Sequence[float], after: Sequence[float]) -> Figures:
     """Mean score before and after on the same questions, the gain and its 95% paired-bootstrap interval."""
     low, high = paired_bootstrap_interval(before, after, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED)
     mean_before, mean_after = sum(before) / len(before), sum(after) / len(after)
@@ -116,6 +117,8 @@ def load_frozen_model(base: str | Path, adapters: tuple[Path, ...] = (), task: s
     order (DPO's policy: the SFT adapter, then DPO's, as the merge tool applies them), with the last
     adapter's saved tokenizer (its vocabulary and chat template; the embeddings grown to it first),
     in float32, in eval mode."""
+    import peft
+
     from lorakit.core.model_files import has_tokenizer
     from lorakit.models.adapters import load_peft_adapter
     from lorakit.models.arguments import ModelArguments
@@ -126,8 +129,11 @@ def load_frozen_model(base: str | Path, adapters: tuple[Path, ...] = (), task: s
                                 tokenizer_name_or_path=last if has_tokenizer(last) else None, torch_dtype="float32")
     tokenizer = load_tokenizer(model_args)
     model = load_model(model_args, None, tokenizer, task=task, trainable=False)
+    assert not isinstance(model, peft.PeftModel)  # trainable=False: the adapter folded in (models.adapters.frozen)
     for adapter in adapters[1:]:
-        model = load_peft_adapter(model, str(adapter), is_trainable=False, flag="--lora_model").merge_and_unload()
+        adapted = load_peft_adapter(model, str(adapter), is_trainable=False, flag="--lora_model")
+        # peft types merge_and_unload() as any nn.Module: it returns the transformers model it wraps.
+        model = cast("PreTrainedModel", adapted.merge_and_unload())
     return FrozenModel(model.eval(), tokenizer)
 
 
@@ -187,8 +193,8 @@ def heldout_reward(demo: Demo, *policy: Path) -> Figures:
 def heldout_answers(demo: Demo, *policy: Path) -> list[str]:
     """The policy's greedy answers (pt_merged + its adapters, folded in in order) to the held-out review prompts."""
     model, tokenizer = load_frozen_model(demo.path("pt_merged"), policy)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True) for prompt in demo.ppo_heldout_prompts]
+    prompts = [render_text(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+               for prompt in demo.ppo_heldout_prompts]
     # One batch: 20 answers take 5 s instead of 8 in batches of 16 and 4 (2 CPU cores).
     answers = generate_answers(model, tokenizer, prompts, max_new_tokens=demo.flags["ppo"]["max_answer_seq_len"],
                                batch_size=len(prompts), desc=f"Answers ({policy[-1].name})")
@@ -208,8 +214,8 @@ def score_answers(demo: Demo, scorer: RewardScorer, answers: list[str]) -> list[
     scores = []
     with torch.inference_mode():
         for prompt, answer in zip(demo.ppo_heldout_prompts, answers, strict=True):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True) + answer + tokenizer.eos_token
+            text = (render_text(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True) + answer
+                    + tokenizer.eos_token)
             ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"] + turn_end])
             scores.append(score_sequences(model, ids, torch.ones_like(ids)).item())
     return scores

@@ -471,7 +471,7 @@ def health_alarms(output_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         return {"monitored": False, "first": [], "active": [], "ending": None}
     record = json.loads(path.read_text(encoding="utf-8"))
-    first = {}
+    first: dict[str, dict[str, Any]] = {}
     for alarm in record["alarms"]:
         first.setdefault(alarm["signal"], alarm)
     return {"monitored": True, "first": list(first.values()), "active": sorted({a["signal"] for a in record["active"]}),
@@ -503,7 +503,7 @@ class StageResults(NamedTuple):
 
 def run_stages(demo: Demo) -> StageResults:
     """Run STAGES in order; stop at the first that fails and return its name."""
-    results = []
+    results: list[dict[str, Any]] = []
     for index, (name, stage) in enumerate(STAGES, 1):
         logger.info("=== [%d/%d] %s", index, len(STAGES), name)
         start = time.perf_counter()

@@ -9,7 +9,7 @@ gain and its noise test) and an entry in EVIDENCE; `judge` is the rule, the same
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 # One stage's figures by name (demo.stages' stage functions return them; report.json holds them).
 Figures = dict[str, Any]
@@ -98,10 +98,11 @@ def collapse(after: Figures | None, before: Figures | None, gain: float) -> Chec
         return Check(None, "**unknown** (missing: the distinct-answer figures of the held-out answers)")
     floor = (after["distinct_answer_share"] <= COLLAPSED_DISTINCT_FLOOR
              or after["other_task_answer_share"] >= COLLAPSED_OTHER_TASK_FLOOR)
-    if not floor and not has_answer_forms(before):
-        return Check(None, "**unknown** (missing: the SFT policy's distinct-answer figures)")
-    if not floor and not collapsed_against(after, before):
-        return HOLDS
+    if not floor:
+        if not has_answer_forms(before):
+            return Check(None, "**unknown** (missing: the SFT policy's distinct-answer figures)")
+        if not collapsed_against(after, before):
+            return HOLDS
     what = "reward rose, policy collapsed" if gain > 0 else "policy collapsed"
     sft = (f"; SFT {before['distinct_answer_share']:.0%} and {before['other_task_answer_share']:.0%}"
            if has_answer_forms(before) else "")
@@ -116,8 +117,8 @@ def collapsed_against(after: Figures, before: Figures) -> bool:
             >= COLLAPSED_OTHER_TASK_RISE - SHARE_TOLERANCE)
 
 
-def has_answer_forms(figures: Figures | None) -> bool:
-    return bool(figures) and all(figures.get(key) is not None for key in ANSWER_FORMS)
+def has_answer_forms(figures: Figures | None) -> TypeGuard[Figures]:
+    return bool(figures and all(figures.get(key) is not None for key in ANSWER_FORMS))
 
 
 def alarm_names(alarms: Figures) -> str:
@@ -162,8 +163,9 @@ def seeded_evidence(by_stage: dict[str, Figures], stage: str, target: str, monit
     runs = [Run("", (train or {}).get("alarms"), after)]
     if second:
         runs.append(Run(f"seed {second.get('seed')}", second.get("alarms"), second))
+    # A second_reward means second's figures (reward_mean of None is None).
     spread = (f"spread {abs(reward - second_reward):.3f} (seed {second.get('seed')}: {second_reward:.3f})"
-              if reward is not None and second_reward is not None else "spread -")
+              if second and reward is not None and second_reward is not None else "spread -")
     figure = f"gain {gain:+.3f}, {spread}" if gain is not None else f"gain -, {spread}"
     return Evidence(target, monitored, runs, sft, gain, beyond_seed_spread(gain, reward, second_reward), figure)
 

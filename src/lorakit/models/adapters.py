@@ -46,6 +46,21 @@ def fold_in_adapter(model: "PreTrainedModel", path: str, flag: str) -> "PreTrain
     return load_peft_adapter(model, path, is_trainable=False, flag=flag).merge_and_unload()
 
 
+def expert_adapter_dropout(model: "PreTrainedModel", dropout: float, experts: list[str], empty: bool) -> float:
+    """--lora_dropout, or 0 with LoRA on fused experts (peft's wrapper of fused expert weights takes no dropout);
+    said once in the log (not for the empty skeleton), with what QLoRA leaves unquantized on such a model."""
+    log = logger.info if not empty else (lambda *args: None)
+    if experts and dropout > 0:
+        log("LoRA on the experts (%s): --lora_dropout %g -> 0 for this adapter, as peft's wrapper of fused expert "
+            "weights takes no dropout", ",".join(experts), dropout)
+        dropout = 0.0
+    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    if expert_parameter_names(model) and quantized:
+        log("QLoRA on a mixture of experts: bitsandbytes quantizes nn.Linear layers only, so the fused experts stay "
+            "in %s (estimate_memory.py counts them so)", model.dtype)
+    return dropout
+
+
 def attach_lora(model: "PreTrainedModel", model_args: ModelArguments, task: str = "causal_lm",
                 adapter_flag: str = "--peft_path", empty: bool = False) -> "PeftModel":
     """The --peft_path adapter continued, or a new LoRA adapter; empty: model is check_load_plan's empty skeleton,
@@ -64,16 +79,7 @@ def attach_lora(model: "PreTrainedModel", model_args: ModelArguments, task: str 
     if model_args.trainable.strip() == ALL_LINEAR and not empty:
         logger.info("LoRA targets (%s): %s", ALL_LINEAR, ",".join(targets))
     experts = expert_targets(model, model_args)
-    dropout = model_args.lora_dropout
-    if experts and dropout > 0:
-        if not empty:
-            logger.info("LoRA on the experts (%s): --lora_dropout %g -> 0 for this adapter, as peft's wrapper of "
-                        "fused expert weights takes no dropout", ",".join(experts), dropout)
-        dropout = 0.0
-    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-    if expert_parameter_names(model) and quantized and not empty:
-        logger.info("QLoRA on a mixture of experts: bitsandbytes quantizes nn.Linear layers only, so the fused "
-                    "experts stay in %s (estimate_memory.py counts them so)", model.dtype)
+    dropout = expert_adapter_dropout(model, model_args.lora_dropout, experts, empty)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # A tied model keeps one matrix for embed_tokens and lm_head; training two separate copies
     # would untie them and change what the merged model means.

@@ -6,7 +6,7 @@ import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 from transformers import (
@@ -150,6 +150,23 @@ def answer_head_exact(model: "PreTrainedModel", input_ids: torch.Tensor) -> bool
     return exact
 
 
+class AnswerAttention(NamedTuple):
+    """The attention mask the forward takes, and the real tokens (what the router's aux loss is over)."""
+
+    mask: torch.Tensor | None
+    tokens: torch.Tensor | None
+
+
+def answer_attention(model: "PreTrainedModel", attention_mask: torch.Tensor | None,
+                     pair_segments: torch.Tensor | None) -> AnswerAttention:
+    """Shared-prefix pair rows get the reward model's pair mask; other rows keep their own."""
+    if pair_segments is None:
+        return AnswerAttention(attention_mask, attention_mask)
+    mask = pair_attention_mask(pair_segments, model.config._attn_implementation,
+                               weight_of(model.get_input_embeddings()).dtype)
+    return AnswerAttention(mask, pair_segments != PAIR_PADDING)
+
+
 def answer_logps_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None = None,
                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                          pair_segments: torch.Tensor | None = None, answer_index: torch.Tensor | None = None,
@@ -173,11 +190,7 @@ def answer_logps_forward(self: "PreTrainedModel", input_ids: torch.Tensor | None
         raise ValueError("answer_index needs input_ids and answer_targets (DataCollatorForAnswerLogps gives them)")
     if self.answer_head_exact is None:
         self.answer_head_exact = answer_head_exact(self, input_ids)
-    tokens = attention_mask  # the real tokens, which the router's aux loss is over
-    if pair_segments is not None:
-        tokens = pair_segments != PAIR_PADDING
-        attention_mask = pair_attention_mask(pair_segments, self.config._attn_implementation,
-                                             weight_of(self.get_input_embeddings()).dtype)
+    attention_mask, tokens = answer_attention(self, attention_mask, pair_segments)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               "use_cache": False, **routed}
     if not self.answer_head_exact:
