@@ -26,7 +26,9 @@ only with a score head, so the benchmark writes it as a reward adapter in run_re
 rm_lora_model layout (a new LoRA, whose B = 0 adds nothing, plus the score head) and TRL's reward
 and value models get the same score head. The critic starts from the reward model on both sides
 (DeepSpeed-Chat's and TRL's convention); ours trains it as LoRA + value head, TRL trains a full
-copy of the base. Sampling at
+copy of the base. So the two sides differ in design here, and the ratios say so: ours_shared holds one base under a
+LoRA critic and the reward adapter (ours: a LoRA critic on its own base copy and a separate reward model), TRL a full
+critic trained in full and a separate reward model (three copies of the base: policy, value, reward). Sampling at
 temperature 1, top_p 1, top_k 0, at most --max_new_tokens new tokens, stopping at EOS
 (<|im_end|>); --batch_size prompts per iteration, one PPO epoch, one optimizer step per
 iteration on the whole rollout; kl coefficient 0.1, cliprange 0.2, cliprange_value 0.2, gamma 1,
@@ -60,8 +62,13 @@ on_step_end to on_step_end. Split of an iteration:
   time_scoring as experience (actor, reference, critic and reward forwards, rewards, GAE) and
   time_training (on_step_begin to on_step_end: the PPO forward/backward/step); whatever the
   iteration spends outside the three (logging, the Trainer's loop) is reported as other.
-Targets (issue): ours' median seconds per iteration <= 0.8 x TRL's; peak RSS of ours_shared
-<= 1.5 x the SFT reference's. Results are printed and written to outputs/bench/ppo.json.
+Repeats: every run --repeats times (default 3), the order of the runs reversed on every other repeat so that
+drifting machine load hits all; each ratio is taken within each repeat (repeat i of one run against repeat i of the
+other) and reported as its median and its spread (min-max) over the repeats. Each run's row is its median repeat
+(by seconds per iteration), with the worst peak RSS of its repeats.
+Targets (issue), judged on the median ratio: ours' median seconds per iteration <= 0.8 x TRL's; peak RSS of
+ours_shared <= 1.5 x the SFT reference's. Results are printed and written to outputs/bench/ppo.json (with the date,
+machine and commit).
 """
 
 from __future__ import annotations
@@ -82,12 +89,13 @@ from pathlib import Path
 from measure import (
     REPO,
     Ratios,
+    RepeatedRatios,
     TrainingClock,
     add_child_arguments,
     after_trainer_init,
-    best_of,
     environment,
     loadavg,
+    median_of,
     prepared_model,
     print_table,
     quiet_offline_env,
@@ -113,6 +121,17 @@ PPO = {"kl_coef": 0.1, "clip_reward_value": 5.0, "cliprange": 0.2, "cliprange_va
 # ours_shared_hybrid: ours_shared with --enable_hybrid_engine (the rollout decodes on the merged adapter), beside
 # today's engine in the same run so the two meet the same machine load.
 ALL_RUNS = ("trl", "ours", "ours_shared", "ours_shared_hybrid", "sft")
+# What each side's critic and reward model are: the ratios compare these designs, not only the code.
+SIDES = {
+    "trl": "TRL 1.12 PPOTrainer: LoRA policy (reference = the adapter disabled), a full critic (a copy of the base "
+           "with a value head) trained in full, a separate full reward model",
+    "ours": "run_ppo.py --shared_base false: actor, reference, critic (LoRA + value head) and reward model "
+            "(the reward adapter) each on its own copy of the base",
+    "ours_shared": "run_ppo.py --shared_base true: one frozen base under the actor's LoRA, the reference (no "
+                   "adapter), a LoRA critic with a value head and the reward adapter",
+    "ours_shared_hybrid": "ours_shared with --enable_hybrid_engine (decoding on the merged actor adapter)",
+    "sft": "run_sft_with_peft.py, LoRA, rows of PPO's shape: the memory reference",
+}
 WRITE_PROMPTS = ("写一条好评。", "请写一条好评。", "写一条正面的商品评价。", "给这个商品写一句好评。",
                  "Write a positive product review.", "Write a short review of a phone you like.")
 CONTINUE_PROMPTS = ("续写这条商品评价：", "Continue this product review: ")
@@ -127,7 +146,9 @@ def parse_args(argv=None):
     parser.add_argument("--max_prompt_len", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--runs", nargs="+", default=list(ALL_RUNS), choices=ALL_RUNS, help="runs, in this order")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each; the fastest is reported")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each, default 3 (every other repeat in reverse order); each ratio's median "
+                             "and spread (min-max) over the repeats are reported")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads in every child (default: torch's)")
     parser.add_argument("--trl_env", default=TRL_ENV, help=f"where the trl=={TRL_VERSION} environment is kept")
@@ -543,7 +564,8 @@ def main(argv=None) -> dict:
         data_path, reward_adapter, data_info = write_prompt_data(model_dir, work, args)
         raw = {run: [] for run in runs}
         for repeat in range(args.repeats):
-            for run in runs:
+            # Reversed on every other repeat: a drift in the machine's load hits every run alike.
+            for run in (runs if repeat % 2 == 0 else runs[::-1]):
                 raw[run].append(spawn(run, pythons[run], args, model_dir, data_path, reward_adapter, work, repeat))
                 # A partial report after every run: a benchmark cut short still leaves its figures.
                 write_report(args, raw, model_dir, data_info, pythons, complete=False)
@@ -559,7 +581,7 @@ def versions(python: str) -> dict:
     return json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr[-500:]}
 
 
-def print_results(results: dict, ratios: Ratios, out) -> None:
+def print_results(results: dict, ratios: RepeatedRatios, out) -> None:
     def cell(r, key, width, digits=2):
         value = r.get(key)
         return f"{value:>{width}.{digits}f}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
@@ -572,10 +594,12 @@ def print_results(results: dict, ratios: Ratios, out) -> None:
         f"{cell(r, 'first_iteration_s', 6)} {cell(r, 'generation_s', 10)} {cell(r, 'experience_s', 10)} "
         f"{cell(r, 'training_s', 8)} {cell(r, 'other_s', 6)} {cell(r, 'cpu_s_per_iteration', 10)} "
         f"{cell(r, 'peak_rss_mb', 11, 0)} {cell(r, 'wall_s', 7, 1)}" for run, r in results.items()), file=out)
-    print("(medians over iterations; generation = generate() alone; experience = the no-grad forwards that score"
-          " the samples; TRL's training is the rest of its iteration; ours' split is run_ppo.py's own"
-          " time_generation / time_scoring / time_training)", file=out)
-    ratios.print(36, file=out)
+    print("(each run's median repeat, by s/iter; within a run, medians over iterations; generation = generate()"
+          " alone; experience = the no-grad forwards that score the samples; TRL's training is the rest of its"
+          " iteration; ours' split is run_ppo.py's own time_generation / time_scoring / time_training)", file=out)
+    for run in results:
+        print(f"  {run}: {SIDES[run]}", file=out)
+    ratios.print(46, file=out)
 
 
 def compare(results: dict) -> Ratios:
@@ -594,9 +618,10 @@ def compare(results: dict) -> Ratios:
 
 
 def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict, complete: bool) -> dict:
-    """Best of each run, the ratios and the verdicts; printed when complete, always written to --output."""
-    results = {run: best_of(rows, "s_per_iteration", higher_is_better=False) for run, rows in raw.items() if rows}
-    ratios = compare(results)
+    """Each run's median repeat, each ratio's median and spread over the repeats and the verdicts on the medians;
+    printed when complete, always written to --output."""
+    results = {run: median_of(rows, "s_per_iteration") for run, rows in raw.items() if rows}
+    ratios = RepeatedRatios(raw, compare)
     print_results(results, ratios, report_stream(complete))
     report = {
         "benchmark": "ppo",
@@ -606,6 +631,7 @@ def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict
         "settings": {"iterations": args.iterations, "batch_size": args.batch_size,
                      "max_prompt_len": args.max_prompt_len, "max_new_tokens": args.max_new_tokens, "lora": LORA,
                      "ppo": PPO, "dtype": "float32", "seed": SEED, "repeats": args.repeats, "threads": args.threads},
+        "sides": {run: SIDES[run] for run in raw},
         "targets": {"ours_vs_trl_time_max": TIME_TARGET, "ours_shared_vs_sft_peak_rss_max": RSS_TARGET},
         "environment": {**environment(),
                         **({"ours": versions(sys.executable)} if complete else {}),
@@ -613,6 +639,7 @@ def write_report(args, raw: dict, model_dir: str, data_info: dict, pythons: dict
         "results": results,
         "runs": raw,
         "ratios": ratios.values,
+        "ratio_spreads": ratios.spreads,
         "verdicts": ratios.verdict_records(),
     }
     write_json(args.output, report)

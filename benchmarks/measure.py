@@ -1,6 +1,7 @@
 """What the benchmarks in benchmarks/ share: running a child process and reading its wall time,
-peak RSS and CPU time; timing a transformers Trainer's steps from inside a child; best-of-repeats
-summaries, ratios against targets, printed tables and the JSON reports under outputs/bench/.
+peak RSS and CPU time; timing a transformers Trainer's steps from inside a child; best- and median-of-repeats
+summaries, ratios against targets (and their median and spread over repeats), printed tables and the JSON reports
+under outputs/bench/, each with its date, machine and commit from environment().
 
 Not a benchmark itself (`make bench` runs benchmarks/bench_*.py): the scripts import it as
 `measure`, their own directory being first on the import path when run as scripts.
@@ -9,6 +10,7 @@ Not a benchmark itself (`make bench` runs benchmarks/bench_*.py): the scripts im
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import io
 import json
@@ -16,6 +18,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -268,6 +271,19 @@ def best_of(results: list, key: str, higher_is_better: bool, with_worst: bool = 
     return best
 
 
+def median_of(results: list, key: str) -> dict:
+    """The repeat with the median `key` (the lower middle one of an even count: a real run, whose other figures
+    belong with it), with every repeat's `key`, its min and max beside it; its peak_rss_mb is the worst peak of all
+    repeats, as in best_of."""
+    ordered = sorted(results, key=lambda r: r[key])
+    middle = dict(ordered[(len(ordered) - 1) // 2])
+    middle[f"{key}_all"] = [r[key] for r in results]
+    middle[f"{key}_min"], middle[f"{key}_max"] = ordered[0][key], ordered[-1][key]
+    middle["peak_rss_mb_all"] = [r["peak_rss_mb"] for r in results]
+    middle["peak_rss_mb"] = max(middle["peak_rss_mb_all"])
+    return middle
+
+
 class Ratios:
     """Ratios of one run's figure to another's, in the order added, and the verdicts of those
     that have a target."""
@@ -300,6 +316,41 @@ class Ratios:
         return [{"ratio": n, "value": v, "target": t, "meets": ok} for n, v, t, ok, _ in self.verdicts]
 
 
+class RepeatedRatios:
+    """The ratios of a benchmark that runs every side --repeats times: each ratio taken within each repeat (repeat i
+    of one run against repeat i of the other, measured close in time), then its median and its spread (min-max) over
+    the repeats; a target is judged on the median. compare(results) builds one repeat's Ratios."""
+
+    def __init__(self, raw: dict, compare):
+        repeats = max((len(rows) for rows in raw.values()), default=0)
+        self.per_repeat = [compare({run: rows[i] for run, rows in raw.items() if len(rows) > i})
+                           for i in range(repeats)]
+        self.spreads, targets = {}, {}
+        for ratios in self.per_repeat:
+            for name in ratios.values:
+                self.spreads.setdefault(name, []).append(ratios.values[name])
+            targets.update({name: (target, at_most) for name, _, target, _, at_most in ratios.verdicts})
+        self.spreads = {name: {"median": statistics.median(values), "min": min(values), "max": max(values),
+                               "all": values} for name, values in self.spreads.items()}
+        self.values = {name: spread["median"] for name, spread in self.spreads.items()}
+        self.verdicts = [(name, self.values[name], target,
+                          self.values[name] <= target if at_most else self.values[name] >= target, at_most)
+                         for name, (target, at_most) in targets.items()]
+
+    def print(self, name_width: int, file=None) -> None:
+        print(file=file)
+        for name, spread in self.spreads.items():
+            print(f"{name:<{name_width}} {spread['median']:5.2f}  ({spread['min']:.2f}-{spread['max']:.2f} over "
+                  f"{len(spread['all'])} repeats)", file=file)
+        print(file=file)
+        for name, value, target, ok, at_most in self.verdicts:
+            bound = "<=" if at_most else ">="
+            print(f"{name}: median {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})", file=file)
+
+    def verdict_records(self) -> list:
+        return [{"ratio": n, "median": v, "target": t, "meets": ok} for n, v, t, ok, _ in self.verdicts]
+
+
 def report_stream(complete: bool):
     """Where a report prints: stdout for the final one, nowhere for the partial ones."""
     return sys.stdout if complete else io.StringIO()
@@ -315,10 +366,51 @@ def print_table(header: str, lines, file=None, rule: bool = True) -> None:
 
 
 def environment(*packages: str, **settings) -> dict:
-    """The machine and versions a report was measured with: CPU count, `settings`, Python, and
-    the __version__ of each package named."""
-    return {"cpu_count": os.cpu_count(), **settings, "python": platform.python_version(),
+    """When, where and with what a report was measured: the date (UTC), the machine (machine()), the code
+    (code_version()), CPU count, `settings`, Python, and the __version__ of each package named."""
+    return {"measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), "code": code_version(), "cpu_count": os.cpu_count(), **settings,
+            "python": platform.python_version(),
             **{name: importlib.import_module(name).__version__ for name in packages}}
+
+
+def proc_field(path: str, name: str) -> str | None:
+    """The value of the first `name: value` line of a /proc file; None where there is none (not Linux)."""
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    return None
+
+
+def machine() -> dict:
+    """The machine a figure was measured on: CPU model, logical CPUs (and those this process may run on), memory,
+    OS, and the load average at the time; `description` says it in one line."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory_kb = proc_field("/proc/meminfo", "MemTotal")
+    memory_gb = round(int(memory_kb.split()[0]) / 1024 ** 2, 1) if memory_kb else None
+    cpu = proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    description = (f"{cpu}, {usable} of {os.cpu_count()} logical CPUs usable, "
+                   f"{memory_gb if memory_gb is not None else '?'} GB memory, {platform.platform()}")
+    return {"description": description, "cpu_model": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": usable,
+            "memory_gb": memory_gb, "os": platform.platform(), "load_average": loadavg()}
+
+
+def code_version() -> dict:
+    """The commit the repository was at and whether its tracked files differed from it (a figure measured on
+    uncommitted code says so); "unknown" where git or the repository is not there (a copy on another machine)."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit or "unknown",
+            "uncommitted_changes": None if changed is None or commit is None else bool(changed)}
 
 
 def read_results(path: Path) -> dict:

@@ -7,8 +7,9 @@ Its control must be able to fail: the same packed rows with their restarting pos
 and a causal mask over each whole row passed as a 4D attention_mask (lorakit.data.build_dataset's
 whole_row_causal_mask; transformers takes a 4D mask as it is), so only the attention differs: each sample attends to
 the samples before it in its row. Run under the run's own attention where it takes a 4D mask, else (a flash
-attention) under sdpa. The check passes when packed = alone and the control differs from alone by more than the
-tolerance; a control within it is reported as "control could not fail" and the check fails.
+attention) under sdpa. The check passes when packed = alone and the control differs from alone by at least
+CONTROL_MARGIN (10) times the tolerance: a control only just past the tolerance cannot tell a broken separation from
+rounding. A control under that is reported as "control could not fail" and the check fails.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 # on a batch without sample bounds) a bool mask, eager and flex_attention an additive one. A flash attention takes
 # none: the packing check's control then runs under sdpa.
 MASK_FORM = {"sdpa": "bool", "torch_varlen": "bool", "eager": "additive", "flex_attention": "additive"}
+# The control must differ from alone by at least this many times the tolerance (issue 44), not merely exceed it.
+CONTROL_MARGIN = 10
 
 
 def sample_spans(position_ids: list) -> list:
@@ -122,8 +125,8 @@ def control_difference(trainer: Any, packed_batch: dict, rows: list, alone: list
 
 def packing_check(trainer: Any, collator: Callable, rows: list) -> dict:
     """Each sample's loss in the packed rows (one batch through the run's collator) against the sample run alone,
-    and the control (control_losses), which must differ from alone by more than the tolerance for the check to
-    pass: a control that cannot fail proves nothing."""
+    and the control (control_losses), which must differ from alone by at least CONTROL_MARGIN x the tolerance for
+    the check to pass: a control that cannot fail proves nothing."""
     trainer.model.eval()
     packed_batch = collator([{k: row[k] for k in ("input_ids", "labels", "position_ids")} for row in rows])
     packed = packed_row_losses(logits_of(trainer, packed_batch), rows)
@@ -132,11 +135,14 @@ def packing_check(trainer: Any, collator: Callable, rows: list) -> dict:
     trainer.model.train()
     tolerance = 2e-2 if trainer.args.bf16 else 1e-4
     packed_diff = max(abs(a - b) for a, b in zip(packed, alone, strict=True))
-    equal, control_differs = packed_diff <= tolerance, control_diff is not None and control_diff > tolerance
+    control_bound = CONTROL_MARGIN * tolerance
+    equal, control_differs = packed_diff <= tolerance, control_diff is not None and control_diff >= control_bound
     verdict = ("passes" if equal and control_differs else "packed != alone" if not equal
-               else f"control could not run: {control_error}" if control_error else "control could not fail")
+               else f"control could not run: {control_error}" if control_error
+               else f"control could not fail (differs by {control_diff:.1e} < {CONTROL_MARGIN} x the tolerance)")
     return {"samples": len(alone), "mean_loss": statistics.mean(alone), "packed_max_abs_diff": packed_diff,
             "control_max_abs_diff": control_diff, "control_attention": control_attention,
             "control_mask": "lorakit.data.build_dataset.whole_row_causal_mask", "tolerance": tolerance,
+            "control_required_abs_diff": control_bound,
             "equal": equal, "control_differs": control_differs, "passes": equal and control_differs,
             "verdict": verdict}
