@@ -4,8 +4,10 @@ subtraction answered in a fixed format ("The answer is N."). Used by the demo's 
 short samples (up to three digits)."""
 
 import random
+import re
 
 ANSWER_FORMAT = "The answer is {}."
+QUESTION = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 
 
 def arithmetic_records(count: int, seed: int, max_operand: int = 999) -> list[dict[str, str]]:
@@ -22,6 +24,19 @@ def arithmetic_records(count: int, seed: int, max_operand: int = 999) -> list[di
             question, answer = f"What is {a} - {b}?", a - b
         records.append({"instruction": question, "output": ANSWER_FORMAT.format(answer)})
     return records
+
+
+def question_key(question: str) -> str:
+    """What makes two questions the same question: "What is 47 + 89?" and "What is 89 + 47?" are one (addition
+    commutes, so a model trained on one has seen the other's answer); a subtraction keeps its order. Any other
+    text is its own key."""
+    match = QUESTION.fullmatch(question)
+    if match is None:
+        return question
+    first, operator, second = match.groups()
+    if operator == "+":
+        first, second = sorted((first, second), key=int)
+    return f"{first} {operator} {second}"
 
 
 def is_exact_match(generated: str, record: dict[str, str]) -> bool:

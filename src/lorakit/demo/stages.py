@@ -53,7 +53,7 @@ from lorakit.demo.review_tasks import (
     review_pools,
     with_other_task_rejections,
 )
-from lorakit.demo.sft_tasks import arithmetic_records
+from lorakit.demo.sft_tasks import arithmetic_records, question_key
 from lorakit.demo.stage_evaluation import (
     exact_match_after,
     exact_match_after_grpo,
@@ -160,16 +160,16 @@ def write_sft_data(demo: Demo) -> Figures:
     plan, data_dir = demo.plan, demo.path("sft_data")
     shutil.rmtree(data_dir, ignore_errors=True)
     train = arithmetic_records(plan.sft_train_records, SFT_TRAIN_SEED, SFT_MAX_OPERAND)
-    seen = {record["instruction"] for record in train}
+    seen = {question_key(record["instruction"]) for record in train}
     # Review writing too, so the SFT model can answer the prompts PPO will ask; few, so that the
     # arithmetic (the measured task) keeps most of the steps: with one in three, exact match fell
     # from about 20 to 14 / 50 while the answers to review prompts stayed broken Chinese.
     reviews = demonstrations(*review_pools(*sentiment_reviews())["sft"], plan.sft_train_records // SFT_REVIEW_SHARE,
                              SFT_TRAIN_SEED)
     validation, skipped_validation = unseen_records(plan.sft_validation_records, SFT_VALIDATION_SEED, seen)
-    seen |= {record["instruction"] for record in validation}
+    seen |= {question_key(record["instruction"]) for record in validation}
     heldout, skipped_heldout = unseen_records(plan.sft_heldout_records, SFT_HELDOUT_SEED, seen)
-    overlap = len(seen & {record["instruction"] for record in heldout})
+    overlap = len(seen & {question_key(record["instruction"]) for record in heldout})
     if overlap:
         raise StageError(f"{overlap} held-out questions are also in the train or validation set")
     write_jsonl(data_dir / "train" / "arithmetic.jsonl", train)
@@ -191,7 +191,8 @@ def write_grpo_data(demo: Demo) -> None:
     recipe = grpo_recipe(demo)
     count = recipe["max_steps"] * recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] \
         // recipe["num_generations"]
-    records, _ = unseen_records(count, GRPO_TRAIN_SEED, {record["instruction"] for record in demo.sft_heldout})
+    records, _ = unseen_records(count, GRPO_TRAIN_SEED,
+                                {question_key(record["instruction"]) for record in demo.sft_heldout})
     shutil.rmtree(demo.path("grpo_data"), ignore_errors=True)
     write_jsonl(demo.path("grpo_data", "train", "arithmetic.jsonl"), records)
 
@@ -406,9 +407,9 @@ class UnseenRecords(NamedTuple):
 
 
 def unseen_records(count: int, seed: int, seen: set[str]) -> UnseenRecords:
-    """The first count records of seed whose question is not in seen nor repeated, and the number skipped.
-    arithmetic_records(n, seed) is a prefix of arithmetic_records(2 * n, seed), so drawing more
-    only extends the same sequence."""
+    """The first count records of seed whose question (its question_key: a commuted addition is the same
+    question) is not in seen nor repeated, and the number skipped. arithmetic_records(n, seed) is a prefix of
+    arithmetic_records(2 * n, seed), so drawing more only extends the same sequence."""
     if count <= 0:
         return UnseenRecords([], 0)
     drawn = count
@@ -416,11 +417,12 @@ def unseen_records(count: int, seed: int, seen: set[str]) -> UnseenRecords:
         drawn *= 2
         records, skipped, questions = [], 0, set(seen)
         for record in arithmetic_records(drawn, seed, SFT_MAX_OPERAND):
-            if record["instruction"] in questions:
+            key = question_key(record["instruction"])
+            if key in questions:
                 skipped += 1
                 continue
             records.append(record)
-            questions.add(record["instruction"])
+            questions.add(key)
             if len(records) == count:
                 return UnseenRecords(records, skipped)
 
