@@ -307,13 +307,18 @@ class Ratios:
         print(file=file)
         for name, value in self.values.items():
             print(f"{name:<{name_width}} {value:5.2f}", file=file)
-        print(file=file)
-        for name, value, target, ok, at_most in self.verdicts:
-            bound = "<=" if at_most else ">="
-            print(f"{name}: {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})", file=file)
+        print_verdicts(self.verdicts, "", file)
 
     def verdict_records(self) -> list:
         return [{"ratio": n, "value": v, "target": t, "meets": ok} for n, v, t, ok, _ in self.verdicts]
+
+
+def print_verdicts(verdicts: list, label: str, file=None) -> None:
+    """Each ratio against its target (label: what the value is, e.g. "median ")."""
+    print(file=file)
+    for name, value, target, ok, at_most in verdicts:
+        bound = "<=" if at_most else ">="
+        print(f"{name}: {label}{value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})", file=file)
 
 
 class RepeatedRatios:
@@ -342,10 +347,7 @@ class RepeatedRatios:
         for name, spread in self.spreads.items():
             print(f"{name:<{name_width}} {spread['median']:5.2f}  ({spread['min']:.2f}-{spread['max']:.2f} over "
                   f"{len(spread['all'])} repeats)", file=file)
-        print(file=file)
-        for name, value, target, ok, at_most in self.verdicts:
-            bound = "<=" if at_most else ">="
-            print(f"{name}: median {value:.2f} ({'meets' if ok else 'MISSES'} target {bound} {target:g})", file=file)
+        print_verdicts(self.verdicts, "median ", file)
 
     def verdict_records(self) -> list:
         return [{"ratio": n, "median": v, "target": t, "meets": ok} for n, v, t, ok, _ in self.verdicts]
